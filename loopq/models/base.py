@@ -1,0 +1,315 @@
+"""The one interface every looped language model implements.
+
+A looped LM (paper §2, Eq. 1) embeds the input, optionally runs a non-looped *prelude*, then applies one
+shared stack of L layers T times and reads out logits from the last loop state:
+
+    H_{0,0} = Embed(X)
+    for t in 0..T-1:   H_{t,0} = begin_loop(H_t)        # Parcae: state injection; identity elsewhere
+                       H_{t,l} = f_l(H_{t,l-1}; t)      # the shared stack, loop index threaded down
+                       H_{t+1} = end_loop(H_{t,L})      # Ouro: per-loop model.norm; identity elsewhere
+                       H_{t+1} <- A_t(H_{t+1})          # transition hook (t < T-1): where CTA attaches
+    Z = head(H_T)
+
+Architecture files provide only their blocks, their config, the `begin_loop`/`end_loop`/`head` pieces and
+their checkpoint key map. Everything that quantization needs is declared here as data:
+
+* every quantizable projection lives in a :class:`LinearGroup` - a *transform-weight group* of paper
+  Table 4 (linears that consume the same input activation and therefore share one transform);
+* every group's forward receives the loop index ``t`` (``None`` for modules outside the loop);
+* ``fp_module_patterns`` lists modules that must stay full precision.
+
+Module names inside a model follow the native checkpoint names except that a group adds one path segment
+(``self_attn.qkv_proj.q_proj``); :func:`internal_to_native_key` drops it again, generically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+class LoopLMError(ValueError):
+    """Bad model input (config, checkpoint, arguments): the message names the file or key and the fix."""
+
+
+@dataclass
+class LoopLMOutput:
+    """What a looped forward returns.
+
+    ``loop_states[t]`` is the state handed from loop t to loop t+1 (before any transition adapter);
+    ``transition_states[t] = A_t(loop_states[t])`` for t < T-1 when a transition hook is installed;
+    ``layer_states[t][l]`` is H_{t,l}, the output of shared layer l in loop t (only when requested).
+    """
+
+    logits: Tensor
+    loop_states: list[Tensor] | None = None
+    transition_states: list[Tensor] | None = None
+    layer_states: list[list[Tensor]] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class LinearGroup(nn.Module):
+    """Linears that read the same activation: a transform-weight group (paper Table 4).
+
+    In the full-precision model this is just the linears; ``loopq.quant.prepare`` swaps the whole group for a
+    fake-quant group that transforms and quantizes the shared input once per call.
+    """
+
+    def __init__(self, **linears: nn.Linear) -> None:
+        super().__init__()
+        if not linears:
+            raise ValueError("LinearGroup needs at least one linear")
+        for name, linear in linears.items():
+            self.add_module(name, linear)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._modules)
+
+    @property
+    def in_features(self) -> int:
+        return next(iter(self.children())).in_features  # type: ignore[return-value]
+
+    def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
+        """Apply every linear of the group to ``x``; ``t`` is the loop index (unused in full precision)."""
+        return tuple(linear(x) for linear in self.children())
+
+
+def internal_to_native_key(key: str, group_paths: Sequence[str]) -> str:
+    """Drop the group segment from a parameter name: ``a.qkv_proj.q_proj.weight`` -> ``a.q_proj.weight``."""
+    for path in group_paths:
+        if key.startswith(path + "."):
+            parent = path.rsplit(".", 1)[0] if "." in path else ""
+            rest = key[len(path) + 1 :]
+            return f"{parent}.{rest}" if parent else rest
+    return key
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
+    """RMSNorm computed in fp32 and cast back (the rule all three upstream models use)."""
+    dtype = x.dtype
+    x32 = x.float()
+    if eps is None:
+        eps = torch.finfo(x32.dtype).eps
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = y.to(dtype)
+    return y * weight if weight is not None else y
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """Causal SDPA on ``[B, H, S, Dh]``; grouped-query K/V heads are repeated to match the query heads."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+class LoopLM(nn.Module):
+    """Base class of all looped LMs; see the module docstring for the recurrence."""
+
+    arch: ClassVar[str] = ""
+    #: glob patterns (fnmatch on module names) of modules that must never be quantized
+    fp_module_patterns: ClassVar[tuple[str, ...]] = ()
+    #: weights file name of the native format
+    weights_name: ClassVar[str] = "model.safetensors"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.transition: nn.Module | None = None
+        self.checkpoint_loops = False
+
+    # ----------------------------------------------------------------- architecture hooks
+    @property
+    def default_num_loops(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def loop_layers(self) -> nn.ModuleList:
+        """The shared stack f_1..f_L that is applied once per loop."""
+        raise NotImplementedError
+
+    def embed(self, input_ids: Tensor, num_loops: int, **kwargs: Any) -> tuple[Tensor, dict[str, Any]]:
+        """Return H_0 (the state entering loop 0) and a context dict shared by all loops."""
+        raise NotImplementedError
+
+    def begin_loop(self, h: Tensor, t: int, ctx: dict[str, Any]) -> Tensor:
+        return h
+
+    def end_loop(self, h: Tensor, t: int, ctx: dict[str, Any]) -> Tensor:
+        return h
+
+    def head(self, h: Tensor, ctx: dict[str, Any]) -> Tensor:
+        raise NotImplementedError
+
+    def finalize(self, out: LoopLMOutput, ctx: dict[str, Any]) -> LoopLMOutput:
+        """Architecture-specific extra outputs (Ouro's exit gate); default: nothing."""
+        return out
+
+    # ----------------------------------------------------------------- the recurrence
+    def forward(
+        self,
+        input_ids: Tensor,
+        num_loops: int | None = None,
+        return_trajectory: bool = False,
+        return_layer_states: bool = False,
+        **kwargs: Any,
+    ) -> LoopLMOutput:
+        """Run ``num_loops`` loops (default: the trained count) over ``input_ids`` ``[B, S]``."""
+        num_loops = self.resolve_num_loops(num_loops)
+        if input_ids.dim() != 2:
+            raise LoopLMError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        h, ctx = self.embed(input_ids, num_loops, **kwargs)
+        ctx["num_loops"] = num_loops
+        states: list[Tensor] = []
+        transitions: list[Tensor] = []
+        layer_states: list[list[Tensor]] | None = [] if return_layer_states else None
+        for t in range(num_loops):
+            h, per_layer = self._run_loop(h, t, ctx, return_layer_states)
+            states.append(h)
+            if layer_states is not None:
+                layer_states.append(per_layer)
+            if self.transition is not None and t < num_loops - 1:
+                h = self.transition(h, t)
+                transitions.append(h)
+        ctx["loop_states"] = states
+        out = LoopLMOutput(
+            logits=self.head(states[-1], ctx),
+            loop_states=states if return_trajectory else None,
+            transition_states=transitions if (return_trajectory and self.transition is not None) else None,
+            layer_states=layer_states,
+        )
+        return self.finalize(out, ctx)
+
+    def resolve_num_loops(self, num_loops: int | None) -> int:
+        n = self.default_num_loops if num_loops is None else num_loops
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise LoopLMError(f"num_loops must be an integer >= 1, got {num_loops!r}")
+        return n
+
+    def _run_loop(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:
+        if self.checkpoint_loops and torch.is_grad_enabled() and not keep:
+            fn: Callable[[Tensor], Tensor] = lambda x: self._loop_body(x, t, ctx, False)[0]  # noqa: E731
+            return checkpoint(fn, h, use_reentrant=False), []
+        return self._loop_body(h, t, ctx, keep)
+
+    def _loop_body(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:
+        per_layer: list[Tensor] = []
+        h = self.begin_loop(h, t, ctx)
+        for layer in self.loop_layers:
+            h = layer(h, t, ctx)
+            if keep:
+                per_layer.append(h)
+        return self.end_loop(h, t, ctx), per_layer
+
+    # ----------------------------------------------------------------- quantization metadata
+    def linear_groups(self) -> dict[str, LinearGroup]:
+        """Every transform-weight group by module name (looped and non-looped)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, LinearGroup)}
+
+    def looped_group_names(self) -> list[str]:
+        """Names of the groups inside the shared stack (those that see a loop index)."""
+        prefix = self.loop_layers_prefix + "."
+        return [name for name in self.linear_groups() if name.startswith(prefix)]
+
+    @property
+    def loop_layers_prefix(self) -> str:
+        for name, module in self.named_modules():
+            if module is self.loop_layers:
+                return name
+        raise RuntimeError("loop_layers is not a submodule")
+
+    # ----------------------------------------------------------------- native checkpoint format
+    @classmethod
+    def matches(cls, config: Mapping[str, Any]) -> bool:
+        """Whether a native ``config.json`` belongs to this architecture."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_from_dict(cls, config: Mapping[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def config_to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config: Any | Mapping[str, Any], seed: int | None = None) -> LoopLM:
+        """A randomly initialised model (``seed`` makes the init reproducible)."""
+        if isinstance(config, Mapping):
+            config = cls.config_from_dict(config)
+        with torch.random.fork_rng(enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            model = cls(config)
+            model.reset_parameters()
+        return model
+
+    def reset_parameters(self) -> None:
+        """Default init: N(0, 0.02) matrices and embeddings, unit norms, zero biases."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def export_native(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Architecture-specific renames after group segments are dropped (e.g. a ``gpt.`` prefix)."""
+        return state
+
+    def import_native(self, native: Mapping[str, Tensor], source: str) -> dict[str, Tensor]:
+        """Inverse of :meth:`export_native`; may validate redundant tensors (tied copies, RoPE tables)."""
+        return dict(native)
+
+    def native_state_dict(self) -> dict[str, Tensor]:
+        """The state dict under the architecture's published key names."""
+        groups = list(self.linear_groups())
+        plain = {internal_to_native_key(k, groups): v for k, v in self.state_dict().items()}
+        return self.export_native(plain)
+
+    def load_native_state_dict(self, native: Mapping[str, Tensor], source: str = "<state dict>") -> None:
+        """Strictly load a native state dict; missing/unexpected keys or shapes raise naming ``source``."""
+        native = self.import_native(native, source)
+        groups = list(self.linear_groups())
+        own = self.state_dict()
+        by_native = {internal_to_native_key(k, groups): k for k in own}
+        missing = sorted(set(by_native) - set(native))
+        unexpected = sorted(set(native) - set(by_native))
+        if missing or unexpected:
+            raise LoopLMError(
+                f"{source}: checkpoint keys do not match the {self.arch} architecture "
+                f"(missing: {missing[:8]}{'...' if len(missing) > 8 else ''}; "
+                f"unexpected: {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}); "
+                "check that config.json describes these weights"
+            )
+        for nkey, tensor in native.items():
+            want = own[by_native[nkey]].shape
+            if tuple(tensor.shape) != tuple(want):
+                raise LoopLMError(
+                    f"{source}: tensor {nkey!r} has shape {tuple(tensor.shape)} but config.json implies "
+                    f"{tuple(want)}; the config does not describe these weights"
+                )
+        self.load_state_dict({by_native[k]: v for k, v in native.items()}, strict=True)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` + weights in the native format (readable by :func:`load_looplm`)."""
+        from loopq.models.io import save_native
+
+        return save_native(self, Path(directory))
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def config_json(self) -> str:
+        return json.dumps(self.config_to_dict(), indent=2, sort_keys=True)

@@ -1,0 +1,131 @@
+"""Loading and saving looped LMs in each architecture's native published format.
+
+Weights are read with safetensors (single file or a sharded ``*.safetensors.index.json``). A published
+``pytorch_model.bin`` (Parcae releases one) is read with ``torch.load(weights_only=True)`` only - never a
+full unpickle. ``save_native`` writes ``config.json`` + ``model.safetensors`` atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from loopq.models.base import LoopLM, LoopLMError
+
+
+def architectures() -> dict[str, type[LoopLM]]:
+    """All registered looped architectures by name."""
+    from loopq.models.loopformer import LoopFormerLM
+    from loopq.models.ouro import OuroLM
+    from loopq.models.parcae import ParcaeLM
+
+    return {cls.arch: cls for cls in (OuroLM, LoopFormerLM, ParcaeLM)}
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise LoopLMError(f"{path}: no config.json; point `path` at a model directory (config.json + weights)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise LoopLMError(f"{path}: not valid JSON ({err}); re-export the config") from err
+
+
+def architecture_for(config: Mapping[str, Any], source: str = "config.json") -> type[LoopLM]:
+    """Pick the architecture whose ``matches`` accepts this native config."""
+    found = [cls for cls in architectures().values() if cls.matches(config)]
+    if not found:
+        kind = config.get("model_type", config.get("_class_name", "<none>"))
+        raise LoopLMError(
+            f"{source}: unknown architecture (model_type/_class_name = {kind!r}); "
+            f"supported: {sorted(architectures())}"
+        )
+    return found[0]
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        hint = " (it looks like a pickle/zip archive, not safetensors)" if zipfile.is_zipfile(path) else ""
+        raise LoopLMError(f"{path}: cannot read as safetensors{hint}: {err}; convert it with safetensors") from err
+
+
+def _read_torch_bin(path: Path) -> dict[str, Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # weights_only refuses arbitrary objects: exactly what we want to report
+        raise LoopLMError(f"{path}: not a plain tensor state dict (refusing to unpickle objects): {err}") from err
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise LoopLMError(f"{path}: expected a flat dict of tensors")
+    return state
+
+
+def read_weights(directory: Path) -> dict[str, Tensor]:
+    """Read a model directory's weights (safetensors, sharded safetensors, or weights-only torch .bin)."""
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.is_file():
+        return _read_safetensors(single)
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, Tensor] = {}
+        for shard in shards:
+            state.update(_read_safetensors(directory / shard))
+        return state
+    binary = directory / "pytorch_model.bin"
+    if binary.is_file():
+        return _read_torch_bin(binary)
+    raise LoopLMError(f"{directory}: no model.safetensors (or index / pytorch_model.bin) found")
+
+
+def load_looplm(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LoopLM:
+    """Load a looped LM from a directory in its native format; eval mode, fp32 unless ``dtype`` is given."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise LoopLMError(f"{directory}: not a directory; pass the folder holding config.json and the weights")
+    config = read_config(directory)
+    cls = architecture_for(config, str(directory / "config.json"))
+    model = cls(cls.config_from_dict(config))
+    model.load_native_state_dict(read_weights(directory), source=str(directory))
+    model.to(dtype=dtype or torch.float32)
+    return model.eval()
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call ``write(tmp_path)`` then rename onto ``path``: a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_native(model: LoopLM, directory: Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the architecture's native format."""
+    state: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for key, value in model.native_state_dict().items():
+        value = value.detach().cpu().contiguous()
+        if value.data_ptr() in seen:  # safetensors cannot alias: tied copies are stored twice
+            value = value.clone()
+        seen.add(value.data_ptr())
+        state[key] = value
+    atomic_write(directory / model.weights_name, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    atomic_write(directory / "config.json", lambda p: p.write_text(model.config_json() + "\n"))
+    return directory

@@ -1,0 +1,267 @@
+"""Ouro (ByteDance Seed, "Scaling Latent Reasoning via Looped Language Models"): a Llama-style decoder with
+*sandwich* RMSNorms, looped ``total_ut_steps`` times with a shared ``model.norm`` after every loop.
+
+One decoder layer (upstream ``OuroDecoderLayer``)::
+
+    h = h + norm_2(attn(norm_1(h)))          # input_layernorm, input_layernorm_2
+    h = h + post_2(mlp(post_1(h)))            # post_attention_layernorm(_2)
+
+After each loop the state is normalised, ``H_t = model.norm(h)``, and that normed state both feeds the next
+loop and the readouts: ``lm_head(H_t)`` and the early-exit gate ``g_t = early_exit_gate(H_t)``.
+Exit distribution (upstream ``OuroForCausalLM``): lambda_t = sigmoid(g_t), p_t = lambda_t prod_{j<t}(1-lambda_j)
+for t < T, p_T = prod_{j<T}(1-lambda_j). Logits can be read out at the last loop (default), as the expected-exit
+mixture sum_t p_t lm_head(H_t), or per token at the first loop whose cumulative exit probability reaches a
+threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, causal_attention, rms_norm
+
+EXIT_MODES = ("last", "expected", "threshold")
+
+
+@dataclass
+class OuroConfig:
+    """The fields of the published ``OuroConfig`` that define the computation (others are kept verbatim)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 65536
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    total_ut_steps: int = 4
+    early_exit_threshold: float | None = 1.0
+    initializer_range: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "silu":
+            raise LoopLMError(f"config.json: hidden_act={self.hidden_act!r} is not supported (Ouro uses 'silu')")
+        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", "default") != "default":
+            raise LoopLMError(f"config.json: rope_scaling={self.rope_scaling!r} is not supported; use null")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise LoopLMError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        layer_types = self.extra.get("layer_types") or []
+        if any(kind != "full_attention" for kind in layer_types) or self.extra.get("use_sliding_window"):
+            raise LoopLMError("config.json: sliding-window layers (layer_types / use_sliding_window) unsupported")
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, c: OuroConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.dh = c.num_attention_heads, c.num_key_value_heads, c.dh
+        self.qkv_proj = LinearGroup(
+            q_proj=nn.Linear(c.hidden_size, self.n_heads * self.dh, bias=False),
+            k_proj=nn.Linear(c.hidden_size, self.n_kv * self.dh, bias=False),
+            v_proj=nn.Linear(c.hidden_size, self.n_kv * self.dh, bias=False),
+        )
+        self.o_proj = LinearGroup(o_proj=nn.Linear(self.n_heads * self.dh, c.hidden_size, bias=False))
+
+    def forward(self, x: Tensor, t: int | None, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv_proj(x, t)
+        q = q.view(b, s, self.n_heads, self.dh).transpose(1, 2)
+        k = k.view(b, s, self.n_kv, self.dh).transpose(1, 2)
+        v = v.view(b, s, self.n_kv, self.dh).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = causal_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(y, t)[0]
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, c: OuroConfig) -> None:
+        super().__init__()
+        self.up_gate = LinearGroup(
+            gate_proj=nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
+            up_proj=nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
+        )
+        self.down_proj = LinearGroup(down_proj=nn.Linear(c.intermediate_size, c.hidden_size, bias=False))
+
+    def forward(self, x: Tensor, t: int | None) -> Tensor:
+        gate, up = self.up_gate(x, t)
+        return self.down_proj(F.silu(gate) * up, t)[0]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, c: OuroConfig) -> None:
+        super().__init__()
+        eps = c.rms_norm_eps
+        self.self_attn = OuroAttention(c)
+        self.mlp = OuroMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, eps)
+        self.input_layernorm_2 = RMSNorm(c.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps)
+        self.post_attention_layernorm_2 = RMSNorm(c.hidden_size, eps)
+
+    def forward(self, h: Tensor, t: int | None, ctx: dict[str, Any]) -> Tensor:
+        a = self.self_attn(self.input_layernorm(h), t, ctx["cos"], ctx["sin"])
+        h = h + self.input_layernorm_2(a)
+        m = self.mlp(self.post_attention_layernorm(h), t)
+        return h + self.post_attention_layernorm_2(m)
+
+
+def rope_tables(dh: int, theta: float, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[S, dh]`` of the default (non-interleaved, rotate-half) RoPE, computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, dtype=torch.int64, device=positions.device).float() / dh))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE on ``[B, H, S, dh]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Model(nn.Module):
+    """Holds the ``model.*`` parameters so that native names come out unchanged."""
+
+    def __init__(self, c: OuroConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(c.hidden_size, 1)
+
+
+class OuroLM(LoopLM):
+    """Ouro looped LM with the upstream exit-gate readouts (``exit_mode`` = last | expected | threshold)."""
+
+    arch = "ouro"
+    fp_module_patterns = ("model.embed_tokens", "lm_head", "model.early_exit_gate", "*norm*")
+
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__(config)
+        self.model = _Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def default_num_loops(self) -> int:
+        return self.config.total_ut_steps
+
+    @property
+    def loop_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(
+        self, input_ids: Tensor, num_loops: int, exit_mode: str = "last", exit_threshold: float | None = None
+    ) -> tuple[Tensor, dict[str, Any]]:
+        if exit_mode not in EXIT_MODES:
+            raise LoopLMError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
+        h = self.model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = rope_tables(self.config.dh, self.config.rope_theta, positions, h.dtype)
+        threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
+        return h, {"cos": cos, "sin": sin, "exit_mode": exit_mode, "exit_threshold": threshold}
+
+    def end_loop(self, h: Tensor, t: int, ctx: dict[str, Any]) -> Tensor:
+        return self.model.norm(h)
+
+    def head(self, h: Tensor, ctx: dict[str, Any]) -> Tensor:
+        return self.lm_head(h)
+
+    def finalize(self, out: LoopLMOutput, ctx: dict[str, Any]) -> LoopLMOutput:
+        states: list[Tensor] = ctx["loop_states"]
+        gates = [self.model.early_exit_gate(h) for h in states]
+        probs = exit_distribution(torch.cat(gates, dim=-1))
+        out.extras.update(exit_gate_logits=gates, exit_probs=probs)
+        if ctx["exit_mode"] == "expected":
+            out.logits = sum(probs[..., i : i + 1] * self.lm_head(h) for i, h in enumerate(states))  # type: ignore[assignment]
+        elif ctx["exit_mode"] == "threshold" and ctx["exit_threshold"] is not None:
+            steps = threshold_exit_steps(probs, ctx["exit_threshold"])
+            chosen = torch.stack(states, dim=2).gather(2, steps[..., None, None].expand(-1, -1, 1, states[0].shape[-1]))
+            out.logits = self.lm_head(chosen.squeeze(2))
+            out.extras["exit_steps"] = steps
+        return out
+
+    # ------------------------------------------------------------------ native format
+    @classmethod
+    def matches(cls, config: Mapping[str, Any]) -> bool:
+        return config.get("model_type") == "ouro"
+
+    @classmethod
+    def config_from_dict(cls, config: Mapping[str, Any]) -> OuroConfig:
+        known = {f.name for f in fields(OuroConfig)} - {"extra"}
+        kwargs = {k: v for k, v in config.items() if k in known}
+        extra = {k: v for k, v in config.items() if k not in known}
+        try:
+            return OuroConfig(**kwargs, extra=extra)
+        except TypeError as err:
+            raise LoopLMError(f"config.json: invalid Ouro config ({err})") from err
+
+    def config_to_dict(self) -> dict[str, Any]:
+        data = asdict(self.config)
+        extra = data.pop("extra")
+        return {**extra, **data, "model_type": "ouro"}
+
+    def export_native(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return state
+
+    def import_native(self, native: Mapping[str, Tensor], source: str) -> dict[str, Tensor]:
+        state = dict(native)
+        if self.config.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+
+def exit_distribution(gate_logits: Tensor) -> Tensor:
+    """Ouro's exit pdf over loops from gate logits ``[..., T]``; the last loop takes the remaining mass."""
+    lam = torch.sigmoid(gate_logits)
+    survive = torch.cumprod(1.0 - lam, dim=-1)
+    before = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)
+    pdf = lam * before
+    return torch.cat([pdf[..., :-1], before[..., -1:]], dim=-1)
+
+
+def threshold_exit_steps(probs: Tensor, threshold: float) -> Tensor:
+    """Per token, the first loop whose cumulative exit probability reaches ``threshold`` (else the last)."""
+    reached = torch.cumsum(probs, dim=-1) >= threshold
+    steps = torch.argmax(reached.to(probs.dtype), dim=-1)
+    return torch.where(reached.any(dim=-1), steps, torch.full_like(steps, probs.shape[-1] - 1))

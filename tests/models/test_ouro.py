@@ -1,0 +1,74 @@
+"""Ouro parity with the upstream implementation's recorded outputs (../shared/fixtures/ouro-tiny)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loopq.models import load_looplm
+from loopq.models.ouro import exit_distribution, threshold_exit_steps
+
+ATOL = RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ouro(fixtures):
+    path = fixtures / "ouro-tiny"
+    return load_looplm(path), load_file(str(path / "reference.safetensors"))
+
+
+def test_logits_and_trajectory_match_upstream(ouro):
+    model, ref = ouro
+    with torch.no_grad():
+        out = model(ref["input_ids"], return_trajectory=True)
+    torch.testing.assert_close(out.logits, ref["logits"], atol=ATOL, rtol=RTOL)
+    assert len(out.loop_states) == 3
+    for t, state in enumerate(out.loop_states):
+        torch.testing.assert_close(state, ref["loop_states"][t], atol=ATOL, rtol=RTOL)
+    for t, gate in enumerate(out.extras["exit_gate_logits"]):
+        torch.testing.assert_close(gate, ref["exit_gate_logits"][t], atol=ATOL, rtol=RTOL)
+
+
+def test_exit_readouts_match_upstream(ouro):
+    model, ref = ouro
+    with torch.no_grad():
+        expected = model(ref["input_ids"], exit_mode="expected").logits
+        threshold = model(ref["input_ids"], exit_mode="threshold").logits
+    torch.testing.assert_close(expected, ref["expected_exit_logits"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(threshold, ref["default_call_logits"], atol=ATOL, rtol=RTOL)
+
+
+def test_exit_distribution_by_hand():
+    # lambda = sigmoid(0) = 0.5 per loop -> p = [0.5, 0.25, 0.25] (last loop takes the remaining mass)
+    probs = exit_distribution(torch.zeros(1, 3))
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.25, 0.25]]))
+    # cumulative [0.5, 0.75, 1.0]: threshold 0.7 exits at loop index 1, threshold 2.0 never -> last
+    assert threshold_exit_steps(probs, 0.7).item() == 1
+    assert threshold_exit_steps(probs, 2.0).item() == 2
+
+
+def test_low_threshold_exits_early_and_changes_logits(ouro):
+    model, ref = ouro
+    with torch.no_grad():
+        out = model(ref["input_ids"], exit_mode="threshold", exit_threshold=0.0, return_trajectory=True)
+    assert (out.extras["exit_steps"] == 0).all()
+    torch.testing.assert_close(out.logits, model.lm_head(out.loop_states[0]))
+
+
+def test_loop_extrapolation_continues_the_recurrence(ouro):
+    model, ref = ouro
+    with torch.no_grad():
+        three = model(ref["input_ids"], num_loops=3, return_trajectory=True)
+        five = model(ref["input_ids"], num_loops=5, return_trajectory=True)
+    assert len(five.loop_states) == 5
+    for a, b in zip(three.loop_states, five.loop_states[:3], strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.allclose(five.logits, three.logits)
+
+
+def test_layer_states_end_in_loop_state(ouro):
+    model, ref = ouro
+    with torch.no_grad():
+        out = model(ref["input_ids"], return_trajectory=True, return_layer_states=True)
+    assert [len(x) for x in out.layer_states] == [2, 2, 2]
+    # Ouro's loop state is model.norm applied to the last layer's output
+    torch.testing.assert_close(model.model.norm(out.layer_states[1][-1]), out.loop_states[1])
