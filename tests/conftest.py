@@ -7,10 +7,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from loopq.paths import data_dir, fixtures_dir  # noqa: E402
+from loopq.paths import data_dir, fixtures_dir
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

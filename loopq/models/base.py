@@ -134,6 +134,11 @@ class LoopLM(nn.Module):
         raise NotImplementedError
 
     @property
+    def state_dim(self) -> int:
+        """Width of the loop state handed between loops (where transition adapters act)."""
+        raise NotImplementedError
+
+    @property
     def loop_layers(self) -> nn.ModuleList:
         """The shared stack f_1..f_L that is applied once per loop."""
         raise NotImplementedError

@@ -48,8 +48,7 @@ def architecture_for(config: Mapping[str, Any], source: str = "config.json") -> 
     if not found:
         kind = config.get("model_type", config.get("_class_name", "<none>"))
         raise LoopLMError(
-            f"{source}: unknown architecture (model_type/_class_name = {kind!r}); "
-            f"supported: {sorted(architectures())}"
+            f"{source}: unknown architecture (model_type/_class_name = {kind!r}); supported: {sorted(architectures())}"
         )
     return found[0]
 
@@ -110,6 +109,7 @@ def atomic_write(path: Path, write: Any) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

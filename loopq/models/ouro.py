@@ -175,6 +175,10 @@ class OuroLM(LoopLM):
         return self.config.total_ut_steps
 
     @property
+    def state_dim(self) -> int:
+        return self.config.hidden_size
+
+    @property
     def loop_layers(self) -> nn.ModuleList:
         return self.model.layers
 

@@ -1,0 +1,94 @@
+"""The calibration ``LightningDataModule``: text sources -> tokenized fixed-length samples.
+
+Paper defaults (Table 5): 1024 samples x 256 tokens drawn from random windows of the corpus; deterministic
+given ``seed``. Sources are local text/jsonl files (globs relative to the data root; default: the calibration
+prose in ``<shared>/data/calibration``) or ``hf:<dataset>[:split[:column]]`` for a Hugging Face dataset such
+as the paper's ``hf:mit-han-lab/pile-val-backup:validation:text`` (needs hub access; never used in tests).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from loopq.data.stream import check_vocab, random_windows, token_stream
+from loopq.data.text import DEFAULT_CALIBRATION_SOURCES, DataError, read_training_text, resolve_sources
+from loopq.data.tokenizer import load_tokenizer
+from loopq.paths import data_dir
+
+
+def load_hf_text(spec: str, max_docs: int) -> list[str]:
+    """``hf:name[:split[:column]]`` -> documents (a user with hub access; ``datasets`` does the download)."""
+    parts = spec[3:].split(":")
+    name, split, column = parts[0], (parts[1:2] or ["validation"])[0], (parts[2:3] or ["text"])[0]
+    import datasets
+
+    ds = datasets.load_dataset(name, split=split)
+    if column not in ds.column_names:
+        raise DataError(f"data.sources {spec!r}: no column {column!r} (has {ds.column_names})")
+    return [row for row in ds[column][:max_docs] if row and row.strip()]
+
+
+def load_calibration_docs(sources: list[str], root: Path | None) -> list[str]:
+    docs: list[str] = []
+    local = [s for s in sources if not s.startswith("hf:")]
+    for spec in (s for s in sources if s.startswith("hf:")):
+        docs.extend(load_hf_text(spec, max_docs=20000))
+    if local:
+        docs.extend(read_training_text(resolve_sources(local, root)))
+    if not docs:
+        raise DataError("data.sources: no text found; list at least one non-empty file")
+    return docs
+
+
+class CalibrationDataModule(L.LightningDataModule):
+    """Random fixed-length windows of the calibration corpus, plus a held-out batch for diagnostics."""
+
+    def __init__(
+        self,
+        tokenizer: str,
+        sources: list[str] | None = None,
+        root: str | None = None,
+        num_samples: int = 1024,
+        seq_len: int = 256,
+        batch_size: int = 4,
+        holdout_samples: int = 8,
+        seed: int = 0,
+        vocab_size: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if num_samples < 1 or seq_len < 2 or batch_size < 1:
+            raise DataError("data.num_samples, data.seq_len and data.batch_size must be positive (seq_len >= 2)")
+        self.save_hyperparameters()
+        self.samples: Tensor | None = None
+        self.holdout: Tensor | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.samples is not None:
+            return
+        hp = self.hparams
+        root = Path(hp.root).expanduser() if hp.root else data_dir()
+        docs = load_calibration_docs(list(hp.sources or DEFAULT_CALIBRATION_SOURCES), root)
+        stream = token_stream(docs, load_tokenizer(hp.tokenizer))
+        total = hp.num_samples + hp.holdout_samples
+        windows = random_windows(stream, total, hp.seq_len, hp.seed, source="data.sources")
+        if hp.vocab_size is not None:
+            check_vocab(windows, hp.vocab_size, key="data.tokenizer")
+        self.samples, self.holdout = windows[: hp.num_samples], windows[hp.num_samples :]
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.samples is not None, "call setup() first"
+        gen = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(
+            TensorDataset(torch.arange(len(self.samples)), self.samples),
+            batch_size=self.hparams.batch_size,
+            shuffle=True,
+            generator=gen,
+            num_workers=self.hparams.num_workers,
+            drop_last=False,
+        )

@@ -1,0 +1,15 @@
+"""The LoopQ quantization core: pure quantizers, Kronecker transforms, the fake-quant group, LAS/SLT/CTA."""
+
+from loopq.quant.config import QuantConfig, QuantConfigError
+from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.prepare import init_clipping_from_data, prepare, quant_groups, quant_parameters
+
+__all__ = [
+    "QuantConfig",
+    "QuantConfigError",
+    "QuantLinearGroup",
+    "init_clipping_from_data",
+    "prepare",
+    "quant_groups",
+    "quant_parameters",
+]

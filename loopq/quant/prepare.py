@@ -1,0 +1,158 @@
+"""``prepare(model, QuantConfig) -> student``: the fake-quant LoopQ student of a looped LM (torchao-style verb).
+
+The student is a copy of the teacher in which every quantizable transform-weight group is swapped for a
+:class:`QuantLinearGroup` and, with CTA on, the loop-boundary hook holds :class:`TransitionAdapters`. The
+teacher's own parameters are frozen and *shared* (not copied) with the student by default: only quantization
+parameters (transforms, clipping ratios, adapters) are trainable. The student keeps the teacher's forward
+signature and outputs (logits, loop_states, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+
+import torch
+from torch import Tensor, nn
+
+from loopq.models.base import LoopLM
+from loopq.quant.config import QuantConfig, QuantConfigError
+from loopq.quant.cta import TransitionAdapters
+from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.primitives import best_clip_ratio, clip_logit, fake_quant, to_groups
+
+
+def is_fp_module(model: LoopLM, name: str) -> bool:
+    """Whether ``name`` is declared full precision by the architecture (never quantized)."""
+    return any(fnmatch.fnmatch(name, pattern) for pattern in model.fp_module_patterns)
+
+
+def check_group_sizes(model: LoopLM, config: QuantConfig) -> None:
+    """Every quantized input dimension must split into whole groups."""
+    if config.group_size == -1:
+        return
+    for name, group in model.linear_groups().items():
+        if not is_fp_module(model, name) and group.in_features % config.group_size:
+            raise QuantConfigError(
+                f"quant.group_size={config.group_size} does not divide {name}'s input dimension "
+                f"{group.in_features}; choose a divisor or -1 (per channel)"
+            )
+
+
+def prepare(model: LoopLM, config: QuantConfig, share_weights: bool = True) -> LoopLM:
+    """Build the fake-quant student of ``model`` (the teacher is left untouched)."""
+    check_group_sizes(model, config)
+    num_loops = config.num_loops or model.default_num_loops
+    memo = {id(p): p for p in model.parameters()} if share_weights else {}
+    memo.update({id(b): b for b in model.buffers()} if share_weights else {})
+    student = copy.deepcopy(model, memo)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    looped = set(student.looped_group_names())
+    gen = torch.Generator().manual_seed(config.seed)
+    for name, group in list(student.linear_groups().items()):
+        if is_fp_module(student, name):
+            continue
+        qgroup = QuantLinearGroup(group, config, num_loops, looped=name in looped)
+        init_transform(qgroup, config.transform_init, gen)
+        qgroup.to(device=group_device(group))
+        student.set_submodule(name, qgroup)
+    if config.cta and num_loops >= 2:
+        dim = student.state_dim
+        student.transition = TransitionAdapters(dim, num_loops, config.cta_rank, seed=config.seed)
+        student.transition.to(group_device(student))
+    student.quant_config = config  # type: ignore[assignment]
+    student.calibrated_loops = num_loops  # type: ignore[assignment]
+    return student
+
+
+def group_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def init_transform(group: QuantLinearGroup, how: str, gen: torch.Generator) -> None:
+    """Identity, a random rotation (orthogonal factors, unit diagonal) or a random invertible transform."""
+    tr = group.transform
+    if tr is None or how == "identity":
+        return
+    with torch.no_grad():
+        if how == "rotation":
+            for factor in (tr.left, tr.right):
+                factor.u.copy_(torch.randn(factor.u.shape, generator=gen))
+        else:
+            tr.randomize_(gen)
+
+
+def quant_groups(student: nn.Module) -> dict[str, QuantLinearGroup]:
+    """Every fake-quant group of a student by module name."""
+    return {name: m for name, m in student.named_modules() if isinstance(m, QuantLinearGroup)}
+
+
+def quant_parameters(student: nn.Module) -> list[nn.Parameter]:
+    """All trainable quantization parameters (transforms, clips, adapters)."""
+    return [p for p in student.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def init_clipping_from_data(student: LoopLM, input_ids: Tensor, max_tokens: int = 4096) -> dict[str, list[float]]:
+    """Initialise every activation clip c_{t,l} from loop t's own activations, and weight clips per row.
+
+    Runs the student once (transforms as initialised), records each group's transformed input per loop slot,
+    and picks the MSE-optimal clipping ratio on a grid for each slot (LAS init: loop-dependent statistics give
+    loop-dependent scales). Weight clips: per output row, the MSE-optimal ratio on the same grid.
+    Returns the chosen activation ratios per group.
+    """
+    groups = quant_groups(student)
+    samples: dict[str, dict[int, Tensor]] = {name: {} for name in groups}
+    handles = []
+    for name, group in groups.items():
+        handles.append(group.register_forward_pre_hook(_recorder(name, group, samples, max_tokens)))
+    try:
+        student(input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    chosen: dict[str, list[float]] = {}
+    for name, group in groups.items():
+        chosen[name] = _init_act_clip(group, samples[name])
+        _init_weight_clip(group)
+    return chosen
+
+
+def _recorder(name: str, group: QuantLinearGroup, samples: dict[str, dict[int, Tensor]], max_tokens: int):
+    def hook(module: QuantLinearGroup, args: tuple) -> None:
+        x, t = args[0], args[1] if len(args) > 1 else None
+        slot = module.slot(t)
+        tr = module.transform_for(slot)
+        flat = x.reshape(-1, x.shape[-1])[:max_tokens]
+        if tr is not None:
+            p1, p2, _, _ = tr.matrices()
+            flat = tr.activation(flat, p1, p2)
+        samples[name][slot] = flat.float()
+
+    return hook
+
+
+def _init_act_clip(group: QuantLinearGroup, per_slot: dict[int, Tensor]) -> list[float]:
+    if not group.act_clip.requires_grad or not per_slot:
+        return []
+    ratios = []
+    for i in range(group.act_clip.numel()):
+        data = per_slot.get(i) if group.act_clip.numel() > 1 else torch.cat(list(per_slot.values()))
+        data = data if data is not None else next(iter(per_slot.values()))
+        ratios.append(best_clip_ratio(data, group.a_bits, group.group_size))
+    group.act_clip.copy_(clip_logit(torch.tensor(ratios)))
+    return ratios
+
+
+def _init_weight_clip(group: QuantLinearGroup, grid: Tensor | None = None) -> None:
+    if not group.weight_clip.requires_grad:
+        return
+    grid = torch.linspace(0.55, 1.0, 10) if grid is None else grid
+    weight = group.effective_weight_fp(0)
+    errors = []
+    for c in grid:
+        err = (fake_quant(weight, group.w_bits, group.group_size, float(c)) - weight).pow(2)
+        errors.append(to_groups(err, group.group_size).sum(dim=(-1, -2)))
+    best = grid[torch.stack(errors).argmin(dim=0)]
+    group.weight_clip.copy_(clip_logit(best).reshape(1, -1))

@@ -1,0 +1,109 @@
+"""Quantization math as small pure functions (paper Eq. 4).
+
+Symmetric uniform round-to-nearest on groups of ``group_size`` consecutive elements along the last (input)
+dimension; ``group_size = -1`` means one group over the whole row (per-channel weights / per-token activations).
+For a group g with clipping ratio c in (0, 1]:
+
+    s_g = c * max|x_g| / q_max,        Q(x) = s_g * clip(round(x / s_g), q_min, q_max)
+
+with q_max = 2^(b-1) - 1 and q_min = -2^(b-1) (int4: -8..7, int8: -128..127).
+
+**Rounding rule: round-half-to-even** (``torch.round``), which is also what the exported kernels implement
+by hand (``loopq.kernels``), so fake-quant and packed integer codes are bit-identical.
+
+Rounding uses a straight-through estimator: the forward value is rounded, the backward pass treats round as
+identity. Gradients reach the clipping ratio through the scale s_g (LSQ/FlatQuant-style learnable clipping).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SUPPORTED_BITS = (4, 8, 16)
+#: scales are floored at this value so all-zero groups quantize to 0 instead of NaN
+SCALE_EPS = 1e-8
+
+
+def qrange(bits: int) -> tuple[int, int]:
+    """(q_min, q_max) of signed symmetric ``bits``-bit integers."""
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def round_ste(x: Tensor) -> Tensor:
+    """Round half to even in the forward pass, identity gradient in the backward pass."""
+    return x + (torch.round(x) - x).detach()
+
+
+def to_groups(x: Tensor, group_size: int) -> Tensor:
+    """View ``[..., n]`` as ``[..., n // group_size, group_size]`` (``-1``: one group of n)."""
+    n = x.shape[-1]
+    g = n if group_size == -1 else group_size
+    if n % g:
+        raise ValueError(f"group_size={group_size} does not divide the dimension {n}")
+    return x.reshape(*x.shape[:-1], n // g, g)
+
+
+def group_scales(groups: Tensor, bits: int, clip: Tensor | float = 1.0) -> Tensor:
+    """Per-group scale s = clip * absmax / q_max, shape ``[..., G, 1]``; ``clip`` broadcasts over rows."""
+    absmax = groups.abs().amax(dim=-1, keepdim=True)
+    return (absmax * clip / qrange(bits)[1]).clamp_min(SCALE_EPS)
+
+
+def fake_quant_groups(groups: Tensor, scales: Tensor, bits: int) -> Tensor:
+    """Eq. 4 on grouped values with an STE for rounding: s * clip(round(x / s), q_min, q_max)."""
+    qmin, qmax = qrange(bits)
+    return scales * round_ste(groups / scales).clamp(qmin, qmax)
+
+
+def fake_quant(x: Tensor, bits: int, group_size: int, clip: Tensor | float = 1.0) -> Tensor:
+    """Dynamic symmetric fake quantization of ``x`` along its last dimension (identity for 16 bits).
+
+    ``clip`` is a ratio in (0, 1]; for weights pass a ``[rows, 1, 1]`` tensor (per output row), for activations
+    a scalar tensor (per quantizer, per loop with LAS).
+    """
+    if bits >= 16:
+        return x
+    groups = to_groups(x, group_size)
+    return fake_quant_groups(groups, group_scales(groups, bits, clip), bits).reshape(x.shape)
+
+
+def quantize_codes(x: Tensor, bits: int, group_size: int, clip: Tensor | float = 1.0) -> tuple[Tensor, Tensor]:
+    """Integer codes (int8 storage) and per-group scales ``[..., G]`` - the form the kernels consume."""
+    qmin, qmax = qrange(bits)
+    groups = to_groups(x, group_size)
+    scales = group_scales(groups, bits, clip)
+    codes = torch.round(groups / scales).clamp(qmin, qmax).to(torch.int8)
+    return codes.reshape(x.shape), scales.squeeze(-1)
+
+
+def dequantize_codes(codes: Tensor, scales: Tensor, group_size: int) -> Tensor:
+    """Inverse of :func:`quantize_codes` (up to rounding): codes * per-group scale."""
+    groups = to_groups(codes.to(scales.dtype), group_size)
+    return (groups * scales.unsqueeze(-1)).reshape(codes.shape)
+
+
+def clip_ratio(logit: Tensor) -> Tensor:
+    """Learnable clipping ratio parameterised as sigmoid(logit): always inside (0, 1)."""
+    return torch.sigmoid(logit)
+
+
+def clip_logit(ratio: float | Tensor) -> Tensor:
+    """Inverse of :func:`clip_ratio` (ratios are capped just below 1 so the logit stays finite)."""
+    r = torch.as_tensor(ratio, dtype=torch.float32).clamp(1e-4, 1 - 1e-4)
+    return torch.log(r) - torch.log1p(-r)
+
+
+def best_clip_ratio(x: Tensor, bits: int, group_size: int, grid: Tensor | None = None) -> float:
+    """The clipping ratio on ``grid`` that minimises the fake-quant MSE of the sample ``x`` (init for LAS)."""
+    if bits >= 16:
+        return 1.0 - 1e-4
+    grid = torch.linspace(0.55, 1.0, 10) if grid is None else grid
+    errors = torch.stack([(fake_quant(x, bits, group_size, float(c)) - x).pow(2).mean() for c in grid])
+    return float(grid[int(torch.argmin(errors))])
+
+
+def sqnr_db(reference: Tensor, approx: Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (torchao's error measure)."""
+    noise = (reference - approx).pow(2).sum().clamp_min(1e-30)
+    return float(10 * torch.log10(reference.pow(2).sum() / noise))

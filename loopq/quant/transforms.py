@@ -1,0 +1,101 @@
+"""FlatQuant-style invertible Kronecker transforms (paper Eq. 2-3), never materialising the Kronecker product.
+
+A channel vector x in R^n (n = n1 * n2, n1 <= n2 the factor pair closest to sqrt(n)) is viewed as a matrix
+X in R^{n1 x n2}; the transform with P = P1 (x) P2 and a per-channel diagonal scale d is
+
+    x' = (x / d) P        computed as   P1^T X_d P2                  (activation side, online)
+    W' = (W * d) P^{-T}   computed as   P1^{-1} W_row,d P2^{-T}      (weight side, folded at export)
+
+so that x' W'^T = x W^T exactly: with quantization off the student equals the teacher.
+
+Invertibility is preserved by construction: each factor is P_i = U_i diag(exp(s_i)) V_i^T with U_i, V_i
+orthogonal (matrix exponentials of skew-symmetric parameters), so det P_i != 0 for every parameter value and
+P_i^{-1} = V_i diag(exp(-s_i)) U_i^T in closed form. The diagonal scale is d = exp(log_d) > 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def kron_factors(n: int) -> tuple[int, int]:
+    """The factor pair (n1, n2), n1 * n2 = n, n1 <= n2, with n1 closest to sqrt(n)."""
+    n1 = math.isqrt(n)
+    while n % n1:
+        n1 -= 1
+    return n1, n // n1
+
+
+def kron_apply(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """``x (left (x) right)`` for row vectors in ``x[..., n]``: reshape to ``[.., n1, n2]``, ``left^T X right``."""
+    n1, n2 = left.shape[0], right.shape[0]
+    m = x.reshape(*x.shape[:-1], n1, n2)
+    return (left.transpose(0, 1) @ m @ right).reshape(x.shape)
+
+
+def orthogonal(skew_param: Tensor) -> Tensor:
+    """An orthogonal matrix exp(A - A^T) (identity at A = 0)."""
+    return torch.linalg.matrix_exp(skew_param - skew_param.transpose(0, 1))
+
+
+class FactorMatrix(nn.Module):
+    """One invertible factor P = U diag(exp(s)) V^T, with its closed-form inverse."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.u = nn.Parameter(torch.zeros(n, n))
+        self.v = nn.Parameter(torch.zeros(n, n))
+        self.log_s = nn.Parameter(torch.zeros(n))
+
+    def matrix(self) -> Tensor:
+        return orthogonal(self.u) * self.log_s.exp() @ orthogonal(self.v).transpose(0, 1)
+
+    def inverse(self) -> Tensor:
+        return orthogonal(self.v) * (-self.log_s).exp() @ orthogonal(self.u).transpose(0, 1)
+
+    def randomize_(self, generator: torch.Generator, scale: float = 0.3) -> None:
+        """A random invertible, non-orthogonal factor (tests of function preservation)."""
+        with torch.no_grad():
+            for p in (self.u, self.v):
+                p.copy_(torch.randn(p.shape, generator=generator) * scale)
+            self.log_s.copy_(torch.randn(self.log_s.shape, generator=generator) * scale)
+
+
+class KroneckerTransform(nn.Module):
+    """The learnable per-group transform (P1 (x) P2 with diagonal scale d) of one transform-weight group."""
+
+    def __init__(self, n: int, diag_scale: bool = True) -> None:
+        super().__init__()
+        n1, n2 = kron_factors(n)
+        self.n = n
+        self.left = FactorMatrix(n1)
+        self.right = FactorMatrix(n2)
+        self.log_d = nn.Parameter(torch.zeros(n)) if diag_scale else None
+
+    def matrices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(P1, P2, P1^{-1}, P2^{-1})."""
+        return self.left.matrix(), self.right.matrix(), self.left.inverse(), self.right.inverse()
+
+    def activation(self, x: Tensor, p1: Tensor, p2: Tensor) -> Tensor:
+        """x' = (x / d) (P1 (x) P2), computed in fp32 and cast back."""
+        x32 = x.float()
+        if self.log_d is not None:
+            x32 = x32 * (-self.log_d).exp()
+        return kron_apply(x32, p1, p2).to(x.dtype)
+
+    def weight(self, w: Tensor, p1_inv: Tensor, p2_inv: Tensor) -> Tensor:
+        """W' = (W * d) (P1 (x) P2)^{-T} for rows of ``w [out, n]`` (fp32)."""
+        w32 = w.float()
+        if self.log_d is not None:
+            w32 = w32 * self.log_d.exp()
+        return kron_apply(w32, p1_inv.transpose(0, 1), p2_inv.transpose(0, 1))
+
+    def randomize_(self, generator: torch.Generator, scale: float = 0.3) -> None:
+        self.left.randomize_(generator, scale)
+        self.right.randomize_(generator, scale)
+        if self.log_d is not None:
+            with torch.no_grad():
+                self.log_d.copy_(torch.randn(self.n, generator=generator) * scale)
