@@ -2,13 +2,20 @@
 
 from loopq.quant.config import QuantConfig, QuantConfigError
 from loopq.quant.modules import QuantLinearGroup
-from loopq.quant.prepare import init_clipping_from_data, prepare, quant_groups, quant_parameters
+from loopq.quant.prepare import (
+    init_clipping_from_data,
+    looped_quant_groups,
+    prepare,
+    quant_groups,
+    quant_parameters,
+)
 
 __all__ = [
     "QuantConfig",
     "QuantConfigError",
     "QuantLinearGroup",
     "init_clipping_from_data",
+    "looped_quant_groups",
     "prepare",
     "quant_groups",
     "quant_parameters",

@@ -88,6 +88,11 @@ def quant_groups(student: nn.Module) -> dict[str, QuantLinearGroup]:
     return {name: m for name, m in student.named_modules() if isinstance(m, QuantLinearGroup)}
 
 
+def looped_quant_groups(student: nn.Module) -> dict[str, QuantLinearGroup]:
+    """The fake-quant groups inside the shared stack (the candidates of SLT), in model order."""
+    return {name: g for name, g in quant_groups(student).items() if g.looped}
+
+
 def quant_parameters(student: nn.Module) -> list[nn.Parameter]:
     """All trainable quantization parameters (transforms, clips, adapters)."""
     return [p for p in student.parameters() if p.requires_grad]

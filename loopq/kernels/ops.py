@@ -1,0 +1,165 @@
+"""Public entry points: argument checks, then dispatch to the torch reference or the Triton kernels.
+
+``backend=None`` picks ``"triton"`` for CUDA tensors and ``"torch"`` otherwise. ``"triton"`` on CPU tensors runs
+Triton's interpreter and needs ``TRITON_INTERPRET=1`` in the environment before anything imports triton.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import Tensor
+from triton.runtime import JITFunction
+
+from loopq.kernels import gemm_kernel, quantize_kernel, reference
+from loopq.kernels.packing import GROUP_SIZE
+
+BACKENDS = ("torch", "triton")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_QUANTIZE = {"torch": reference.quantize_activation, "triton": quantize_kernel.quantize_activation}
+_GEMM_W4A4 = {"torch": reference.gemm_w4a4, "triton": partial(gemm_kernel.gemm, a_int4=True)}
+_GEMM_W4A8 = {"torch": reference.gemm_w4a8, "triton": partial(gemm_kernel.gemm, a_int4=False)}
+
+
+def quantize_activation(
+    x: Tensor,
+    left: Tensor | None = None,
+    right: Tensor | None = None,
+    clip: float = 1.0,
+    bits: int = 4,
+    group_size: int = GROUP_SIZE,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Online activation quantizer: ``x [M, K]`` -> (codes, float32 scales ``[M, K / group_size]``).
+
+    Tokens are transformed as ``left^T X right`` (X the token viewed as ``[n1, n2]``, i.e. ``x (left (x) right)``;
+    a missing factor is the identity, both missing means no transform), then quantized symmetrically per
+    ``group_size`` consecutive channels with clipping ratio ``clip``. Codes are packed int4 (uint8 ``[M, K/2]``)
+    for ``bits=4`` and int8 ``[M, K]`` for ``bits=8``. All arithmetic is fp32 whatever the dtype of ``x``.
+    """
+    _check_matrix("x", x, FLOAT_DTYPES)
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits}: activations are quantized to 4 (W4A4) or 8 (W4A8) bits")
+    clip = float(clip)
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip={clip}: the clipping ratio must be a positive finite number, typically in (0, 1]")
+    k = x.shape[1]
+    group = k if group_size == -1 else group_size
+    if group < 1 or k % group or (bits == 4 and k % 2):
+        raise ValueError(f"x has K={k} channels, not a multiple of group_size={group_size} (and even for int4)")
+    left, right = _transform_factors(left, right, k, x.device)
+    backend = _resolve_backend(backend, x, "group_size", group)
+    return _QUANTIZE[backend](x, left, right, clip, bits, group)
+
+
+def gemm_w4a4(
+    a_packed: Tensor,
+    a_scales: Tensor,
+    w_packed: Tensor,
+    w_scales: Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str | None = None,
+) -> Tensor:
+    """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``."""
+    _check_matrix("a_packed", a_packed, (torch.uint8,))
+    backend = _check_gemm("a_packed", a_packed, 2 * a_packed.shape[1], a_scales, w_packed, w_scales, out_dtype, backend)
+    return _GEMM_W4A4[backend](a_packed, a_scales, w_packed, w_scales, out_dtype)
+
+
+def gemm_w4a8(
+    a_int8: Tensor,
+    a_scales: Tensor,
+    w_packed: Tensor,
+    w_scales: Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str | None = None,
+) -> Tensor:
+    """``out [M, N] = dequant(a) dequant(w)^T`` from int8 activations ``[M, K]`` and packed int4 weights."""
+    _check_matrix("a_int8", a_int8, (torch.int8,))
+    backend = _check_gemm("a_int8", a_int8, a_int8.shape[1], a_scales, w_packed, w_scales, out_dtype, backend)
+    return _GEMM_W4A8[backend](a_int8, a_scales, w_packed, w_scales, out_dtype)
+
+
+def triton_interpreted() -> bool:
+    """Whether the Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import time)."""
+    return not isinstance(gemm_kernel._gemm_kernel, JITFunction)
+
+
+def _check_matrix(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 2-D tensor [rows, K] (got {shape}); flatten leading dims first")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]} (got {t.dtype}); convert it first")
+
+
+def _transform_factors(
+    left: Tensor | None, right: Tensor | None, k: int, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """Check the Kronecker factors (``n1 * n2 = K``) and fill a missing one with the identity."""
+    if left is None and right is None:
+        return None, None
+    for name, f in (("left", left), ("right", right)):
+        if f is not None:
+            _check_matrix(name, f, FLOAT_DTYPES)
+            if f.shape[0] != f.shape[1] or k % f.shape[0]:
+                raise ValueError(f"{name} must be square with a size dividing K={k} (got {tuple(f.shape)})")
+            if f.device != device:
+                raise ValueError(f"{name} is on {f.device} but x is on {device}; move it to x's device")
+    left = torch.eye(k // right.shape[0], device=device) if left is None else left
+    right = torch.eye(k // left.shape[0], device=device) if right is None else right
+    if left.shape[0] * right.shape[0] != k:
+        raise ValueError(f"left {tuple(left.shape)} (x) right {tuple(right.shape)} does not match K={k}")
+    return left, right
+
+
+def _check_gemm(
+    a_name: str,
+    a: Tensor,
+    k: int,
+    a_scales: Tensor,
+    w_packed: Tensor,
+    w_scales: Tensor,
+    out_dtype: torch.dtype,
+    backend: str | None,
+) -> str:
+    """Shapes/dtypes/devices of the GEMM operands; returns the resolved backend."""
+    _check_matrix("w_packed", w_packed, (torch.uint8,))
+    _check_matrix("a_scales", a_scales, FLOAT_DTYPES)
+    _check_matrix("w_scales", w_scales, FLOAT_DTYPES)
+    if 2 * w_packed.shape[1] != k:
+        raise ValueError(f"{a_name} has K={k} but w_packed has K={2 * w_packed.shape[1]}; quantize the same input dim")
+    m, n, groups = a.shape[0], w_packed.shape[0], w_scales.shape[1]
+    if groups == 0 or k % groups or a_scales.shape[1] != groups:
+        raise ValueError(f"a_scales {tuple(a_scales.shape)} and w_scales {tuple(w_scales.shape)} must both have "
+                         f"K/group_size columns with K={k}; quantize both with the same group_size")  # fmt: skip
+    if a_scales.shape[0] != m or w_scales.shape[0] != n:
+        raise ValueError(f"a_scales needs one row per token and w_scales one per output row (got "
+                         f"{tuple(a_scales.shape)}, {tuple(w_scales.shape)} for M={m}, N={n})")  # fmt: skip
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype}: use one of {[str(d) for d in FLOAT_DTYPES]}")
+    devices = {t.device for t in (a, a_scales, w_packed, w_scales)}
+    if len(devices) > 1:
+        raise ValueError(f"GEMM operands are on several devices {sorted(map(str, devices))}; move them to one")
+    return _resolve_backend(backend, w_packed, "group_size (K / scale columns)", k // groups, out_dtype)
+
+
+def _resolve_backend(
+    backend: str | None, ref: Tensor, group_name: str, group: int, dtype: torch.dtype | None = None
+) -> str:
+    if backend is None:
+        backend = "triton" if ref.is_cuda else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {BACKENDS} (or None: triton on CUDA, torch on CPU)")
+    if backend == "torch":
+        return backend
+    if group != GROUP_SIZE:
+        raise ValueError(f"{group_name}={group} is not supported by backend='triton'; use {GROUP_SIZE} or 'torch'")
+    if not ref.is_cuda and not triton_interpreted():
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing triton")
+    if not ref.is_cuda and torch.bfloat16 in (ref.dtype, dtype):
+        raise ValueError("bfloat16 is not supported by Triton's CPU interpreter; use float16/float32 or 'torch'")
+    return backend

@@ -1,0 +1,156 @@
+"""Triton kernel #1: fused online Kronecker transform + per-token group quantization + int4 packing.
+
+One program quantizes ``BLOCK_M`` tokens end to end in registers:
+
+1. transform (optional): ``XR = X R`` by loading columns of X from memory, then ``Z = L^T XR`` by pulling rows of
+   XR out of registers with a masked sum (exact: one value plus zeros). Both follow the reference order of
+   :mod:`loopq.kernels.reference` with separate fp32 multiplies and adds; the launch disables FMA contraction
+   (``enable_fp_fusion=False``) so the GPU rounds like torch. ``n1``/``n2`` are padded to powers of two; when
+   ``n2`` is not one (e.g. K = 5632 = 64 x 88), a ``tl.gather`` compacts the padded rows back into K order.
+2. per 32-element group: ``s = max(clip * absmax / q_max, 1e-8)`` with IEEE division (``div_rn``; plain ``/``
+   is approximate on NVIDIA GPUs);
+3. codes = round-half-to-even of ``clamp(x / s, q_min, q_max)``, written by hand without libdevice:
+   ``(v + 1.5 * 2^23) - 1.5 * 2^23``. Every fp32 in [2^23, 2^24) is an integer, so the addition itself rounds
+   ``v`` to the nearest integer with ties to even (1.5 * 2^23 is even), and the subtraction is exact; valid for
+   |v| <= 2^22, guaranteed by clamping first (clamp and round commute for integer bounds). The textbook
+   ``floor(v + 0.5)`` is wrong for v = 0.49999997, where ``v + 0.5`` already rounds up to 1.
+4. int4: ``tl.split`` pairs (even k, odd k) into one byte (low, high nibble); int8: stored as is.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from loopq.kernels.packing import GROUP_SIZE
+
+ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+
+
+@triton.jit
+def _load_tokens(x_ptr, rows, row_mask, K: tl.constexpr, KP: tl.constexpr):
+    cols = tl.arange(0, KP)
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    return tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _transform_tokens(
+    x_ptr,
+    left_ptr,
+    right_ptr,
+    rows,
+    row_mask,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    N1: tl.constexpr,
+    N2: tl.constexpr,
+    N1P: tl.constexpr,
+    N2P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    a = tl.arange(0, N1P)
+    b = tl.arange(0, N2P)
+    x_rows = x_ptr + rows[:, None] * K + a[None, :] * N2  # &X[m, i, 0]
+    x_mask = row_mask[:, None] & (a < N1)[None, :]
+    xr = tl.zeros([BLOCK_M, N1P, N2P], dtype=tl.float32)
+    for j in range(N2):
+        x_col = tl.load(x_rows + j, mask=x_mask, other=0.0).to(tl.float32)  # X[m, :, j]
+        r_row = tl.load(right_ptr + j * N2 + b, mask=b < N2, other=0.0)  # R[j, :]
+        xr = xr + x_col[:, :, None] * r_row[None, None, :]
+    z = tl.zeros([BLOCK_M, N1P, N2P], dtype=tl.float32)
+    for i in range(N1):
+        xr_i = tl.sum(tl.where((a == i)[None, :, None], xr, 0.0), axis=1)  # XR[m, i, :]
+        l_row = tl.load(left_ptr + i * N1 + a, mask=a < N1, other=0.0)  # L[i, :]
+        z = z + l_row[None, :, None] * xr_i[:, None, :]
+    flat = tl.reshape(z, [BLOCK_M, N1P * N2P])
+    if N2P != N2:
+        k = tl.arange(0, KP)
+        src = tl.where(k < K, (k // N2) * N2P + k % N2, 0)
+        flat = tl.gather(flat, tl.broadcast_to(src[None, :], [BLOCK_M, KP]), axis=1)
+    return flat
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    left_ptr,
+    right_ptr,
+    codes_ptr,
+    scales_ptr,
+    M,
+    clip,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    N1: tl.constexpr,
+    N2: tl.constexpr,
+    N1P: tl.constexpr,
+    N2P: tl.constexpr,
+    HAS_TRANSFORM: tl.constexpr,
+    BITS: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    if HAS_TRANSFORM:
+        z = _transform_tokens(x_ptr, left_ptr, right_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M)
+    else:
+        z = _load_tokens(x_ptr, rows, row_mask, K, KP)
+
+    groups = tl.reshape(z, [BLOCK_M, KP // 32, 32])
+    absmax = tl.max(tl.abs(groups), axis=2)
+    scale = tl.maximum(tl.math.div_rn(absmax * clip, QMAX), 1e-8)
+    g = tl.arange(0, KP // 32)
+    g_mask = row_mask[:, None] & (g < K // 32)[None, :]
+    tl.store(scales_ptr + rows[:, None] * (K // 32) + g[None, :], scale, mask=g_mask)
+
+    v = tl.math.div_rn(groups, scale[:, :, None])
+    v = tl.minimum(tl.maximum(v, QMIN), QMAX)
+    q = ((v + ROUND_MAGIC) - ROUND_MAGIC).to(tl.int32)
+    if BITS == 4:
+        even, odd = tl.split(tl.reshape(q, [BLOCK_M, KP // 2, 2]))
+        packed = ((even & 0xF) | ((odd & 0xF) << 4)).to(tl.uint8)
+        c = tl.arange(0, KP // 2)
+        c_mask = row_mask[:, None] & (c < K // 2)[None, :]
+        tl.store(codes_ptr + rows[:, None] * (K // 2) + c[None, :], packed, mask=c_mask)
+    else:
+        c = tl.arange(0, KP)
+        c_mask = row_mask[:, None] & (c < K)[None, :]
+        tl.store(codes_ptr + rows[:, None] * K + c[None, :], tl.reshape(q, [BLOCK_M, KP]).to(tl.int8), mask=c_mask)
+
+
+def quantize_activation(
+    x: Tensor, left: Tensor | None, right: Tensor | None, clip: float, bits: int, group_size: int
+) -> tuple[Tensor, Tensor]:
+    """Launch :func:`_quantize_kernel` (arguments already validated by :mod:`loopq.kernels.ops`)."""
+    m, k = x.shape
+    codes = torch.empty(m, k // 2 if bits == 4 else k, dtype=torch.uint8 if bits == 4 else torch.int8, device=x.device)
+    scales = torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return codes, scales
+    x = x.contiguous()
+    has_transform = left is not None and right is not None
+    n1, n2 = (left.shape[0], right.shape[0]) if has_transform else (1, 1)
+    left = left.float().contiguous() if has_transform else x
+    right = right.float().contiguous() if has_transform else x
+    kp, n1p, n2p = (triton.next_power_of_2(n) for n in (k, n1, n2))
+    tile = n1p * n2p if has_transform else kp
+    block_m = max(1, min(triton.next_power_of_2(m), _tile_budget(x) // tile))
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    clip32 = float(torch.tensor(clip, dtype=torch.float32))
+    _quantize_kernel[(triton.cdiv(m, block_m),)](
+        x, left, right, codes, scales, m, clip32,
+        K=k, KP=kp, N1=n1, N2=n2, N1P=n1p, N2P=n2p, HAS_TRANSFORM=has_transform,
+        BITS=bits, QMIN=float(qmin), QMAX=float(qmax), BLOCK_M=block_m,
+        num_warps=8 if tile * block_m >= 4096 else 4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return codes, scales
+
+
+def _tile_budget(x: Tensor) -> int:
+    """fp32 elements per program: small on GPU (registers), larger in the CPU interpreter (numpy vectorisation)."""
+    return 4096 if x.is_cuda else 8192

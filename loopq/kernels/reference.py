@@ -1,0 +1,63 @@
+"""Pure-torch backend of the kernels: the CPU path and the oracle the Triton kernels are tested against.
+
+Both backends share one *defined* fp32 evaluation order, so their outputs are bit-identical rather than close:
+
+* transform ``Z = L^T X R`` (X the token viewed as ``[n1, n2]``): first ``XR = sum_j X[:, j] R[j, :]``, then
+  ``Z = sum_i L[i, :]^T XR[i, :]``, each a left-to-right chain of separate fp32 multiplies and adds starting
+  from zero (no FMA). ``kron_apply`` (a BLAS matmul) computes the same value in an unspecified order;
+* quantization is :func:`loopq.quant.primitives.quantize_codes` of the fp32 transformed token;
+* GEMM: per 32-element K group an exact integer dot (the int8 products summed in fp32 are integers below
+  2^24, hence exact), then ``acc = acc + dot * (s_a * s_w)`` in fp32, groups in order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from loopq.kernels.packing import pack_int4_unchecked, unpack_int4
+from loopq.quant.primitives import quantize_codes
+
+
+def kron_apply_ordered(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """``kron_apply(x, left, right)`` for fp32 rows ``x [M, n1 * n2]`` in the kernels' accumulation order."""
+    n1, n2 = left.shape[0], right.shape[0]
+    xm = x.reshape(-1, n1, n2)
+    xr = torch.zeros_like(xm)
+    for j in range(n2):
+        xr = xr + xm[:, :, j, None] * right[j]
+    z = torch.zeros_like(xm)
+    for i in range(n1):
+        z = z + left[i, :, None] * xr[:, i, None, :]
+    return z.reshape(x.shape)
+
+
+def quantize_activation(
+    x: Tensor, left: Tensor | None, right: Tensor | None, clip: float, bits: int, group_size: int
+) -> tuple[Tensor, Tensor]:
+    """Transform (if ``left``/``right`` are given) and quantize per token group; int4 codes come packed."""
+    z = x.float()
+    if left is not None and right is not None:
+        z = kron_apply_ordered(z, left.float(), right.float())
+    codes, scales = quantize_codes(z, bits, group_size, clip)
+    return (pack_int4_unchecked(codes) if bits == 4 else codes), scales
+
+
+def gemm(a_codes: Tensor, a_scales: Tensor, w_codes: Tensor, w_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``[M, K] x [N, K]^T`` from int8-stored codes and per-group scales ``[M, G]``, ``[N, G]``."""
+    groups = a_scales.shape[1]
+    a = a_codes.float().reshape(a_codes.shape[0], groups, -1)
+    w = w_codes.float().reshape(w_codes.shape[0], groups, -1)
+    sa, sw = a_scales.float(), w_scales.float()
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
+    for g in range(groups):
+        acc = acc + (a[:, g] @ w[:, g].T) * (sa[:, g, None] * sw[None, :, g])
+    return acc.to(out_dtype)
+
+
+def gemm_w4a4(a_packed: Tensor, a_scales: Tensor, w_packed: Tensor, w_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return gemm(unpack_int4(a_packed), a_scales, unpack_int4(w_packed), w_scales, out_dtype)
+
+
+def gemm_w4a8(a_int8: Tensor, a_scales: Tensor, w_packed: Tensor, w_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return gemm(a_int8, a_scales, unpack_int4(w_packed), w_scales, out_dtype)

@@ -1,0 +1,195 @@
+"""The fake-quant student on all three architectures: function preservation, LAS, SLT promotion, CTA, counts."""
+
+import pytest
+import torch
+
+from loopq.models import load_looplm
+from loopq.quant import (
+    QuantConfig,
+    QuantConfigError,
+    init_clipping_from_data,
+    looped_quant_groups,
+    prepare,
+    quant_groups,
+)
+from loopq.quant.accounting import parameter_report
+from loopq.quant.cta import TransitionAdapters, transition_adapter
+from loopq.quant.sharing_gap import SharingGapAccumulator, sharing_gap
+
+ARCHS = {"ouro": "ouro-tiny", "loopformer": "loopformer-tiny", "parcae": "parcae-tiny"}
+FP = {"w_bits": 16, "a_bits": 16}
+
+
+def ids_for(model, seed=0, length=16):
+    vocab = model.native_state_dict()[next(k for k in model.native_state_dict() if "wte" in k or "embed" in k)]
+    return torch.randint(0, vocab.shape[0], (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def teacher(request, fixtures):
+    return load_looplm(fixtures / ARCHS[request.param])
+
+
+def run(model, ids):
+    with torch.no_grad():
+        return model(ids, return_trajectory=True)
+
+
+def test_function_preserved_with_random_transforms_and_cta(teacher):
+    ids = ids_for(teacher)
+    student = prepare(teacher, QuantConfig(**FP, transform_init="random", cta=True))
+    ref, out = run(teacher, ids), run(student, ids)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(out.loop_states, ref.loop_states, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert len(quant_groups(student)) == len(teacher.linear_groups())
+
+
+def test_teacher_is_untouched_and_frozen(teacher):
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    student = prepare(teacher, QuantConfig())
+    assert all(isinstance(m, torch.nn.Module) for m in teacher.linear_groups().values())
+    assert not quant_groups(teacher)
+    assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+    trainable = [n for n, p in student.named_parameters() if p.requires_grad]
+    assert trainable and all(("transform" in n or "clip" in n or n.startswith("transition")) for n in trainable)
+
+
+def test_w4a4_is_finite_and_las_scales_differ_per_loop(teacher):
+    ids = ids_for(teacher)
+    student = prepare(teacher, QuantConfig(w_bits=4, a_bits=4, group_size=16, cta=False))
+    out = run(student, ids)
+    assert torch.isfinite(out.logits).all()
+    err = (out.logits - run(teacher, ids).logits).abs().mean()
+    assert err > 0
+    chosen = init_clipping_from_data(student, ids)
+    looped = set(looped_quant_groups(student))
+    per_loop = [r for name, r in chosen.items() if name in looped]
+    assert per_loop and all(len(r) == teacher.default_num_loops for r in per_loop)
+    assert any(len(set(r)) > 1 for r in per_loop), "LAS init should give loop-dependent clipping somewhere"
+    assert torch.isfinite(run(student, ids).logits).all()
+
+
+def test_promotion_leaves_output_unchanged(teacher):
+    ids = ids_for(teacher)
+    student = prepare(teacher, QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random"))
+    name = next(iter(looped_quant_groups(student)))
+    group = quant_groups(student)[name]
+    before = run(student, ids).logits
+    new = group.promote()
+    assert new and all(p.requires_grad for p in new)
+    torch.testing.assert_close(run(student, ids).logits, before, atol=0, rtol=0)
+    with torch.no_grad():  # the per-loop copies are now independent
+        group.loop_transforms[0].left.log_s.add_(0.1)
+    assert not torch.equal(run(student, ids).logits, before)
+
+
+def test_non_looped_groups_cannot_be_promoted(fixtures):
+    student = prepare(load_looplm(fixtures / "parcae-tiny"), QuantConfig())
+    outside = [n for n in quant_groups(student) if n not in set(looped_quant_groups(student))]
+    assert outside, "Parcae has prelude/coda groups outside the loop"
+    with pytest.raises(ValueError, match="only groups inside the loop"):
+        quant_groups(student)[outside[0]].promote()
+
+
+def test_parameter_counts_have_no_kronecker_or_per_loop_weight_copies(teacher):
+    cfg = QuantConfig(w_bits=4, a_bits=4, group_size=16, cta=True, cta_rank=8)
+    student = prepare(teacher, cfg)
+    T = teacher.default_num_loops
+    for name, group in quant_groups(student).items():
+        n1 = group.transform.left.log_s.numel()
+        n2 = group.transform.right.log_s.numel()
+        n = group.in_features
+        assert n1 * n2 == n
+        expected = 2 * n1 * n1 + n1 + 2 * n2 * n2 + n2 + n  # two factors (U, V, s) + diagonal
+        assert sum(p.numel() for p in group.transform.parameters()) == expected < n * n
+        assert all(b.data_ptr() == w.data_ptr() for b, w in zip(group.weights(), _teacher_weights(teacher, name)))
+    report = parameter_report(student)
+    las = T * len(looped_quant_groups(student))  # one c_{t,l} per loop; groups outside the loop are shared
+    dim = teacher.state_dim
+    assert report.loop_dependent == las + (T - 1) * (2 * dim + 8)
+    assert report.model == sum(p.numel() for p in teacher.parameters())
+    group = quant_groups(student)[next(iter(looped_quant_groups(student)))]
+    shared_before = report.shared
+    group.promote()
+    after = parameter_report(student)
+    moved = sum(p.numel() for p in group.transform.parameters()) + group.weight_clip.numel()
+    assert after.shared == shared_before - moved
+    assert after.loop_dependent == report.loop_dependent + T * moved
+
+
+def _teacher_weights(teacher, name):
+    return [lin.weight for lin in teacher.get_submodule(name).children()]
+
+
+def test_bad_config_names_the_key(fixtures):
+    with pytest.raises(QuantConfigError, match="quant.w_bits=3"):
+        QuantConfig(w_bits=3)
+    with pytest.raises(QuantConfigError, match="quant.a_bits"):
+        QuantConfig(a_bits=2)
+    with pytest.raises(QuantConfigError, match=r"quant.group_size=24 does not divide .* 64"):
+        prepare(load_looplm(fixtures / "ouro-tiny"), QuantConfig(group_size=24))
+    with pytest.raises(QuantConfigError, match="unknown keys"):
+        QuantConfig.from_dict({"w_bit": 4})
+
+
+def test_cta_by_hand():
+    h = torch.tensor([[3.0, 4.0]])  # rms = sqrt(12.5)
+    n = h / 12.5**0.5
+    a, b = torch.tensor([2.0, 0.5]), torch.tensor([0.1, -0.1])
+    u, v, eta = torch.tensor([[1.0], [0.0]]), torch.tensor([[1.0], [1.0]]), torch.tensor([0.5])
+    got = transition_adapter(h, a, b, eta, u, v, eps=0.0)
+    low_rank = 0.5 * (n[0, 0] + n[0, 1])  # (n V) * eta, then U^T puts it on feature 0
+    want = h + (a - 1) * n + b + torch.stack([low_rank, torch.tensor(0.0)])
+    torch.testing.assert_close(got, want)
+
+
+def test_cta_is_identity_at_init_and_reuses_last_adapter():
+    cta = TransitionAdapters(dim=8, num_loops=4, rank=2)
+    h = torch.randn(3, 8)
+    torch.testing.assert_close(cta(h, 0), h)
+    with torch.no_grad():
+        cta.b[2].fill_(1.0)
+    torch.testing.assert_close(cta(h, 5), cta(h, 2))
+
+
+def test_sharing_gap_by_hand():
+    phi = torch.tensor([[1.0, 2.0], [3.0, 2.0]])  # T = 2 loops, J = 2 coordinates
+    psi = torch.tensor([1.0, 4.0])
+    # Var_t: coord 0 -> mean 2, E[phi^2] = 5 -> var 1; coord 1 -> var 0. S = 1 / (1 + eps)
+    assert float(sharing_gap(phi, psi, eps=0.0)) == pytest.approx(1.0)
+    acc = SharingGapAccumulator()
+    acc.add(phi)
+    acc.add(phi)
+    # psi from the data: (sum_t phi)^2 = [16, 16]; S = 1 / 16
+    assert acc.score(eps=0.0) == pytest.approx(1 / 16)
+
+
+def test_probe_gradients_are_per_loop_parts_of_the_shared_gradient(fixtures):
+    teacher = load_looplm(fixtures / "ouro-tiny")
+    # unquantized (smooth) so that a finite difference can check the gradients; random transforms
+    student = prepare(teacher, QuantConfig(**FP, transform_init="random", cta=False))
+    ids = ids_for(teacher)
+    target = ids.roll(-1, dims=1)
+    group = next(iter(looped_quant_groups(student).values()))
+
+    def loss():
+        return torch.nn.functional.cross_entropy(student(ids).logits.flatten(0, 1), target.flatten())
+
+    group.start_probe()
+    loss().backward()
+    phi = group.probe_gradients()
+    assert phi.shape[0] == teacher.default_num_loops
+    assert not torch.allclose(phi[0], phi[1]), "loops pull the shared transform differently"
+    # directional derivative: moving the shared P1 by eps*E (same Delta in every loop) changes the loss by
+    # eps * sum_t <phi_t, E> - the per-loop gradients are the parts of the shared gradient
+    n1 = group.probe[0].shape[-1]
+    direction = torch.randn(n1, n1, generator=torch.Generator().manual_seed(3))
+    eps = 1e-3
+    with torch.no_grad():
+        base = loss()
+        group.probe = (group.probe[0].detach() + eps * direction, group.probe[1].detach())
+        moved = loss()
+    predicted = eps * (phi[:, : n1 * n1] * direction.flatten()).sum()
+    assert float(moved - base) == pytest.approx(float(predicted), rel=0.1, abs=1e-6)
+    group.stop_probe()
