@@ -87,14 +87,14 @@ def test_shape_mismatch_names_the_tensor(copy_of):
     cfg = json.loads((path / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(LoopLMError, match="mlp.*shape"):
+    with pytest.raises(LoopLMError, match=r"mlp.*shape"):
         load_looplm(path)
 
 
 def test_pickle_in_place_of_safetensors_is_refused(copy_of):
     path = copy_of("ouro-tiny")
     torch.save(read_copy(path / "model.safetensors"), path / "model.safetensors")
-    with pytest.raises(LoopLMError, match="cannot read as safetensors.*pickle"):
+    with pytest.raises(LoopLMError, match=r"cannot read as safetensors.*pickle"):
         load_looplm(path)
 
 
@@ -117,7 +117,7 @@ def test_torch_bin_is_read_weights_only(copy_of, tmp_path):
 def test_missing_directory_and_config(tmp_path):
     with pytest.raises(LoopLMError, match="not a directory"):
         load_looplm(tmp_path / "nope")
-    with pytest.raises(LoopLMError, match="no config.json"):
+    with pytest.raises(LoopLMError, match=r"no config.json"):
         load_looplm(tmp_path)
 
 
@@ -135,5 +135,5 @@ def test_tokenizers_load_from_shared_files(data):
 
 
 def test_missing_tokenizer_is_named(tmp_path):
-    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"no tokenizer.json"):
         load_tokenizer(tmp_path)

@@ -103,7 +103,9 @@ def test_parameter_counts_have_no_kronecker_or_per_loop_weight_copies(teacher):
         assert n1 * n2 == n
         expected = 2 * n1 * n1 + n1 + 2 * n2 * n2 + n2 + n  # two factors (U, V, s) + diagonal
         assert sum(p.numel() for p in group.transform.parameters()) == expected < n * n
-        assert all(b.data_ptr() == w.data_ptr() for b, w in zip(group.weights(), _teacher_weights(teacher, name)))
+        assert all(
+            b.data_ptr() == w.data_ptr() for b, w in zip(group.weights(), _teacher_weights(teacher, name), strict=True)
+        )
     report = parameter_report(student)
     las = T * len(looped_quant_groups(student))  # one c_{t,l} per loop; groups outside the loop are shared
     dim = teacher.state_dim
@@ -123,9 +125,9 @@ def _teacher_weights(teacher, name):
 
 
 def test_bad_config_names_the_key(fixtures):
-    with pytest.raises(QuantConfigError, match="quant.w_bits=3"):
+    with pytest.raises(QuantConfigError, match=r"quant.w_bits=3"):
         QuantConfig(w_bits=3)
-    with pytest.raises(QuantConfigError, match="quant.a_bits"):
+    with pytest.raises(QuantConfigError, match=r"quant.a_bits"):
         QuantConfig(a_bits=2)
     with pytest.raises(QuantConfigError, match=r"quant.group_size=24 does not divide .* 64"):
         prepare(load_looplm(fixtures / "ouro-tiny"), QuantConfig(group_size=24))
