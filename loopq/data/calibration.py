@@ -8,6 +8,7 @@ as the paper's ``hf:mit-han-lab/pile-val-backup:validation:text`` (needs hub acc
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import lightning as L
@@ -31,6 +32,12 @@ def load_hf_text(spec: str, max_docs: int) -> list[str]:
     if column not in ds.column_names:
         raise DataError(f"data.sources {spec!r}: no column {column!r} (has {ds.column_names})")
     return [row for row in ds[column][:max_docs] if row and row.strip()]
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenized(tokenizer: str, sources: tuple[str, ...], root: Path | None) -> Tensor:
+    """The token stream of the sources (cached per process: DDP ranks and repeated setups tokenize once)."""
+    return token_stream(load_calibration_docs(list(sources), root), load_tokenizer(tokenizer))
 
 
 def load_calibration_docs(sources: list[str], root: Path | None) -> list[str]:
@@ -73,8 +80,7 @@ class CalibrationDataModule(L.LightningDataModule):
             return
         hp = self.hparams
         root = Path(hp.root).expanduser() if hp.root else data_dir()
-        docs = load_calibration_docs(list(hp.sources or DEFAULT_CALIBRATION_SOURCES), root)
-        stream = token_stream(docs, load_tokenizer(hp.tokenizer))
+        stream = _tokenized(str(hp.tokenizer), tuple(hp.sources or DEFAULT_CALIBRATION_SOURCES), root)
         total = hp.num_samples + hp.holdout_samples
         windows = random_windows(stream, total, hp.seq_len, hp.seed, source="data.sources")
         if hp.vocab_size is not None:

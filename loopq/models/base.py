@@ -119,6 +119,8 @@ class LoopLM(nn.Module):
     arch: ClassVar[str] = ""
     #: glob patterns (fnmatch on module names) of modules that must never be quantized
     fp_module_patterns: ClassVar[tuple[str, ...]] = ()
+    #: per layer: RMSNorm (with a weight) -> the group whose input it produces (outlier/smoothing folds)
+    norm_feeds: ClassVar[dict[str, str]] = {}
     #: weights file name of the native format
     weights_name: ClassVar[str] = "model.safetensors"
 

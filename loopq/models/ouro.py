@@ -162,6 +162,7 @@ class OuroLM(LoopLM):
 
     arch = "ouro"
     fp_module_patterns = ("model.embed_tokens", "lm_head", "model.early_exit_gate", "*norm*")
+    norm_feeds = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.up_gate"}
 
     def __init__(self, config: OuroConfig) -> None:
         super().__init__(config)

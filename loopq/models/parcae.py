@@ -413,6 +413,7 @@ class ParcaeLM(LoopLM):
         "value_embeds.*",
         "*.ve_gate",
     )
+    norm_feeds = {"norm_1": "attn.qkv", "norm_2": "mlp.up"}
     rope_key = "freqs_cis"
 
     def __init__(self, config: ParcaeConfig) -> None:

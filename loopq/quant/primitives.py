@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SUPPORTED_BITS = (4, 8, 16)
+#: 4 and 8 are what the kernels run; 3 is fake-quant only (fragility sweeps); 16 means unquantized
+SUPPORTED_BITS = (3, 4, 8, 16)
 #: scales are floored at this value so all-zero groups quantize to 0 instead of NaN
 SCALE_EPS = 1e-8
 

@@ -1,0 +1,230 @@
+"""The embedded testbed: what the teacher's loops do, and how fragile it is under quantization.
+
+    python -m loopq.testbed --model loopq/assets/tiny-ouro --outliers-out loopq/assets/tiny-ouro-outliers
+
+measures, on WikiText-2 raw test (GPTQ protocol, 256-token windows): per-loop perplexity, the unigram
+perplexity of the same tokenizer (estimated on the training text), the P99 |activation| of each looped layer's
+inputs per loop (the paper's Figure-1 drift), and a fragility table - FP, RTN W4A8 / W4A4 g32 / W4A4 per-token /
+W3A3 g32 - with perplexity and relative loop-state error per loop. With ``--outliers-out`` it also writes the
+*stress* variant (see :func:`outlier_reparameterize`) and measures it the same way. Results go to
+``testbed.json`` + ``TESTBED.md`` in each model directory.
+
+The stress variant mimics the massive-activation channels of real LLMs while computing the *same* function:
+for every RMSNorm that feeds a quantized group (``norm_feeds`` of the architecture), ``channels`` fixed channels
+(seeded, the same in every layer, as in real LLMs) of the norm weight are multiplied by ``factor`` and the same
+input columns of the consuming linears are divided by it. ``factor`` is a power of two (32), so both scalings
+are exact in binary floating point and the FP logits are bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
+from loopq.data.tokenizer import load_tokenizer
+from loopq.eval.perplexity import perplexity, token_windows, wikitext2_stream
+from loopq.models import LoopLM, load_looplm
+from loopq.quant import QuantConfig, prepare
+
+SEQ_LEN = 256
+
+#: the fragility table's rows: plain symmetric RTN (no transforms, no learned clipping, no LoopQ parts)
+RTN_SETTINGS: dict[str, dict[str, int]] = {
+    "RTN W4A8 g32": {"w_bits": 4, "a_bits": 8, "group_size": 32},
+    "RTN W4A4 g32": {"w_bits": 4, "a_bits": 4, "group_size": 32},
+    "RTN W4A4 per-token": {"w_bits": 4, "a_bits": 4, "group_size": -1},
+    "RTN W3A3 g32": {"w_bits": 3, "a_bits": 3, "group_size": 32},
+}
+
+
+def rtn_config(w_bits: int, a_bits: int, group_size: int) -> QuantConfig:
+    """Plain symmetric round-to-nearest: every LoopQ component off."""
+    return QuantConfig(
+        w_bits=w_bits,
+        a_bits=a_bits,
+        group_size=group_size,
+        transforms=False,
+        learn_weight_clip=False,
+        learn_act_clip=False,
+        las=False,
+        slt_budget=0,
+        cta=False,
+    )
+
+
+@dataclass
+class OutlierSpec:
+    channels: list[int]
+    factor: float
+    seed: int
+
+
+def outlier_reparameterize(
+    model: LoopLM, channels: int = 4, factor: float = 32.0, seed: int = 0
+) -> tuple[LoopLM, OutlierSpec]:
+    """A function-preserving copy of ``model`` with ``channels`` massive-activation channels (see module doc)."""
+    if not model.norm_feeds:
+        raise ValueError(f"{model.arch}: no RMSNorm feeds a quantized group (norm_feeds is empty)")
+    dim = model.state_dim
+    chosen = sorted(torch.randperm(dim, generator=torch.Generator().manual_seed(seed))[:channels].tolist())
+    out = copy.deepcopy(model)
+    idx = torch.tensor(chosen)
+    with torch.no_grad():
+        for layer in out.loop_layers:
+            for norm_name, group_name in model.norm_feeds.items():
+                layer.get_submodule(norm_name).weight[idx] *= factor
+                for linear in layer.get_submodule(group_name).children():
+                    linear.weight[:, idx] /= factor
+    return out, OutlierSpec(chosen, factor, seed)
+
+
+def unigram_perplexity(train_ids: Tensor, test_ids: Tensor, vocab_size: int) -> float:
+    """Perplexity of an add-one-smoothed unigram model fitted on ``train_ids`` over ``test_ids``."""
+    counts = torch.bincount(train_ids, minlength=vocab_size).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return math.exp(-float(logp[test_ids].mean()))
+
+
+@torch.no_grad()
+def activation_p99(model: LoopLM, windows: Tensor) -> dict[str, list[float]]:
+    """P99 |x| of every looped group's input, per loop (the same physical layer seen by each loop)."""
+    records: dict[str, dict[int, Tensor]] = {}
+    handles = []
+    for name, group in model.linear_groups().items():
+        if name in set(model.looped_group_names()):
+
+            def hook(module: Any, args: tuple, name: str = name) -> None:
+                t = args[1]
+                records.setdefault(name, {})[t] = args[0].abs().flatten().float()
+
+            handles.append(group.register_forward_pre_hook(hook))
+    try:
+        model(windows)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: [float(torch.quantile(v[t][:1_000_000], 0.99)) for t in sorted(v)] for name, v in records.items()}
+
+
+@torch.no_grad()
+def state_errors(teacher: LoopLM, student: LoopLM, windows: Tensor) -> list[float]:
+    """Relative l2 error ||H~_t - H_t|| / ||H_t|| of every loop state."""
+    ref = teacher(windows, return_trajectory=True).loop_states
+    got = student(windows, return_trajectory=True).loop_states
+    return [float((g - r).norm() / r.norm()) for g, r in zip(got, ref, strict=True)]
+
+
+def fragility(model: LoopLM, stream: Tensor, probe: Tensor) -> dict[str, dict[str, Any]]:
+    """FP and plain RTN rows: last-loop ppl, per-loop ppl and per-loop relative state error."""
+    rows: dict[str, dict[str, Any]] = {}
+    fp = perplexity(model, stream, SEQ_LEN, batch_size=8, per_loop=True)
+    rows["FP"] = {"ppl": fp.ppl, "per_loop_ppl": list(fp.per_loop), "state_error": [0.0] * len(fp.per_loop)}
+    for name, setting in RTN_SETTINGS.items():
+        student = prepare(model, rtn_config(**setting)).eval()
+        res = perplexity(student, stream, SEQ_LEN, batch_size=8, per_loop=True)
+        rows[name] = {
+            "ppl": res.ppl,
+            "per_loop_ppl": list(res.per_loop),
+            "state_error": state_errors(model, student, probe),
+        }
+    return rows
+
+
+def training_token_ids(tokenizer: Tokenizer) -> Tensor:
+    docs = read_training_text(resolve_sources(list(DEFAULT_TRAINING_SOURCES)))
+    return torch.tensor([i for enc in tokenizer.encode_batch(docs) for i in enc.ids])
+
+
+def measure(model_dir: Path, tokenizer: Tokenizer, model: LoopLM | None = None) -> dict[str, Any]:
+    model = model or load_looplm(model_dir)
+    stream = torch.tensor(wikitext2_stream(tokenizer))
+    probe = token_windows(stream, SEQ_LEN)[:8]
+    vocab = tokenizer.get_vocab_size()
+    table = fragility(model, stream, probe)
+    fp_loops = table["FP"]["per_loop_ppl"]
+    return {
+        "wikitext2_windows": int(stream.numel() // SEQ_LEN),
+        "seq_len": SEQ_LEN,
+        "unigram_ppl": unigram_perplexity(training_token_ids(tokenizer), stream, vocab),
+        "last_over_first_loop_ppl": fp_loops[-1] / fp_loops[0],
+        "activation_p99": activation_p99(model, probe),
+        "fragility": table,
+    }
+
+
+def markdown(name: str, result: dict[str, Any], extra: str = "") -> str:
+    lines = [
+        f"# {name}: testbed record",
+        "",
+        extra,
+        "",
+        "Measured by `python -m loopq.testbed` (WikiText-2 raw test, "
+        f"{result['wikitext2_windows']} windows x {result['seq_len']} tokens, GPTQ protocol).",
+        "",
+    ]
+    lines += [f"- unigram perplexity (same tokenizer, fitted on the training text): {result['unigram_ppl']:.1f}"]
+    lines += [f"- last-loop / loop-1 FP perplexity: {result['last_over_first_loop_ppl']:.3f}", ""]
+    loops = len(result["fragility"]["FP"]["per_loop_ppl"])
+    head = "| setting | ppl | " + " | ".join(f"ppl loop {t + 1}" for t in range(loops))
+    head += " | " + " | ".join(f"err loop {t + 1}" for t in range(loops)) + " |"
+    lines += [head, "|" + "---|" * (2 + 2 * loops)]
+    for setting, row in result["fragility"].items():
+        cells = (
+            [f"{row['ppl']:.1f}"] + [f"{p:.1f}" for p in row["per_loop_ppl"]] + [f"{e:.3f}" for e in row["state_error"]]
+        )
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    lines += ["", "P99 |input| of each looped group per loop (loop-dependent drift, paper Fig. 1):", ""]
+    lines += ["| group | " + " | ".join(f"loop {t + 1}" for t in range(loops)) + " |", "|" + "---|" * (1 + loops)]
+    for group, values in result["activation_p99"].items():
+        lines.append(f"| {group} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(model_dir: Path, name: str, result: dict[str, Any], extra: str = "") -> None:
+    (model_dir / "testbed.json").write_text(json.dumps(result, indent=2) + "\n")
+    (model_dir / "TESTBED.md").write_text(markdown(name, result, extra))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", type=Path, required=True, help="model directory (config.json, weights, tokenizer.json)"
+    )
+    parser.add_argument("--outliers-out", type=Path, help="also write and measure the stress variant here")
+    parser.add_argument("--channels", type=int, default=4)
+    parser.add_argument("--factor", type=float, default=32.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(args.model)
+    teacher = load_looplm(args.model)
+    result = measure(args.model, tokenizer, teacher)
+    write(args.model, args.model.name, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "activation_p99"}, indent=1))
+    if args.outliers_out:
+        stressed, spec = outlier_reparameterize(teacher, args.channels, args.factor, args.seed)
+        stressed.save_pretrained(args.outliers_out)
+        tokenizer.save(str(args.outliers_out / "tokenizer.json"))
+        note = (
+            f"Stress variant of `{args.model}`: channels {spec.channels} of every RMSNorm in `norm_feeds` "
+            f"multiplied by {spec.factor:g}, the consuming input columns divided by it (seed {spec.seed}; "
+            f"`python -m loopq.testbed --model {args.model} --outliers-out {args.outliers_out}`)."
+        )
+        res = measure(args.outliers_out, tokenizer, stressed)
+        res["outliers"] = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
+        write(args.outliers_out, args.outliers_out.name, res, note)
+        print(json.dumps({k: v for k, v in res.items() if k != "activation_p99"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Calibration/pretraining data: determinism, no benchmark leakage, bad input."""
+
+import pytest
+import torch
+
+from loopq.data.calibration import CalibrationDataModule
+from loopq.data.stream import check_vocab, random_windows, token_stream
+from loopq.data.text import (
+    DEFAULT_CALIBRATION_SOURCES,
+    DEFAULT_TRAINING_SOURCES,
+    DataError,
+    is_eval_only,
+    lambada_test,
+    read_training_text,
+    resolve_sources,
+    wikitext2_test,
+)
+
+SMOL = "tokenizers/smollm2"
+
+
+def module(data, **kw):
+    args = {"tokenizer": str(data / SMOL), "num_samples": 16, "seq_len": 64, "batch_size": 4, "holdout_samples": 2}
+    return CalibrationDataModule(**{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def calib(data):
+    dm = module(data, seed=7)
+    dm.setup()
+    return dm
+
+
+def batches(dm):
+    return [b[1] for b in dm.train_dataloader()]
+
+
+def test_samples_have_the_requested_shape_and_are_real_text(calib, data):
+    assert calib.samples.shape == (16, 64) and calib.holdout.shape == (2, 64)
+    from loopq.data.tokenizer import load_tokenizer
+
+    text = load_tokenizer(data / SMOL).decode(calib.samples[0].tolist())
+    assert sum(c.isalpha() for c in text) > 100
+
+
+def test_same_seed_same_batches_other_seed_other_samples(calib, data):
+    again = module(data, seed=7)
+    again.setup()
+    assert torch.equal(again.samples, calib.samples)
+    assert all(torch.equal(a, b) for a, b in zip(batches(again), batches(calib), strict=True))
+    other = module(data, seed=8)
+    other.setup()
+    assert not torch.equal(other.samples, calib.samples)
+
+
+def test_default_sources_hold_no_evaluation_split(data):
+    for sources in (DEFAULT_CALIBRATION_SOURCES, DEFAULT_TRAINING_SOURCES):
+        files = resolve_sources(list(sources), data)
+        assert files and not any(is_eval_only(f) for f in files)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "wikitext2/wiki.test.raw",
+        "wikitext2/wiki.test.tokens",
+        "lambada/lambada_test.jsonl",
+        "arc/ARC-Challenge-Test.jsonl",
+    ],
+)
+def test_evaluation_splits_are_refused(data, source):
+    with pytest.raises(DataError, match="evaluation split"):
+        module(data, sources=[source]).setup()
+
+
+def test_eval_readers_read_the_real_files(data):
+    assert wikitext2_test(data).count("\n") == 4358
+    passages = lambada_test(data)
+    assert len(passages) == 5153 and all(p.strip() for p in passages[:10])
+
+
+def test_missing_empty_and_short_sources(data, tmp_path):
+    with pytest.raises(DataError, match=r"no file at .*nothing\.txt"):
+        module(data, sources=[str(tmp_path / "nothing.txt")]).setup()
+    (tmp_path / "empty.txt").write_text("   \n")
+    with pytest.raises(DataError, match=r"empty\.txt: empty"):
+        module(data, sources=[str(tmp_path / "empty.txt")]).setup()
+    (tmp_path / "short.txt").write_text("Only a few words here.")
+    with pytest.raises(DataError, match=r"shorter than one sample of seq_len=64"):
+        module(data, sources=[str(tmp_path / "short.txt")]).setup()
+
+
+def test_vocab_mismatch_names_the_tokenizer_key(data):
+    with pytest.raises(DataError, match=r"data.tokenizer: produces token id .* vocab_size is 128"):
+        module(data, vocab_size=128).setup()
+    check_vocab(torch.tensor([[0, 127]]), 128)
+
+
+def test_jsonl_source_and_bad_jsonl(data, tmp_path):
+    good = tmp_path / "docs.jsonl"
+    good.write_text('{"text": "' + "word " * 200 + '"}\n{"text": "more text"}\n')
+    assert len(read_training_text([good])) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: expected a JSON object with a 'text' field"):
+        read_training_text([bad])
+
+
+def test_random_windows_are_windows_of_the_stream():
+    stream = torch.arange(1000)
+    w = random_windows(stream, 5, 10, seed=0)
+    assert torch.equal(w[:, 1:] - w[:, :-1], torch.ones(5, 9, dtype=torch.long))
+
+
+def test_token_stream_separates_documents_with_eos(data):
+    from loopq.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data / SMOL)
+    stream = token_stream(["a b", "c"], tok)
+    assert (stream == 0).sum() == 2 and stream[-1] == 0
