@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +162,10 @@ class OuroLM(LoopLM):
 
     arch = "ouro"
     fp_module_patterns = ("model.embed_tokens", "lm_head", "model.early_exit_gate", "*norm*")
-    norm_feeds = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.up_gate"}
+    norm_feeds: ClassVar[dict[str, str]] = {
+        "input_layernorm": "self_attn.qkv_proj",
+        "post_attention_layernorm": "mlp.up_gate",
+    }
 
     def __init__(self, config: OuroConfig) -> None:
         super().__init__(config)

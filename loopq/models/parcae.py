@@ -52,7 +52,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -413,7 +413,7 @@ class ParcaeLM(LoopLM):
         "value_embeds.*",
         "*.ve_gate",
     )
-    norm_feeds = {"norm_1": "attn.qkv", "norm_2": "mlp.up"}
+    norm_feeds: ClassVar[dict[str, str]] = {"norm_1": "attn.qkv", "norm_2": "mlp.up"}
     rope_key = "freqs_cis"
 
     def __init__(self, config: ParcaeConfig) -> None:
