@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from loopq.data.sampler import CalibrationSampler
 from loopq.data.stream import check_vocab, random_windows, token_stream
 from loopq.data.text import DEFAULT_CALIBRATION_SOURCES, DataError, read_training_text, resolve_sources
 from loopq.data.tokenizer import load_tokenizer
@@ -88,13 +89,24 @@ class CalibrationDataModule(L.LightningDataModule):
         self.samples, self.holdout = windows[: hp.num_samples], windows[hp.num_samples :]
 
     def train_dataloader(self) -> DataLoader:
-        assert self.samples is not None, "call setup() first"
-        gen = torch.Generator().manual_seed(self.hparams.seed)
+        """Batches of (sample index, token ids); the order is resumable and world-size invariant.
+
+        ``batch_size`` is per process; under a Trainer the sampler covers steps ``global_step .. max_steps``
+        (so a resumed run continues the exact sample order), standalone it covers one pass.
+        """
+        if self.samples is None:
+            raise RuntimeError("CalibrationDataModule.setup() must run before train_dataloader()")
+        bs = self.hparams.batch_size
+        trainer = self.trainer
+        if trainer is not None and trainer.max_steps > 0:
+            total, start = trainer.max_steps, trainer.global_step
+            rank, world = trainer.global_rank, trainer.world_size
+        else:
+            total, start, rank, world = -(-len(self.samples) // bs), 0, 0, 1
+        sampler = CalibrationSampler(len(self.samples), bs, total, self.hparams.seed, rank, world, start)
         return DataLoader(
             TensorDataset(torch.arange(len(self.samples)), self.samples),
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=gen,
+            batch_size=bs,
+            sampler=sampler,
             num_workers=self.hparams.num_workers,
-            drop_last=False,
         )

@@ -23,8 +23,9 @@ batch-invariant Parcae numbers.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,13 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 from torch import Tensor
+from tqdm import tqdm
 
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.models.base import LoopLM, LoopLMError
 from loopq.models.io import load_looplm
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,6 +78,15 @@ def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[value]
 
 
+def _available(device: str | torch.device) -> torch.device:
+    """``device``, or CPU when it names CUDA on a machine without it (lm-eval's CLI defaults to ``cuda:0``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        logger.warning("device %s requested but CUDA is not available; evaluating on cpu", device)
+        return torch.device("cpu")
+    return device
+
+
 @register_model("loopq")
 class LoopQLM(TemplateLM):
     """lm-eval ``LM`` over a looped LM; ``pretrained`` is a model directory or an in-memory :class:`LoopLM`.
@@ -98,7 +111,7 @@ class LoopQLM(TemplateLM):
         self.model = self._resolve_model(pretrained, _dtype(dtype))
         self.tokenizer = self._resolve_tokenizer(tokenizer, pretrained)
         if device is not None:
-            self.model.to(device)
+            self.model.to(_available(device))
         self.num_loops = None if num_loops in (None, "", "None") else _positive_int("num_loops", num_loops)
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_length = _positive_int("max_length", max_length)
@@ -143,10 +156,6 @@ class LoopQLM(TemplateLM):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @property
-    def tokenizer_name(self) -> str:
-        return "loopq-tokenizer"
-
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         """Plain encoding, no BOS/EOS added (as HFLM does for causal models by default)."""
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)).ids
@@ -161,26 +170,27 @@ class LoopQLM(TemplateLM):
         logits = self.model(batch.to(self.device), num_loops=self.num_loops).logits
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def score_pairs(self, pairs: Sequence[TokenPair]) -> list[tuple[float, bool]]:
+    def score_pairs(self, pairs: Sequence[TokenPair], progress: bool = False) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, greedy match) per (context, continuation) pair; see module docstring."""
         inputs = []
         for context, continuation in pairs:
             if not context or not continuation:
                 raise ValueError("each request needs at least one context and one continuation token")
             if len(continuation) > self.max_length:
-                raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length={self.max_length}")
+                raise ValueError(
+                    f"continuation of {len(continuation)} tokens exceeds max_length={self.max_length}; "
+                    "raise model_args max_length"
+                )
             inputs.append((context + continuation)[-(self.max_length + 1) :])
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-        for batch in self._batches(range(len(inputs)), key=lambda i: -len(inputs[i])):
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        starts = range(0, len(order), self.batch_size)
+        for start in tqdm(starts, desc="loopq scoring", unit="batch", disable=not progress):
+            batch = order[start : start + self.batch_size]
             logp = self.log_probs(self._pad([inputs[i][:-1] for i in batch]))
             for row, i in enumerate(batch):
                 results[i] = _continuation_score(logp[row], inputs[i], len(pairs[i][1]))
         return results
-
-    def _batches(self, indices: Iterable[int], key: Any) -> Iterable[list[int]]:
-        order = sorted(indices, key=key)
-        for start in range(0, len(order), self.batch_size):
-            yield order[start : start + self.batch_size]
 
     def _pad(self, rows: Sequence[Sequence[int]]) -> Tensor:
         width = max(len(r) for r in rows)
@@ -192,7 +202,7 @@ class LoopQLM(TemplateLM):
     def _loglikelihood_tokens(
         self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        results = self.score_pairs([(ctx, cont) for _, ctx, cont in requests])
+        results = self.score_pairs([(ctx, cont) for _, ctx, cont in requests], progress=not disable_tqdm)
         for (key, _, _), result in zip(requests, results, strict=True):
             self.cache_hook.add_partial("loglikelihood", key, result)
         return results
@@ -205,7 +215,7 @@ class LoopQLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         per_doc = [self.rolling_windows(self.tok_encode(req.args[0])) for req in requests]
         flat = [w for windows in per_doc for w in windows]
-        scores = iter(score for score, _ in self.score_pairs(flat))
+        scores = iter(score for score, _ in self.score_pairs(flat, progress=not disable_tqdm))
         totals = [sum(next(scores) for _ in windows) for windows in per_doc]
         for req, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)

@@ -471,7 +471,10 @@ class ParcaeLM(LoopLM):
         ctx["e"] = x
         want = (b, s, c.recurrent_embedding_dimension)
         if h0 is None:
-            return self.initial_state(want, 0 if seed is None else seed).to(device=x.device, dtype=x.dtype), ctx
+            # one draw per position over the whole RoPE length, shared by the batch: every sequence's state depends
+            # only on (seed, position), so results do not depend on batch composition or sequence length
+            table = self.initial_state((c.rope_length, c.recurrent_embedding_dimension), 0 if seed is None else seed)
+            return table[:s].expand(want).to(device=x.device, dtype=x.dtype), ctx
         if not isinstance(h0, Tensor) or tuple(h0.shape) != want:
             got = tuple(h0.shape) if isinstance(h0, Tensor) else type(h0).__name__
             raise LoopLMError(

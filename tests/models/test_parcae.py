@@ -234,3 +234,14 @@ def test_recurrent_width_differs_from_n_embd(fixtures):
     with torch.no_grad():
         out = model(torch.zeros(1, 4, dtype=torch.long), return_trajectory=True)
     assert out.loop_states[0].shape == (1, 4, 96) and out.logits.shape == (1, 4, 256)
+
+
+def test_seeded_state_does_not_depend_on_batch_composition(fixtures):
+    model = load_looplm(fixtures / "parcae-tiny")
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        batched = model(ids, seed=3).logits
+        alone = model(ids[1:2], seed=3).logits
+        prefix = model(ids[1:2, :12], seed=3).logits
+    torch.testing.assert_close(batched[1:2], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone[:, :12], prefix, atol=1e-5, rtol=1e-5)  # causal: a prefix scores the same

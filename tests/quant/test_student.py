@@ -125,8 +125,8 @@ def _teacher_weights(teacher, name):
 
 
 def test_bad_config_names_the_key(fixtures):
-    with pytest.raises(QuantConfigError, match=r"quant.w_bits=3"):
-        QuantConfig(w_bits=3)
+    with pytest.raises(QuantConfigError, match=r"quant.w_bits=5"):
+        QuantConfig(w_bits=5)
     with pytest.raises(QuantConfigError, match=r"quant.a_bits"):
         QuantConfig(a_bits=2)
     with pytest.raises(QuantConfigError, match=r"quant.group_size=24 does not divide .* 64"):

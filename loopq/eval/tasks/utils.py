@@ -42,13 +42,14 @@ def _dataset(**splits: list[dict[str, Any]]) -> datasets.DatasetDict:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 # --------------------------------------------------------------------------------------------------- HellaSwag
 def read_hellaswag(path: Path) -> list[dict[str, Any]]:
     """llama.cpp's 6-line records: ``activity_label: ctx``, gold index, 4 endings (already tag-cleaned)."""
-    lines = bz2.open(path, "rt", encoding="utf-8").read().splitlines()
+    with bz2.open(path, "rt", encoding="utf-8") as handle:
+        lines = handle.read().rstrip("\n").split("\n")
     if len(lines) % 6:
         raise DataError(f"{path}: {len(lines)} lines is not a multiple of 6 (context, label, 4 endings per item)")
     return [
@@ -57,7 +58,17 @@ def read_hellaswag(path: Path) -> list[dict[str, Any]]:
 
 
 def load_hellaswag(**_: Any) -> datasets.DatasetDict:
-    return _dataset(validation=read_hellaswag(data_file(HELLASWAG_FILE)))
+    """HellaSwag validation with the stock ``process_docs`` fields (``query``, ``choices``, ``gold``)."""
+    return _dataset(validation=[process_hellaswag(doc) for doc in read_hellaswag(data_file(HELLASWAG_FILE))])
+
+
+def process_hellaswag(doc: dict[str, Any]) -> dict[str, Any]:
+    """The stock fields through the stock ``preprocess``, after restoring ``ctx_b``'s capital letter."""
+    return {
+        "query": hellaswag_preprocess(capitalize_ctx_b(doc["text"])),
+        "choices": [hellaswag_preprocess(ending) for ending in doc["endings"]],
+        "gold": doc["label"],
+    }
 
 
 def capitalize_ctx_b(text: str) -> str:
@@ -71,19 +82,6 @@ def capitalize_ctx_b(text: str) -> str:
         return text
     fragment = _SENTENCE_END.split(text)[-1]
     return text[: len(text) - len(fragment)] + fragment.capitalize()
-
-
-def process_hellaswag(dataset: datasets.Dataset) -> datasets.Dataset:
-    """Stock fields ``query``/``choices``/``gold``, through the stock ``preprocess``."""
-
-    def one(doc: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "query": hellaswag_preprocess(capitalize_ctx_b(doc["text"])),
-            "choices": [hellaswag_preprocess(ending) for ending in doc["endings"]],
-            "gold": doc["label"],
-        }
-
-    return dataset.map(one)
 
 
 # --------------------------------------------------------------------------------------------------- WinoGrande
