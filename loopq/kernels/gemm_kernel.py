@@ -4,8 +4,9 @@ Each program owns a ``BLOCK_M x BLOCK_N`` tile and walks K one 32-element group 
 group's int4 nibbles to int8 (sign extension ``(n ^ 8) - 8``), restores the natural K order by interleaving the
 low (even k) and high (odd k) halves with ``tl.join`` + ``tl.reshape``, and issues one int8 ``tl.dot`` of depth
 32 with int32 accumulation (the smallest 8-bit tensor-core dot). The exact integer group sum is then scaled in
-fp32, ``acc += dot * (s_a[m, g] * s_w[n, g])``, in the reference's order (:mod:`loopq.kernels.reference`).
-W4A8 activations are read as even/odd halves and interleaved the same way, so both operands share one layout.
+fp32, ``acc += dot * (s_a[m, g] * s_w[n, g])``, in the reference's order (:mod:`loopq.kernels.reference`) and
+without FMA contraction, so the result matches the torch backend bit for bit.
+W4A8 activations are int8 in natural K order already and are loaded as is.
 """
 
 from __future__ import annotations
@@ -43,25 +44,24 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may exceed 2^31
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_mask, n_mask = rm < M, rn < N
-    t = tl.arange(0, 16)  # byte (int4) or k-pair (int8) index inside a group
     groups = K // 32
+    if A_INT4:
+        a_ptrs = a_ptr + rm[:, None] * (K // 2) + tl.arange(0, 16)[None, :]  # a group's 16 bytes
+    else:
+        a_ptrs = a_ptr + rm[:, None] * K + tl.arange(0, 32)[None, :]  # a group's 32 codes
+    w_ptrs = w_ptr + rn[:, None] * (K // 2) + tl.arange(0, 16)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(groups):
         if A_INT4:
-            a_bytes = tl.load(a_ptr + rm[:, None] * (K // 2) + g * 16 + t[None, :], mask=m_mask[:, None], other=0)
-            a_even, a_odd = _unpack_int4(a_bytes)
+            a_even, a_odd = _unpack_int4(tl.load(a_ptrs + g * 16, mask=m_mask[:, None], other=0))
+            a = _interleave(a_even, a_odd, BLOCK_M)
         else:
-            a_pairs = a_ptr + rm[:, None] * K + g * 32 + 2 * t[None, :]
-            a_even = tl.load(a_pairs, mask=m_mask[:, None], other=0)
-            a_odd = tl.load(a_pairs + 1, mask=m_mask[:, None], other=0)
-        w_bytes = tl.load(w_ptr + rn[:, None] * (K // 2) + g * 16 + t[None, :], mask=n_mask[:, None], other=0)
-        w_even, w_odd = _unpack_int4(w_bytes)
-        a = _interleave(a_even, a_odd, BLOCK_M)
-        w = _interleave(w_even, w_odd, BLOCK_N)
-        dot = tl.dot(a, tl.trans(w), out_dtype=tl.int32)
+            a = tl.load(a_ptrs + g * 32, mask=m_mask[:, None], other=0)
+        w_even, w_odd = _unpack_int4(tl.load(w_ptrs + g * 16, mask=n_mask[:, None], other=0))
+        dot = tl.dot(a, tl.trans(_interleave(w_even, w_odd, BLOCK_N)), out_dtype=tl.int32)
         sa = tl.load(sa_ptr + rm * groups + g, mask=m_mask, other=0.0).to(tl.float32)
         sw = tl.load(sw_ptr + rn * groups + g, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc + dot.to(tl.float32) * (sa[:, None] * sw[None, :])
@@ -78,12 +78,23 @@ def gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
+    # register-checked on sm_80/sm_90 (no spills); 32-wide N blocks give decode (M <= 16) more programs
     block_m = min(128, max(16, triton.next_power_of_2(m)))
-    block_n = 128 if n > 64 and a.is_cuda else 64
+    block_n = 32 if block_m == 16 and a.is_cuda else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gemm_kernel[grid](
-        a.contiguous(), a_scales.contiguous(), w_packed.contiguous(), w_scales.contiguous(), out, m, n, k,
-        A_INT4=a_int4, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
-    )  # fmt: skip
+        a.contiguous(),
+        a_scales.contiguous(),
+        w_packed.contiguous(),
+        w_scales.contiguous(),
+        out,
+        m,
+        n,
+        k,
+        A_INT4=a_int4,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=8 if block_m == 128 else 4,
+        enable_fp_fusion=False,  # acc + dot * s rounded like the torch reference (no FMA)
+    )
     return out
-

@@ -134,11 +134,15 @@ def _check_gemm(
         raise ValueError(f"{a_name} has K={k} but w_packed has K={2 * w_packed.shape[1]}; quantize the same input dim")
     m, n, groups = a.shape[0], w_packed.shape[0], w_scales.shape[1]
     if groups == 0 or k % groups or a_scales.shape[1] != groups:
-        raise ValueError(f"a_scales {tuple(a_scales.shape)} and w_scales {tuple(w_scales.shape)} must both have "
-                         f"K/group_size columns with K={k}; quantize both with the same group_size")  # fmt: skip
+        raise ValueError(
+            f"a_scales {tuple(a_scales.shape)} and w_scales {tuple(w_scales.shape)} must both have "
+            f"K/group_size columns with K={k}; quantize both with the same group_size"
+        )
     if a_scales.shape[0] != m or w_scales.shape[0] != n:
-        raise ValueError(f"a_scales needs one row per token and w_scales one per output row (got "
-                         f"{tuple(a_scales.shape)}, {tuple(w_scales.shape)} for M={m}, N={n})")  # fmt: skip
+        raise ValueError(
+            f"a_scales needs one row per token and w_scales one per output row (got "
+            f"{tuple(a_scales.shape)}, {tuple(w_scales.shape)} for M={m}, N={n})"
+        )
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype}: use one of {[str(d) for d in FLOAT_DTYPES]}")
     devices = {t.device for t in (a, a_scales, w_packed, w_scales)}

@@ -1,12 +1,14 @@
 """Triton kernel #1: fused online Kronecker transform + per-token group quantization + int4 packing.
 
-One program quantizes ``BLOCK_M`` tokens end to end in registers:
+One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the compaction of step 1:
 
 1. transform (optional): ``XR = X R`` by loading columns of X from memory, then ``Z = L^T XR`` by pulling rows of
    XR out of registers with a masked sum (exact: one value plus zeros). Both follow the reference order of
    :mod:`loopq.kernels.reference` with separate fp32 multiplies and adds; the launch disables FMA contraction
    (``enable_fp_fusion=False``) so the GPU rounds like torch. ``n1``/``n2`` are padded to powers of two; when
-   ``n2`` is not one (e.g. K = 5632 = 64 x 88), a ``tl.gather`` compacts the padded rows back into K order.
+   ``n2`` is not one (e.g. K = 5632 = 64 x 88) the padded rows are compacted back into K order through an fp32
+   scratch row in global memory (store, CTA barrier, reload). ``tl.gather`` would avoid the round trip but
+   lowers to ~130k warp shuffles per token at K = 5632.
 2. per 32-element group: ``s = max(clip * absmax / q_max, 1e-8)`` with IEEE division (``div_rn``; plain ``/``
    is approximate on NVIDIA GPUs);
 3. codes = round-half-to-even of ``clamp(x / s, q_min, q_max)``, written by hand without libdevice:
@@ -41,6 +43,7 @@ def _transform_tokens(
     x_ptr,
     left_ptr,
     right_ptr,
+    scratch_ptr,
     rows,
     row_mask,
     K: tl.constexpr,
@@ -65,12 +68,13 @@ def _transform_tokens(
         xr_i = tl.sum(tl.where((a == i)[None, :, None], xr, 0.0), axis=1)  # XR[m, i, :]
         l_row = tl.load(left_ptr + i * N1 + a, mask=a < N1, other=0.0)  # L[i, :]
         z = z + l_row[None, :, None] * xr_i[:, None, :]
-    flat = tl.reshape(z, [BLOCK_M, N1P * N2P])
-    if N2P != N2:
-        k = tl.arange(0, KP)
-        src = tl.where(k < K, (k // N2) * N2P + k % N2, 0)
-        flat = tl.gather(flat, tl.broadcast_to(src[None, :], [BLOCK_M, KP]), axis=1)
-    return flat
+    if N2P == N2:  # padding only after the last row: already in K order
+        return tl.reshape(z, [BLOCK_M, KP])
+    a3, b3 = a[None, :, None], b[None, None, :]
+    z_mask = row_mask[:, None, None] & (a3 < N1) & (b3 < N2)
+    tl.store(scratch_ptr + rows[:, None, None] * K + a3 * N2 + b3, z, mask=z_mask)
+    tl.debug_barrier()  # the reload reads other threads' stores
+    return _load_tokens(scratch_ptr, rows, row_mask, K, KP)
 
 
 @triton.jit
@@ -78,6 +82,7 @@ def _quantize_kernel(
     x_ptr,
     left_ptr,
     right_ptr,
+    scratch_ptr,
     codes_ptr,
     scales_ptr,
     M,
@@ -94,10 +99,10 @@ def _quantize_kernel(
     QMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may exceed 2^31
     row_mask = rows < M
     if HAS_TRANSFORM:
-        z = _transform_tokens(x_ptr, left_ptr, right_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M)
+        z = _transform_tokens(x_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M)
     else:
         z = _load_tokens(x_ptr, rows, row_mask, K, KP)
 
@@ -138,16 +143,34 @@ def quantize_activation(
     left = left.float().contiguous() if has_transform else x
     right = right.float().contiguous() if has_transform else x
     kp, n1p, n2p = (triton.next_power_of_2(n) for n in (k, n1, n2))
+    scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if has_transform and n2p != n2 else x
     tile = n1p * n2p if has_transform else kp
     block_m = max(1, min(triton.next_power_of_2(m), _tile_budget(x) // tile))
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     clip32 = float(torch.tensor(clip, dtype=torch.float32))
     _quantize_kernel[(triton.cdiv(m, block_m),)](
-        x, left, right, codes, scales, m, clip32,
-        K=k, KP=kp, N1=n1, N2=n2, N1P=n1p, N2P=n2p, HAS_TRANSFORM=has_transform,
-        BITS=bits, QMIN=float(qmin), QMAX=float(qmax), BLOCK_M=block_m,
-        num_warps=8 if tile * block_m >= 4096 else 4, enable_fp_fusion=False,
-    )  # fmt: skip
+        x,
+        left,
+        right,
+        scratch,
+        codes,
+        scales,
+        m,
+        clip32,
+        K=k,
+        KP=kp,
+        N1=n1,
+        N2=n2,
+        N1P=n1p,
+        N2P=n2p,
+        HAS_TRANSFORM=has_transform,
+        BITS=bits,
+        QMIN=float(qmin),
+        QMAX=float(qmax),
+        BLOCK_M=block_m,
+        num_warps=8 if tile * block_m >= 4096 else 4,
+        enable_fp_fusion=False,
+    )
     return codes, scales
 
 

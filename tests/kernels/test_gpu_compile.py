@@ -1,0 +1,34 @@
+"""The kernels compile for real NVIDIA targets (PTX + ptxas, no GPU needed), with the properties bit-exactness
+relies on: no FMA contraction and IEEE division in the quantizer, int8 tensor-core dots in the GEMM.
+
+The interpreter accepts programs the GPU compiler rejects (and vice versa), so this catches GPU-only breakage.
+It runs in a subprocess because this test session has TRITON_INTERPRET=1.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_for_nvidia(arch, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "0", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "tests.kernels.gpu_compile", str(arch)]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    quant, gemm = [s for s in lines if s.startswith("quantize")], [s for s in lines if s.startswith("gemm")]
+    assert len(quant) == 3 and len(gemm) == 2
+    assert all(re.search(r"fma 0 div.rn [1-9]\d* div.approx 0$", s) for s in quant), quant
+    assert all(re.search(r"int8 mma [1-9]\d* fma 0$", s) for s in gemm), gemm
