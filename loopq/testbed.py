@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import math
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

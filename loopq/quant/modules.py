@@ -53,6 +53,7 @@ class QuantLinearGroup(nn.Module):
         self.weight_clip = _clip_param((1, out), config.learn_weight_clip and config.w_bits < 16)
         self.loop_weight_clip: nn.Parameter | None = None
         self.probe: tuple[Tensor, Tensor] | None = None
+        self.act_clip_promoted = False
 
     # ------------------------------------------------------------------ helpers
     def weights(self) -> list[Tensor]:
@@ -144,8 +145,18 @@ class QuantLinearGroup(nn.Module):
             new.append(self.loop_weight_clip)
         if self.act_clip.numel() == 1 and self.act_clip.requires_grad:  # LAS off: promotion adds c_{t,l}
             self.act_clip = nn.Parameter(self.act_clip.detach().repeat(self.slots))
+            self.act_clip_promoted = True
             new.append(self.act_clip)
         return new
+
+    def promotion_parameters(self) -> list[nn.Parameter]:
+        """The parameters :meth:`promote` created (empty before promotion)."""
+        params = list(self.loop_transforms.parameters()) if self.loop_transforms is not None else []
+        if self.loop_weight_clip is not None:
+            params.append(self.loop_weight_clip)
+        if self.act_clip_promoted:
+            params.append(self.act_clip)
+        return params
 
     # ------------------------------------------------------------------ sharing-gap probe
     def start_probe(self) -> None:

@@ -1,0 +1,1 @@
+"""LoopQ calibration: the LightningModule, the trajectory-aware loss, teacher targets, student IO."""

@@ -1,0 +1,89 @@
+"""The trajectory-aware calibration objective (paper Eq. 6, in the appendix form with adaptive mu_t).
+
+    L = KL(Z || Z~) + lambda * ( sum_{t=0}^{T-1} [ (1 - mu_t) d(H~_{t,L}, H_{t,L}) + mu_t d(H~_{t,L}, H_T) ]
+                                 + sum_{t=0}^{T-2} d(A_t(H~_{t,L}), H_{t+1,0}) )
+
+with lambda = 0.1, KL at temperature 1 over the teacher's top-k (k = 1000) logits, and
+
+    mu_t = ||H_T - H_{t,L}||^2 / ( ||H_T - H_{t,L}||^2 + sum_{t' >= t} ||H_{t',L} - H~_{t',L}||^2 + eps ).
+
+Conventions (the paper leaves them open; stated here):
+* H_{t,L} is the state handed from loop t to loop t+1 (``loop_states[t]``), so in the teacher H_{t+1,0} =
+  H_{t,L} and the transition term compares the *adapted* student state with the same teacher state;
+* d(a, b) is the squared error averaged over tokens and features (a per-element MSE), so the state terms do not
+  scale with the hidden width; the KL is averaged over tokens;
+* the top-k KL renormalises the teacher over its top-k tokens and scores the student's full-vocabulary
+  log-probabilities on them: sum_k p_k (log p_k - log q_k) >= 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def teacher_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k teacher logits (values, int64 indices) per token; k is capped at the vocabulary size."""
+    values, indices = logits.float().topk(min(k, logits.shape[-1]), dim=-1)
+    return values, indices
+
+
+def topk_kl(
+    teacher_values: Tensor, teacher_indices: Tensor, student_logits: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """KL(teacher || student) over the teacher's top-k tokens, averaged over tokens (scaled by T^2)."""
+    p_log = F.log_softmax(teacher_values.float() / temperature, dim=-1)
+    q_log = F.log_softmax(student_logits.float() / temperature, dim=-1).gather(-1, teacher_indices.long())
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+    return kl.mean() * temperature**2
+
+
+def state_distance(a: Tensor, b: Tensor) -> Tensor:
+    """d(a, b): squared error averaged over tokens and features."""
+    return (a.float() - b.float()).pow(2).mean()
+
+
+def trajectory_terms(student: Sequence[Tensor], teacher: Sequence[Tensor], mu: Tensor) -> tuple[Tensor, Tensor]:
+    """(loop-wise term sum_t (1-mu_t) d(H~_t, H_t), final-target term sum_t mu_t d(H~_t, H_T))."""
+    final = teacher[-1]
+    loopwise = sum((1 - mu[t]) * state_distance(s, h) for t, (s, h) in enumerate(zip(student, teacher, strict=True)))
+    to_final = sum(mu[t] * state_distance(s, final) for t, s in enumerate(student))
+    return torch.as_tensor(loopwise), torch.as_tensor(to_final)
+
+
+def transition_term(adapted: Sequence[Tensor], teacher: Sequence[Tensor]) -> Tensor:
+    """sum_{t <= T-2} d(A_t(H~_{t,L}), H_{t+1,0}) with H_{t+1,0} = teacher ``loop_states[t]``."""
+    if not adapted:
+        return torch.zeros(())
+    return torch.as_tensor(sum(state_distance(a, teacher[t]) for t, a in enumerate(adapted)))
+
+
+def adaptive_mu(teacher: Sequence[Tensor], student: Sequence[Tensor], eps: float = 1e-6) -> Tensor:
+    """mu_t of the appendix (per-sample squared norms summed over the batch), shape ``[T]``."""
+    final = teacher[-1].float()
+    to_final = torch.stack([(final - h.float()).pow(2).sum() for h in teacher])
+    mismatch = torch.stack([(h.float() - s.float()).pow(2).sum() for h, s in zip(teacher, student, strict=True)])
+    tail = mismatch.flip(0).cumsum(0).flip(0)  # sum_{t' >= t}
+    return to_final / (to_final + tail + eps)
+
+
+def loopq_loss(
+    student_logits: Tensor,
+    student_states: Sequence[Tensor],
+    adapted_states: Sequence[Tensor] | None,
+    teacher_values: Tensor,
+    teacher_indices: Tensor,
+    teacher_states: Sequence[Tensor],
+    mu: Tensor,
+    lam: float = 0.1,
+    temperature: float = 1.0,
+) -> dict[str, Tensor]:
+    """Every term of Eq. 6 and the total (``loss``); the terms are returned for logging."""
+    kl = topk_kl(teacher_values, teacher_indices, student_logits, temperature)
+    loopwise, to_final = trajectory_terms(student_states, teacher_states, mu.to(kl.device))
+    transition = transition_term(adapted_states or [], teacher_states).to(kl.device)
+    loss = kl + lam * (loopwise + to_final + transition)
+    return {"loss": loss, "kl": kl, "loopwise": loopwise, "to_final": to_final, "transition": transition}

@@ -1,0 +1,249 @@
+"""The calibration ``LightningModule``: frozen FP teacher, fake-quant LoopQ student, trajectory-aware loss.
+
+``training_step`` is thin: look up the teacher's cached targets for the batch's sample indices, run the student
+over the true recurrence (its own quantized states feed the next loop), and evaluate the pure loss of
+:mod:`loopq.calib.losses`. Everything that changes the student during calibration lives in callbacks
+(``callbacks/``): mu_t updates, sharing-gap reselection (which promotes groups through :meth:`promote`), and
+per-loop diagnostics.
+
+Optimisation follows FlatQuant / paper Table 5: AdamW, transforms and adapters at ``lr``, clipping ratios at
+``clip_lr_mult * lr``, cosine schedule, gradient clipping 1.0 (set on the Trainer).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from loopq.calib.losses import loopq_loss
+from loopq.calib.student_io import save_student
+from loopq.calib.targets import TeacherTargets, load_or_compute
+from loopq.data.text import DataError
+from loopq.models import LoopLM, load_looplm
+from loopq.models.io import architecture_for, read_config
+from loopq.quant import QuantConfig, QuantLinearGroup, init_clipping_from_data, prepare, quant_groups
+from loopq.quant.accounting import parameter_report
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/inf; calibration stops and the last good checkpoint is kept."""
+
+
+class LoopQCalibration(L.LightningModule):
+    """LoopQ calibration of a looped LM (see module docstring)."""
+
+    def __init__(
+        self,
+        teacher: str,
+        quant: QuantConfig | None = None,
+        lam: float = 0.1,
+        temperature: float = 1.0,
+        topk: int = 1000,
+        lr: float = 5e-3,
+        clip_lr_mult: float = 10.0,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        init_clipping: bool = True,
+        checkpoint_loops: bool = False,
+        target_cache_dir: str | None = None,
+        output_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        quant = quant or QuantConfig()
+        self.save_hyperparameters(ignore=["quant"])
+        self.hparams["quant"] = quant.to_dict()  # plain types only: checkpoints load with weights_only=True
+        self.quant_config = quant
+        self.teacher_dir = teacher
+        self.teacher = load_teacher(teacher)
+        self.student = prepare(self.teacher, quant)
+        self.student.checkpoint_loops = checkpoint_loops
+        self.num_loops = self.student.calibrated_loops
+        self.register_buffer("mu", torch.zeros(self.num_loops), persistent=False)
+        self.promoted: list[str] = []
+        self.targets: TeacherTargets | None = None
+        self.last: dict[str, Any] = {}
+        self._clip_initialised = False
+
+    # ------------------------------------------------------------------ teacher is frozen, never trained/saved twice
+    def train(self, mode: bool = True) -> LoopQCalibration:
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    # ------------------------------------------------------------------ setup
+    def ensure_targets(self) -> TeacherTargets:
+        """Teacher targets for every calibration sample, computed once (or read from the cache)."""
+        if self.targets is None:
+            samples: Tensor = self.trainer.datamodule.samples
+            vocab = self.teacher.lm_head.weight.shape[0]
+            if int(samples.max()) >= vocab:
+                raise DataError(f"data.tokenizer produces id {int(samples.max())} >= the teacher's vocab {vocab}")
+            self.targets = load_or_compute(
+                self.teacher,
+                self.teacher_dir,
+                samples,
+                self.hparams.topk,
+                self.num_loops,
+                self.hparams.target_cache_dir,
+                self.global_rank,
+                self.trainer.strategy.barrier,
+            )
+        return self.targets
+
+    def setup(self, stage: str) -> None:
+        """Fresh runs initialise LAS clipping from per-loop statistics (resumed runs load it instead)."""
+        if stage == "fit" and self.hparams.init_clipping and not self._clip_initialised:
+            dm = self.trainer.datamodule
+            init_clipping_from_data(self.student, dm.samples[: dm.hparams.batch_size])
+            self._clip_initialised = True
+
+    def student_group(self, name: str) -> QuantLinearGroup:
+        return quant_groups(self.student)[name]
+
+    def on_fit_start(self) -> None:
+        self.ensure_targets()
+        report = parameter_report(self.student)
+        for logger in self.loggers:
+            logger.log_metrics({f"params/{k}": float(v) for k, v in report.as_dict().items()}, step=self.global_step)
+
+    # ------------------------------------------------------------------ the step
+    def compute_loss(self, batch: list[Tensor]) -> dict[str, Tensor]:
+        """Student forward over the recurrence + Eq. 6 against the cached teacher targets."""
+        idx, ids = batch
+        values, indices, teacher_states = self.ensure_targets().batch(idx, ids.device)
+        out = self.student(ids, num_loops=self.num_loops, return_trajectory=True)
+        terms = loopq_loss(
+            out.logits,
+            out.loop_states,
+            out.transition_states,
+            values,
+            indices,
+            teacher_states,
+            self.mu,
+            self.hparams.lam,
+            self.hparams.temperature,
+        )
+        self.last = {"teacher_states": teacher_states, "student_states": [s.detach() for s in out.loop_states]}
+        return terms
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        terms = self.compute_loss(batch)
+        bad = not bool(torch.isfinite(terms["loss"]).item())
+        if self.trainer.strategy.reduce_boolean_decision(bad, all=False):
+            raise NonFiniteLossError(
+                f"loss is not finite at step {self.global_step} (terms: "
+                f"{ {k: float(v) for k, v in terms.items()} }); the last good checkpoint is kept - lower model.lr "
+                "or check the data, then resume with --ckpt_path last"
+            )
+        self.log_dict({f"train/{k}": v for k, v in terms.items()}, prog_bar=False)
+        self.log("loss", terms["loss"], prog_bar=True, logger=False)
+        return terms["loss"]
+
+    # ------------------------------------------------------------------ SLT promotion (called by the callback)
+    def promote(self, name: str) -> list[nn.Parameter]:
+        """Promote group ``name`` to loop-dependent and register its new parameters with the optimizer."""
+        params = quant_groups(self.student)[name].promote()
+        self.promoted.append(name)
+        if self._trainer is not None and self.trainer.optimizers:
+            add_param_group(self.trainer, params, self.hparams.lr)
+        return params
+
+    # ------------------------------------------------------------------ optimizer
+    def param_groups(self) -> list[dict[str, Any]]:
+        """AdamW groups: [transforms+adapters @ lr, clips @ clip_lr_mult*lr] + one group per promoted group."""
+        promoted_ids = {id(p) for name in self.promoted for p in promoted_params(self.student, name)}
+        main, clips = [], []
+        for name, p in self.student.named_parameters():
+            if not p.requires_grad or id(p) in promoted_ids:
+                continue
+            (clips if "clip" in name else main).append(p)
+        lr = self.hparams.lr
+        groups = [
+            {"params": main, "lr": lr, "name": "transforms"},
+            {"params": clips, "lr": lr * self.hparams.clip_lr_mult, "name": "clips"},
+        ]
+        for name in self.promoted:
+            groups.append({"params": promoted_params(self.student, name), "lr": lr, "name": f"slt:{name}"})
+        return [g for g in groups if g["params"]]
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt = torch.optim.AdamW(self.param_groups(), weight_decay=self.hparams.weight_decay)
+        total = max(1, self.trainer.max_steps)
+        warm = self.hparams.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: cosine(s, warm, total)] * len(opt.param_groups))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Only the student's quantization parameters: the teacher is reloaded from its directory."""
+        full = super().state_dict(*args, **kwargs)
+        keep = student_keys(self.student)
+        return {k: v for k, v in full.items() if k.removeprefix("student.") in keep}
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        missing = [k for k in ("student." + k for k in student_keys(self.student)) if k not in state_dict]
+        if strict and missing:
+            raise KeyError(f"checkpoint lacks student parameters {missing[:5]}; is it a LoopQ calibration checkpoint?")
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["loopq"] = {"promoted": list(self.promoted), "teacher": self.teacher_dir, "mu": self.mu.tolist()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("loopq")
+        if state is None:
+            raise KeyError("checkpoint has no 'loopq' section: not written by loopq.fit")
+        for name in state["promoted"]:
+            if name not in self.promoted:
+                self.promote(name)
+        self.mu.copy_(torch.tensor(state["mu"]))
+
+    def on_fit_end(self) -> None:
+        out = self.hparams.output_dir or (Path(self.trainer.default_root_dir) / "student")
+        if self.trainer.is_global_zero:
+            path = save_student(self, Path(out))
+            print(f"[loopq] calibrated student written to {path}")
+
+
+def load_teacher(path: str) -> LoopLM:
+    """Load and freeze the FP teacher (a clear error for a directory that is not a looped LM)."""
+    directory = Path(path)
+    architecture_for(read_config(directory), str(directory / "config.json"))
+    teacher = load_looplm(directory)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher.eval()
+
+
+def student_keys(student: nn.Module) -> set[str]:
+    """State keys of the quantization parameters (transforms, clips, adapters)."""
+    return {name for name, p in student.named_parameters() if p.requires_grad}
+
+
+def promoted_params(student: nn.Module, name: str) -> list[nn.Parameter]:
+    """The loop-dependent parameters a promotion created (SLT transforms, weight clips, act clips w/o LAS)."""
+    return quant_groups(student)[name].promotion_parameters()
+
+
+def add_param_group(trainer: L.Trainer, params: list[nn.Parameter], lr: float) -> None:
+    """Add freshly promoted parameters to the running optimizer and extend its LambdaLR schedule to them."""
+    opt = trainer.optimizers[0]
+    opt.add_param_group({"params": params, "lr": lr, "initial_lr": lr, "name": "slt"})
+    for config in trainer.lr_scheduler_configs:
+        sched = config.scheduler
+        sched.base_lrs.append(lr)
+        sched.lr_lambdas.append(sched.lr_lambdas[0])
+        opt.param_groups[-1]["lr"] = lr * sched.lr_lambdas[0](sched.last_epoch)
+
+
+def cosine(step: int, warmup: int, total: int) -> float:
+    """LR multiplier: linear warm-up then cosine decay to 0 at ``total``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,109 @@
+"""Teacher targets, paid once: the FP teacher's top-k logits and loop trajectory for every calibration sample.
+
+Calibration revisits each sample many times; the frozen teacher's outputs never change, so they are computed
+once (``compute_targets``) and looked up by sample index. With a ``cache_dir`` they are written as one
+safetensors file (memory-mapped on load, so multi-GB trajectories of real models stay on disk) keyed by a hash
+of the teacher weights, the samples and the settings; rank 0 writes it atomically, the other ranks wait and
+read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from loopq.calib.losses import teacher_topk
+from loopq.models.base import LoopLM
+from loopq.models.io import atomic_write
+
+
+@dataclass
+class TeacherTargets:
+    """``values``/``indices`` ``[N, S, k]`` (top-k teacher logits) and ``states`` ``[N, T, S, D]``."""
+
+    values: Tensor
+    indices: Tensor
+    states: Tensor
+
+    def batch(self, idx: Tensor, device: torch.device) -> tuple[Tensor, Tensor, list[Tensor]]:
+        idx = idx.cpu()
+        values = self.values[idx].to(device, torch.float32)
+        indices = self.indices[idx].to(device, torch.long)
+        states = self.states[idx].to(device, torch.float32)
+        return values, indices, list(states.unbind(1))
+
+    @property
+    def num_loops(self) -> int:
+        return self.states.shape[1]
+
+
+@torch.no_grad()
+def compute_targets(
+    teacher: LoopLM,
+    samples: Tensor,
+    k: int,
+    num_loops: int | None = None,
+    batch_size: int = 8,
+    store_dtype: torch.dtype = torch.float16,
+) -> TeacherTargets:
+    """Run the teacher once over all samples (no grad) and keep what the loss needs."""
+    device = next(teacher.parameters()).device
+    vocab = teacher.lm_head.weight.shape[0]
+    index_dtype = torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32
+    values, indices, states = [], [], []
+    for chunk in samples.split(batch_size):
+        out = teacher(chunk.to(device), num_loops=num_loops, return_trajectory=True)
+        v, i = teacher_topk(out.logits, k)
+        values.append(v.to(store_dtype).cpu())
+        indices.append(i.to(index_dtype).cpu())
+        states.append(torch.stack(out.loop_states, dim=1).to(store_dtype).cpu())
+    return TeacherTargets(torch.cat(values), torch.cat(indices), torch.cat(states))
+
+
+def cache_key(teacher_dir: str, samples: Tensor, k: int, num_loops: int, dtype: torch.dtype) -> str:
+    """Hash of everything the targets depend on (teacher weights, samples, k, loops, storage dtype)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(teacher_dir).glob("*.safetensors")) + sorted(Path(teacher_dir).glob("config.json")):
+        stat = f.stat()
+        h.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    h.update(samples.numpy().tobytes())
+    h.update(f"{k}:{num_loops}:{dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_or_compute(
+    teacher: LoopLM,
+    teacher_dir: str,
+    samples: Tensor,
+    k: int,
+    num_loops: int,
+    cache_dir: str | None,
+    rank: int = 0,
+    barrier: object | None = None,
+) -> TeacherTargets:
+    """In memory without ``cache_dir``; otherwise read the cache file, computing it (rank 0) if missing."""
+    if cache_dir is None:
+        return compute_targets(teacher, samples, k, num_loops)
+    path = (
+        Path(cache_dir) / f"teacher-targets-{cache_key(teacher_dir, samples, k, num_loops, torch.float16)}.safetensors"
+    )
+    if rank == 0 and not path.is_file():
+        t = compute_targets(teacher, samples, k, num_loops)
+        tensors = {"values": t.values, "indices": t.indices, "states": t.states}
+        atomic_write(path, lambda p: save_file(tensors, str(p)))
+    if callable(barrier):
+        barrier()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: teacher targets missing after rank 0 wrote them; is cache_dir shared?")
+    loaded = load_file(str(path))
+    return TeacherTargets(loaded["values"], loaded["indices"], loaded["states"])
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "loopq")

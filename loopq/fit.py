@@ -1,0 +1,62 @@
+"""Calibrate a LoopQ student:  python -m loopq.fit --config configs/tiny.yaml [--ckpt_path last] [overrides].
+
+A LightningCLI over :class:`~loopq.calib.module.LoopQCalibration` and
+:class:`~loopq.data.calibration.CalibrationDataModule`; the resolved config is saved next to the run's logs.
+``--ckpt_path last`` resumes mid-calibration (optimizer, schedule, mu_t, SLT selection and data order).
+Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``trainer.strategy`` set to
+``ddp_find_unused_parameters_true`` or a DeepSpeed config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+
+from loopq.calib.module import LoopQCalibration
+from loopq.data.calibration import CalibrationDataModule
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "use_distributed_sampler": False,  # CalibrationSampler shards the global batch itself
+    "gradient_clip_val": 1.0,
+    "plugins": [{"class_path": "loopq.calib.checkpoint_io.AtomicCheckpointIO"}],
+}
+
+
+class LoopQCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume: 'last' or a .ckpt path")
+        parser.link_arguments("model.teacher", "data.tokenizer")
+
+    def after_instantiate(self) -> None:
+        """Everything of a run lives under ``trainer.default_root_dir``: checkpoints (so ``--ckpt_path last``
+        finds them), TensorBoard and CSV logs."""
+        trainer = self.trainer
+        root = Path(trainer.default_root_dir)
+        for cb in trainer.checkpoint_callbacks:
+            if cb.dirpath is None:
+                cb.dirpath = str(root / "checkpoints")
+        if not any(isinstance(lg, CSVLogger) for lg in trainer.loggers):
+            trainer.loggers = [*trainer.loggers, CSVLogger(str(root), name="csv")]
+
+
+def main(args: list[str] | None = None) -> LoopQCalibration:
+    cli = LoopQCLI(
+        LoopQCalibration,
+        CalibrationDataModule,
+        run=False,
+        args=args,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": False},
+    )
+    cli.after_instantiate()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
+    return cli.model
+
+
+if __name__ == "__main__":
+    main()
