@@ -25,7 +25,7 @@ from loopq.calib.student_io import save_student
 from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import architecture_for, read_config
+from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.quant import QuantConfig, QuantLinearGroup, init_clipping_from_data, prepare, quant_groups
 from loopq.quant.accounting import parameter_report
 
@@ -58,8 +58,8 @@ class LoopQCalibration(L.LightningModule):
         self.save_hyperparameters(ignore=["quant"])
         self.hparams["quant"] = quant.to_dict()  # plain types only: checkpoints load with weights_only=True
         self.quant_config = quant
-        self.teacher_dir = teacher
         self.teacher = load_teacher(teacher)
+        self.teacher_dir = str(resolve_model_dir(teacher))
         self.student = prepare(self.teacher, quant)
         self.student.checkpoint_loops = checkpoint_loops
         self.num_loops = self.student.calibrated_loops
@@ -212,7 +212,7 @@ class LoopQCalibration(L.LightningModule):
 
 def load_teacher(path: str) -> LoopLM:
     """Load and freeze the FP teacher (a clear error for a directory that is not a looped LM)."""
-    directory = Path(path)
+    directory = resolve_model_dir(path)
     architecture_for(read_config(directory), str(directory / "config.json"))
     teacher = load_looplm(directory)
     for p in teacher.parameters():

@@ -19,6 +19,10 @@ class TokenizerError(ValueError):
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Load ``tokenizer.json`` (a file, or a directory holding one) or a GPT-2 BPE directory."""
     p = Path(path)
+    if not p.exists():
+        from loopq.models.io import resolve_model_dir
+
+        p = resolve_model_dir(path)
     candidates = [p] if p.is_file() else [p / "tokenizer.json", *sorted(p.glob("*okenizer*.json"))]
     for file in candidates:
         if file.is_file() and file.suffix == ".json" and file.name != "encoder.json":

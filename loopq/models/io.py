@@ -89,9 +89,31 @@ def read_weights(directory: Path) -> dict[str, Tensor]:
     raise LoopLMError(f"{directory}: no model.safetensors (or index / pytorch_model.bin) found")
 
 
-def load_looplm(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LoopLM:
-    """Load a looped LM from a directory in its native format; eval mode, fp32 unless ``dtype`` is given."""
+HUB_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "pytorch_model.bin"]
+
+
+def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
+    """A local directory as is; ``org/name`` that is not a local path is fetched from the Hugging Face hub
+    (only for users with hub access - set ``HF_HUB_OFFLINE=1`` to forbid it; tests always do)."""
     directory = Path(path)
+    text = str(path)
+    if directory.exists() or text.count("/") != 1 or text.startswith((".", "/")):
+        return directory
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_FILES))
+    except Exception as err:  # offline, unknown repo, no access: one actionable line
+        raise LoopLMError(
+            f"{text}: not a local directory and could not be fetched from the hub ({type(err).__name__}); "
+            "download the model and pass its directory"
+        ) from err
+
+
+def load_looplm(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LoopLM:
+    """Load a looped LM from a directory in its native format (or a hub id, see :func:`resolve_model_dir`);
+    eval mode, fp32 unless ``dtype`` is given."""
+    directory = resolve_model_dir(path)
     if not directory.is_dir():
         raise LoopLMError(f"{directory}: not a directory; pass the folder holding config.json and the weights")
     config = read_config(directory)

@@ -1,0 +1,69 @@
+"""Every YAML in configs/ parses against the real CLI schema; bad keys get a one-line error naming the key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopq.calib.module import LoopQCalibration
+from loopq.data.calibration import CalibrationDataModule
+from loopq.fit import TRAINER_DEFAULTS, LoopQCLI
+from loopq.paths import REPO_ROOT
+
+CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+
+
+class ParseOnly(LoopQCLI):
+    """The real parser and schema, without building the model (the big teachers are not on this machine)."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse(*args: str):
+    cli = ParseOnly(
+        LoopQCalibration, CalibrationDataModule, run=False, args=list(args), trainer_defaults=TRAINER_DEFAULTS
+    )
+    return cli.config
+
+
+def test_there_are_configs_for_every_paper_model():
+    names = {p.stem for p in CONFIGS}
+    assert {"tiny", "ouro1.4b", "ouro2.6b", "loopformer3x8", "parcae370m"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_parses_with_paper_hyperparameters(path: Path):
+    config = parse("--config", str(path))
+    quant = config.model.quant
+    assert (quant.w_bits, quant.group_size, config.model.lam, config.model.topk) == (4, 32, 0.1, 1000)
+    assert config.trainer.gradient_clip_val == 1.0 and config.data.tokenizer == config.model.teacher
+    if path.stem != "tiny":
+        assert (config.data.num_samples, config.data.seq_len, quant.cta_rank) == (1024, 256, 8)
+    budgets = {"ouro1.4b": 4, "ouro2.6b": 8, "loopformer3x8": 1, "parcae370m": 1}
+    if path.stem in budgets:
+        assert quant.slt_budget == budgets[path.stem]
+
+
+def test_pretrain_config_parses():
+    from loopq.pretrain import PretrainCLI, PretrainDataModule, TeacherPretrainer
+
+    class Parse(PretrainCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    cli = Parse(TeacherPretrainer, PretrainDataModule, run=False, args=["--config", "configs/pretrain/tiny-ouro.yaml"])
+    assert cli.config.model.vocab_size == cli.config.data.vocab_size == 2048
+
+
+def test_unknown_key_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse("--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--model.quant.w_bit", "4")
+    assert "w_bit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["loopq.fit", "loopq.pretrain", "loopq.testbed"])
+def test_cli_help(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0 and "usage" in out.stdout.lower()
