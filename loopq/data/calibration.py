@@ -99,10 +99,17 @@ class CalibrationDataModule(L.LightningDataModule):
         bs = self.hparams.batch_size
         trainer = self.trainer
         if trainer is not None and trainer.max_steps > 0:
-            total, start = trainer.max_steps, trainer.global_step
-            rank, world = trainer.global_rank, trainer.world_size
+            total, rank, world = trainer.max_steps, trainer.global_rank, trainer.world_size
+
+            def start() -> int:
+                return trainer.global_step
+
         else:
-            total, start, rank, world = -(-len(self.samples) // bs), 0, 0, 1
+            total, rank, world = -(-len(self.samples) // bs), 0, 1
+
+            def start() -> int:
+                return 0
+
         sampler = CalibrationSampler(len(self.samples), bs, total, self.hparams.seed, rank, world, start)
         return DataLoader(
             TensorDataset(torch.arange(len(self.samples)), self.samples),

@@ -6,11 +6,14 @@ batch; rank r of W takes the r-th local slice of it. Hence
 
 * the same global batch gives the same batches whatever the number of processes (1 process x 8 = 2 x 4);
 * resuming at step s only needs s: the stream restarts at position s*G (no iterator state to save).
+
+``start_step`` may be a callable (the trainer's ``global_step``): Lightning ends an "epoch" when a resumed run's
+shortened iterator runs out and iterates the same sampler again, which must then continue at the current step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -40,7 +43,7 @@ class CalibrationSampler(Sampler[int]):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
-        start_step: int = 0,
+        start_step: int | Callable[[], int] = 0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -51,10 +54,13 @@ class CalibrationSampler(Sampler[int]):
     def global_batch(self) -> int:
         return self.local_batch * self.world_size
 
+    def _start(self) -> int:
+        return self.start_step() if callable(self.start_step) else self.start_step
+
     def __len__(self) -> int:
-        return max(0, self.total_steps - self.start_step) * self.local_batch
+        return max(0, self.total_steps - self._start()) * self.local_batch
 
     def __iter__(self) -> Iterator[int]:
-        for step in range(self.start_step, self.total_steps):
+        for step in range(self._start(), self.total_steps):
             batch = stream_indices(self.num_samples, self.seed, step * self.global_batch, self.global_batch)
             yield from batch[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]

@@ -118,3 +118,19 @@ def test_token_stream_separates_documents_with_eos(data):
     tok = load_tokenizer(data / SMOL)
     stream = token_stream(["a b", "c"], tok)
     assert (stream == 0).sum() == 2 and stream[-1] == 0
+
+
+def test_sampler_is_world_size_invariant_and_resumable():
+    from loopq.data.sampler import CalibrationSampler
+
+    one = list(CalibrationSampler(10, local_batch=4, total_steps=6, seed=3))
+    two = [list(CalibrationSampler(10, 2, 6, seed=3, rank=r, world_size=2)) for r in range(2)]
+    steps_one = [one[i : i + 4] for i in range(0, len(one), 4)]
+    steps_two = [two[0][i : i + 2] + two[1][i : i + 2] for i in range(0, len(two[0]), 2)]
+    assert steps_one == steps_two  # same global batches, split across ranks
+    assert sorted(one[:10]) == list(range(10)) and one[:10] != list(range(10))  # a permutation per pass
+    current = {"step": 4}
+    resumed = CalibrationSampler(10, 4, 6, seed=3, start_step=lambda: current["step"])
+    assert list(resumed) == one[16:] and len(resumed) == 8
+    current["step"] = 5  # a sampler iterated again continues at the trainer's current step
+    assert list(resumed) == one[20:]
