@@ -35,7 +35,7 @@ def uninterrupted(tmp_path_factory):
 
 def test_fit_writes_student_logs_and_selections(uninterrupted):
     student_dir = uninterrupted / "student"
-    student, meta = load_student(student_dir)
+    _, meta = load_student(student_dir)
     assert meta["promoted"] and len(meta["promoted"]) == 2  # budget of configs/tiny.yaml
     assert len(meta["mu"]) == 4 and 0 < meta["mu"][0] < 1
     header = (next((uninterrupted / "csv").glob("version_*")) / "metrics.csv").read_text().splitlines()[0]
