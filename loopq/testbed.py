@@ -48,18 +48,7 @@ RTN_SETTINGS: dict[str, dict[str, int]] = {
 
 
 def rtn_config(w_bits: int, a_bits: int, group_size: int) -> QuantConfig:
-    """Plain symmetric round-to-nearest: every LoopQ component off."""
-    return QuantConfig(
-        w_bits=w_bits,
-        a_bits=a_bits,
-        group_size=group_size,
-        transforms=False,
-        learn_weight_clip=False,
-        learn_act_clip=False,
-        las=False,
-        slt_budget=0,
-        cta=False,
-    )
+    return QuantConfig.rtn(w_bits, a_bits, group_size)
 
 
 @dataclass

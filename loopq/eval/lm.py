@@ -16,9 +16,8 @@ window scores. ``generate_until`` is greedy decoding without a KV cache (the ful
 simple and exact, meant for the short generations of the paper's tasks.
 
 Batches are sorted by length (longest first) and right-padded with the EOS id. The models are causal, so tokens
-after a sequence never change its logits - with one exception: Parcae draws its initial loop state per call over
-the whole ``[B, S]`` input (upstream behaviour), so its scores depend on the batch; use ``batch_size=1`` for
-batch-invariant Parcae numbers.
+after a sequence never change its logits (Parcae's seeded initial state depends only on seed and position).
+``pretrained`` may also be a directory written by ``python -m loopq.export`` (packed W4A4/W4A8 model).
 """
 
 from __future__ import annotations
@@ -127,6 +126,10 @@ class LoopQLM(TemplateLM):
     def _resolve_model(pretrained: str | os.PathLike[str] | LoopLM, dtype: torch.dtype | None) -> LoopLM:
         if isinstance(pretrained, LoopLM):
             return pretrained.to(dtype=dtype).eval() if dtype is not None else pretrained.eval()
+        if (Path(pretrained) / "loopq_export.json").is_file():  # an exported packed W4A4/W4A8 model
+            from loopq.export import load_quantized
+
+            return load_quantized(pretrained, dtype=dtype)
         return load_looplm(pretrained, dtype=dtype)
 
     @staticmethod

@@ -52,6 +52,21 @@ class QuantConfig:
         if self.num_loops is not None and self.num_loops < 1:
             raise QuantConfigError(f"quant.num_loops={self.num_loops} must be >= 1")
 
+    @classmethod
+    def rtn(cls, w_bits: int = 4, a_bits: int = 4, group_size: int = 32) -> QuantConfig:
+        """Plain symmetric round-to-nearest (the paper's "Symmetric" baseline): every LoopQ component off."""
+        return cls(
+            w_bits=w_bits,
+            a_bits=a_bits,
+            group_size=group_size,
+            transforms=False,
+            learn_weight_clip=False,
+            learn_act_clip=False,
+            las=False,
+            slt_budget=0,
+            cta=False,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

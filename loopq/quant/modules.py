@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from loopq.models.base import LinearGroup
 from loopq.quant.config import QuantConfig
-from loopq.quant.primitives import clip_logit, clip_ratio, fake_quant
-from loopq.quant.transforms import KroneckerTransform
+from loopq.quant.primitives import clip_logit, clip_ratio, fake_quant, quantize_codes
+from loopq.quant.transforms import KroneckerTransform, fold_weight
 
 FULL_CLIP = 1.0 - 1e-4  # the initial learnable clip ratio: no clipping
 
@@ -54,6 +54,8 @@ class QuantLinearGroup(nn.Module):
         self.loop_weight_clip: nn.Parameter | None = None
         self.probe: tuple[Tensor, Tensor] | None = None
         self.act_clip_promoted = False
+        #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`)
+        self.kernel_numerics = False
 
     # ------------------------------------------------------------------ helpers
     def weights(self) -> list[Tensor]:
@@ -114,8 +116,30 @@ class QuantLinearGroup(nn.Module):
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)
+        if self.kernel_numerics:
+            return self.kernel_forward(x, slot)
         y = F.linear(self.quantized_input(x, slot), self.effective_weight(slot).to(x.dtype), self._bias(x))
         return tuple(y.split(self.splits, dim=-1))
+
+    def kernel_forward(self, x: Tensor, slot: int) -> tuple[Tensor, ...]:
+        """The same quantized computation with the exported kernels' numerics (bit-exact with ``loopq.export``):
+        transform in the kernels' summation order in fp32, weights folded in float64, fp16 weight scales,
+        per-group integer GEMM. Slower and without gradients: for evaluating a calibrated student."""
+        from loopq.kernels import reference
+
+        tr = self.transform_for(slot)
+        z = x.reshape(-1, self.in_features).float()
+        if tr is not None:
+            p1, p2, _, _ = tr.matrices()
+            z = z * (-tr.log_d).exp() if tr.log_d is not None else z
+            z = reference.kron_apply_ordered(z, p1, p2)
+        a_codes, a_scales = quantize_codes(z, self.a_bits, self.group_size, self.act_clip_ratio(slot))
+        weight = fold_weight(torch.cat(self.weights()), tr)
+        w_codes, w_scales = quantize_codes(weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+        y = reference.gemm(a_codes, a_scales, w_codes, w_scales.half(), torch.float32).to(x.dtype)
+        bias = self._bias(x)
+        y = y if bias is None else y + bias
+        return tuple(y.reshape(*x.shape[:-1], -1).split(self.splits, dim=-1))
 
     def _bias(self, x: Tensor) -> Tensor | None:
         biases = self.biases()

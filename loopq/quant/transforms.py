@@ -15,6 +15,7 @@ P_i^{-1} = V_i diag(exp(-s_i)) U_i^T in closed form. The diagonal scale is d = e
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -99,3 +100,17 @@ class KroneckerTransform(nn.Module):
         if self.log_d is not None:
             with torch.no_grad():
                 self.log_d.copy_(torch.randn(self.n, generator=generator) * scale)
+
+
+def fold_weight(weight: Tensor, transform: KroneckerTransform | None) -> Tensor:
+    """``W' = (W * d) (P1^{-1} (x) P2^{-1})^T`` for rows of ``weight [out, n]``, folded in float64, returned fp32.
+
+    This is what the exporter writes; the fake-quant group's fp32 path differs from it by rounding only.
+    """
+    w = weight.double()
+    if transform is None:
+        return w.float()
+    tr = copy.deepcopy(transform).double()
+    if tr.log_d is not None:
+        w = w * tr.log_d.exp()
+    return kron_apply(w, tr.left.inverse().transpose(0, 1), tr.right.inverse().transpose(0, 1)).float()

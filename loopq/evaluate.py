@@ -1,0 +1,119 @@
+"""Evaluate one model - FP teacher, plain RTN, a calibrated fake-quant student, or an exported int model - on the
+paper's metrics, and write a results JSON:
+
+    python -m loopq.evaluate --model loopq/assets/tiny-ouro --method FP --out results/fp.json
+    python -m loopq.evaluate --model loopq/assets/tiny-ouro --method RTN --bits w4a4 --out results/rtn.json
+    python -m loopq.evaluate --student runs/tiny/student --method LoopQ --out results/loopq.json
+    python -m loopq.evaluate --exported runs/tiny/exported --method LoopQ-int --out results/int.json
+
+Numbers: WikiText-2 perplexity under the standard PTQ protocol (GPTQ windows of ``ppl_seq_len`` tokens, per loop
+as well) and, unless ``--tasks '[]'``, the lm-eval tasks (default: the ``loopq_paper`` group; ``--limit`` caps
+the examples per task - the sizes are recorded in the JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import CLI
+
+from loopq.data.tokenizer import load_tokenizer
+from loopq.eval.perplexity import perplexity, wikitext2_stream
+from loopq.models import LoopLM, load_looplm
+from loopq.models.io import resolve_model_dir
+from loopq.quant import QuantConfig, prepare
+
+BITS = {"w4a4": (4, 4), "w4a8": (4, 8), "w3a3": (3, 3), "w8a8": (8, 8)}
+
+
+def rtn_config(bits: str, group_size: int = 32) -> QuantConfig:
+    """Plain symmetric round-to-nearest at ``bits`` (``w4a4``, ``w4a8``, ...)."""
+    if bits not in BITS:
+        raise ValueError(f"--bits {bits!r}: use one of {sorted(BITS)}")
+    return QuantConfig.rtn(*BITS[bits], group_size=group_size)
+
+
+def build(model: str | None, student: str | None, exported: str | None, method: str, bits: str) -> tuple[LoopLM, str]:
+    """The model to evaluate and the directory its tokenizer lives in."""
+    if student:
+        from loopq.calib.student_io import load_student
+
+        built, meta = load_student(student)
+        return built, meta["teacher"]
+    if exported:
+        from loopq.export import load_quantized
+
+        return load_quantized(exported), exported
+    if model is None:
+        raise ValueError("pass --model (FP/RTN), --student or --exported")
+    teacher = load_looplm(model)
+    if method.upper().startswith("RTN") or method.lower() == "symmetric":
+        return prepare(teacher, rtn_config(bits)).eval(), str(resolve_model_dir(model))
+    return teacher, str(resolve_model_dir(model))
+
+
+def evaluate(
+    model: str | None = None,
+    student: str | None = None,
+    exported: str | None = None,
+    method: str = "FP",
+    bits: str = "w4a4",
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    num_loops: int | None = None,
+    ppl_seq_len: int = 256,
+    batch_size: int = 8,
+    out: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``."""
+    start = time.time()
+    net, tok_dir = build(model, student, exported, method, bits)
+    tokenizer = load_tokenizer(tok_dir)
+    ppl = perplexity(net, torch.tensor(wikitext2_stream(tokenizer)), ppl_seq_len, batch_size, num_loops, per_loop=True)
+    result: dict[str, Any] = {
+        "method": method,
+        "bits": "fp" if method == "FP" else bits,
+        "model": model or student or exported,
+        "num_loops": num_loops or net.default_num_loops,
+        "wikitext2_ppl": ppl.ppl,
+        "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
+        "wikitext2_windows": ppl.num_windows,
+    }
+    task_list = ["loopq_paper"] if tasks is None else tasks
+    if task_list:
+        result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)
+    result["seconds"] = round(time.time() - start, 1)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def run_lm_eval(
+    net: LoopLM, tokenizer: Any, tasks: list[str], limit: int | None, num_loops: int | None, batch_size: int
+) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` on the in-memory model with LoopQ's offline tasks."""
+    from lm_eval import simple_evaluate
+
+    from loopq.eval.lm import LoopQLM
+    from loopq.eval.tasks import paper_metrics, task_manager
+
+    lm = LoopQLM.from_model(net, tokenizer, num_loops=num_loops, batch_size=batch_size)
+    res = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=task_manager(), log_samples=False)
+    sizes = {name: n.get("effective", n.get("original")) for name, n in res.get("n-samples", {}).items()}
+    return {"paper_metrics": paper_metrics(res["results"]), "limit": limit, "n_samples": sizes}
+
+
+def main(argv: list[str] | None = None) -> None:
+    result = CLI(evaluate, args=argv, as_positional=False)
+    print(json.dumps({k: v for k, v in result.items() if k != "lm_eval"}, indent=1))
+    if "lm_eval" in result:
+        print(json.dumps(result["lm_eval"]["paper_metrics"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Export a calibrated student to packed W4A4 / W4A8 and load it back as a runnable model (the *convert* step).
+
+    python -m loopq.export --ckpt <student dir> --out <export dir>
+
+:func:`convert` swaps every fake-quant group of a student for a :class:`~loopq.quant.packed.PackedLinearGroup`
+(weights folded in float64 and packed int4, activation side kept: P1, P2, 1/d and per-loop clips).
+:func:`export_student` writes a self-contained directory:
+
+* ``model.safetensors`` - every tensor of the quantized model under its module name: the teacher's FP tensors
+  unchanged (embeddings, norms, heads, Ouro's exit gate, LoopFormer's adaLN/time embedders, Parcae's injection and
+  value embeddings), each group's packed state (``<group>.weight`` uint8 ``[S_w, N, K/2]``, ``.weight_scale`` fp16
+  ``[S_w, N, K/32]``, ``.left``/``.right`` fp32 ``[S_t, n, n]``, ``.inv_d`` ``[S_t, K]``, ``.act_clip`` ``[S_a]``,
+  ``.bias``) and the CTA adapters ``transition.{a,b,eta,u,v}``. Tied tensors are stored once; no pickle;
+* ``loopq_export.json`` - format version, arch, QuantConfig, each group's layout (slots, shapes), promoted groups,
+  calibrated loops, the CTA layout;
+* the teacher's ``config.json`` and tokenizer files.
+
+:func:`load_quantized` follows gpt-fast: build the architecture from ``config.json`` on the meta device, swap the
+listed groups for packed ones, install the adapters, then ``load_state_dict(assign=True)``.
+
+:func:`footprint` is the paper's Table 3 for the loaded model: bytes of packed weights, fp16 scales, shared and
+loop-dependent quantization parameters and FP modules (at their loaded dtype), against the BF16 teacher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+from collections.abc import Iterator
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
+from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
+from loopq.calib.student_io import StudentFormatError, load_student
+from loopq.kernels import GROUP_SIZE
+from loopq.models.base import LoopLM, LoopLMError
+from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
+from loopq.quant.config import QuantConfig
+from loopq.quant.cta import TransitionAdapters
+from loopq.quant.packed import ExportError, PackedGroupSpec, PackedLinearGroup
+from loopq.quant.prepare import quant_groups
+
+FORMAT = "loopq-export-v1"
+WEIGHTS = "model.safetensors"
+META = "loopq_export.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "encoder.json", "vocab.bpe")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+__all__ = ["ExportError", "convert", "export_student", "footprint", "load_quantized", "main"]
+
+
+# ---------------------------------------------------------------------------------------------------- convert
+def convert(student: LoopLM) -> LoopLM:
+    """A packed, inference-only copy of ``student`` (which is left untouched; FP tensors are shared, not copied)."""
+    groups = quant_groups(student)
+    if not groups:
+        raise ExportError("the model has no fake-quant groups: build the student with loopq.quant.prepare first")
+    own = {id(t) for m in [*groups.values(), student.transition] if m is not None for t in m.parameters()}
+    memo = {id(t): t for t in chain(student.parameters(), student.buffers()) if id(t) not in own}
+    model = copy.deepcopy(student, memo)
+    for name, group in groups.items():
+        model.set_submodule(name, PackedLinearGroup.from_quant_group(group, name))
+    return model.requires_grad_(False).eval()
+
+
+def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -> Path:
+    """Convert ``student`` and write the export directory.
+
+    ``meta`` is the student's ``loopq_quant.json`` (:func:`loopq.calib.student_io.load_student`); only its
+    ``teacher`` entry is read (where config.json and the tokenizer come from) - the rest is taken from the student.
+    """
+    out = Path(out_dir)
+    model = convert(student)
+    state = _unaliased_state(model)
+    atomic_write(out / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": FORMAT}))
+    description = export_meta(model, meta.get("teacher"))
+    atomic_write(out / META, lambda p: p.write_text(json.dumps(description, indent=2) + "\n"))
+    _copy_teacher_files(student, meta.get("teacher"), out)
+    return out
+
+
+def export_meta(model: LoopLM, teacher: str | None = None) -> dict[str, Any]:
+    """The JSON description of a converted model: everything :func:`load_quantized` needs besides the tensors."""
+    groups = dict(_packed_groups(model))
+    return {
+        "format": FORMAT,
+        "arch": model.arch,
+        "teacher": teacher,
+        "quant": model.quant_config.to_dict(),
+        "calibrated_loops": model.calibrated_loops,
+        "promoted": [name for name, g in groups.items() if g.spec.weight_slots > 1],
+        "kernel": {"w_bits": 4, "group_size": GROUP_SIZE},
+        "groups": {name: g.spec.to_dict() for name, g in groups.items()},
+        "transition": _transition_layout(model.transition),
+    }
+
+
+def _transition_layout(tr: TransitionAdapters | None) -> dict[str, Any] | None:
+    return None if tr is None else {"num_loops": tr.num_transitions + 1, "rank": tr.u.shape[1], "eps": tr.eps}
+
+
+def _unaliased_state(model: nn.Module) -> dict[str, Tensor]:
+    """The state dict with tied parameters stored once (the structure re-ties them) and no shared storage."""
+    aliases = tied_aliases(model)
+    state: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for key, value in model.state_dict().items():
+        if key in aliases:
+            continue
+        value = value.detach().cpu().contiguous()
+        if value.data_ptr() in seen:  # safetensors cannot alias
+            value = value.clone()
+        seen.add(value.data_ptr())
+        state[key] = value
+    return state
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: first name}`` of parameters registered under several names (e.g. a tied lm_head)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _copy_teacher_files(student: LoopLM, teacher: str | None, out: Path) -> None:
+    """The teacher's own config.json and tokenizer files (or the model's config when there is no teacher dir)."""
+    source = resolve_model_dir(teacher) if teacher else None
+    if source is None or not (source / "config.json").is_file():
+        atomic_write(out / "config.json", lambda p: p.write_text(student.config_json() + "\n"))
+        return
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+
+
+def _packed_groups(model: nn.Module) -> Iterator[tuple[str, PackedLinearGroup]]:
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, PackedLinearGroup))
+
+
+# ---------------------------------------------------------------------------------------------------- load
+def read_export_meta(directory: Path) -> dict[str, Any]:
+    path = directory / META
+    if not path.is_file():
+        raise ExportError(f"{path}: missing - {directory} is not a LoopQ export (run python -m loopq.export)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ExportError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}; re-export with this version")
+    return meta
+
+
+def load_quantized(
+    directory: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> LoopLM:
+    """Rebuild an exported model; ``dtype`` casts the FP modules only (packed tensors keep their formats)."""
+    directory = Path(directory)
+    meta = read_export_meta(directory)
+    model = _skeleton(directory, meta)
+    aliases = tied_aliases(model)
+    state = _read_state(directory, meta, aliases, dtype)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        raise ExportError(f"{directory / WEIGHTS}: tensors do not match {META} and config.json ({err})") from err
+    for alias, name in aliases.items():  # assign=True replaced the tied parameter objects: tie them again
+        parent, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(parent), attr, model.get_parameter(name))
+    model.quant_config = QuantConfig.from_dict(meta["quant"])  # type: ignore[assignment]
+    model.calibrated_loops = meta["calibrated_loops"]  # type: ignore[assignment]
+    return model.to(device).requires_grad_(False).eval()
+
+
+def _skeleton(directory: Path, meta: dict[str, Any]) -> LoopLM:
+    """The architecture on the meta device with packed groups and adapters in place (no data yet)."""
+    config = read_config(directory)
+    cls = architecture_for(config, str(directory / "config.json"))
+    with torch.device("meta"):
+        model = cls(cls.config_from_dict(config))
+        linear_groups = model.linear_groups()
+        for name, spec in meta["groups"].items():
+            if name not in linear_groups:
+                raise ExportError(f"{directory / META}: group {name!r} is not a linear group of the {cls.arch} model")
+            model.set_submodule(name, PackedLinearGroup(PackedGroupSpec.from_dict(spec)))
+        if meta["transition"] is not None:
+            t = meta["transition"]
+            model.transition = TransitionAdapters(model.state_dim, t["num_loops"], t["rank"], t["eps"])
+    return model
+
+
+def _read_state(
+    directory: Path, meta: dict[str, Any], aliases: dict[str, str], dtype: torch.dtype | None
+) -> dict[str, Tensor]:
+    path = directory / WEIGHTS
+    if not path.is_file():
+        raise ExportError(f"{path}: missing - the export in {directory} is incomplete; export again")
+    state = load_file(str(path))
+    for alias, name in aliases.items():
+        if name in state:
+            state.setdefault(alias, state[name])
+    if dtype is None:
+        return state
+    return {key: _cast_fp(key, value, dtype, meta) for key, value in state.items()}
+
+
+def _cast_fp(key: str, value: Tensor, dtype: torch.dtype, meta: dict[str, Any]) -> Tensor:
+    quantized = key.startswith("transition.") or any(key.startswith(g + ".") for g in meta["groups"])
+    return value if quantized or not value.is_floating_point() else value.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- footprint
+def footprint(model: LoopLM) -> dict[str, float]:
+    """The paper's Table 3 for a loaded quantized model: bytes by kind, parameter counts, ratios vs BF16.
+
+    * ``packed_weights`` / ``weight_scales``: int4 codes and fp16 scales of every slot (a promoted group has T);
+    * ``quant_shared`` / ``quant_loop_dependent``: activation-side tensors (P1, P2, 1/d, clips) with one slot or
+      one per loop, and CTA's shared U, V / per-loop a, b, eta (``params_*`` count their elements);
+    * ``fp_modules``: every other tensor as loaded (embeddings, norms, heads, biases, ...);
+    * ``bf16_model``: the teacher in BF16; ``quantized_layers`` (all tensors of the packed groups) against
+      ``quantized_layers_bf16`` (their teacher weights and biases in BF16).
+    """
+    groups = [g for _, g in _packed_groups(model)]
+    quant = _quant_tensors(model)
+    packed = [t for g in groups for t in (g.weight, g.weight_scale)]
+    special = {id(t) for t in chain(packed, (t for t, _ in quant))}
+    fp = [t for t in _unique_tensors(model) if id(t) not in special]
+    report: dict[str, float] = {
+        "packed_weights": sum(_nbytes(g.weight) for g in groups),
+        "weight_scales": sum(_nbytes(g.weight_scale) for g in groups),
+        "quant_shared": sum(_nbytes(t) for t, loop in quant if not loop),
+        "quant_loop_dependent": sum(_nbytes(t) for t, loop in quant if loop),
+        "fp_modules": sum(_nbytes(t) for t in fp),
+    }
+    report["total"] = sum(report.values())
+    layer_params = sum(g.spec.in_features * sum(g.spec.splits) for g in groups)
+    layer_biases = sum(g.bias.numel() for g in groups if g.bias is not None)
+    teacher_params = layer_params + sum(t.numel() for t in fp)
+    report["bf16_model"] = 2 * teacher_params
+    report["relative"] = report["total"] / report["bf16_model"] - 1
+    report["quantized_layers"] = sum(_nbytes(t) for g in groups for t in g.buffers())
+    report["quantized_layers_bf16"] = 2 * (layer_params + layer_biases)
+    report["quantized_layers_ratio"] = report["quantized_layers"] / report["quantized_layers_bf16"]
+    shared = sum(t.numel() for t, loop in quant if not loop)
+    loop_dependent = sum(t.numel() for t, loop in quant if loop)
+    total_params = teacher_params + shared + loop_dependent
+    report.update(params_total=total_params, params_shared=shared, params_loop_dependent=loop_dependent)
+    report.update(shared_ratio=shared / total_params, loop_dependent_ratio=loop_dependent / total_params)
+    return report
+
+
+def _quant_tensors(model: LoopLM) -> list[tuple[Tensor, bool]]:
+    """Quantization parameters in use, each with whether it is loop-dependent (one entry per loop)."""
+    found = [(t, t.shape[0] > 1) for _, g in _packed_groups(model) for t in (g.left, g.right, g.inv_d, g.act_clip)]
+    if isinstance(model.transition, TransitionAdapters):
+        per_loop = {id(p) for p in model.transition.loop_dependent_parameters()}
+        found += [(p, id(p) in per_loop) for p in model.transition.parameters()]
+    return [(t, loop) for t, loop in found if t is not None]
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _unique_tensors(model: nn.Module) -> list[Tensor]:
+    return list({id(t): t for t in chain(model.parameters(), model.buffers())}.values())
+
+
+def format_footprint(report: dict[str, float]) -> str:
+    mb = 1 / 2**20
+    rows = [
+        ("packed int4 weights", report["packed_weights"]),
+        ("fp16 weight scales", report["weight_scales"]),
+        ("quant params, shared", report["quant_shared"]),
+        ("quant params, loop-dependent", report["quant_loop_dependent"]),
+        ("FP modules", report["fp_modules"]),
+    ]
+    lines = [f"{name:<30}{value * mb:>12.3f} MB" for name, value in rows]
+    lines += [
+        f"{'total':<30}{report['total'] * mb:>12.3f} MB   BF16 model {report['bf16_model'] * mb:.3f} MB "
+        f"({100 * report['relative']:+.1f}%)",
+        f"{'quantized layers':<30}{report['quantized_layers'] * mb:>12.3f} MB   BF16 "
+        f"{report['quantized_layers_bf16'] * mb:.3f} MB ({report['quantized_layers_ratio']:.3f}x)",
+        f"params: total {report['params_total']:,}  shared {report['params_shared']:,} "
+        f"({100 * report['shared_ratio']:.3f}%)  loop-dependent {report['params_loop_dependent']:,} "
+        f"({100 * report['loop_dependent_ratio']:.4f}%)",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def check_student_dir(directory: Path) -> None:
+    for name in (STUDENT_CONFIG, STUDENT_WEIGHTS):
+        if not (directory / name).is_file():
+            raise StudentFormatError(
+                f"{directory / name}: missing - {directory} is not a LoopQ student directory "
+                "(write one with python -m loopq.fit)"
+            )
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(prog="python -m loopq.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt", type=Path, required=True, help=f"student directory ({STUDENT_CONFIG} + weights)")
+    parser.add_argument("--out", type=Path, required=True, help="export directory to write")
+    parser.add_argument(
+        "--fp-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the FP modules in the footprint"
+    )
+    args = parser.parse_args(argv)
+    check_student_dir(args.ckpt)
+    student, meta = load_student(args.ckpt)
+    export_student(student, meta, args.out)
+    report = footprint(load_quantized(args.out, dtype=DTYPES[args.fp_dtype]))
+    print(f"exported {args.ckpt} -> {args.out}\n{format_footprint(report)}")
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (StudentFormatError, ExportError, LoopLMError) as err:
+        raise SystemExit(f"error: {err}") from err

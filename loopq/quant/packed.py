@@ -1,0 +1,220 @@
+"""The runnable quantized group: packed int4 weights and the online activation side, on the LoopQ kernels.
+
+Converting a fake-quant :class:`~loopq.quant.modules.QuantLinearGroup` (paper Eq. 3) splits each slot's
+
+    y = Q_a(x P_t ; c_t) Q_w(W P_t^{-T} ; r_t)^T + b,      P_t = d_t^{-1} (P1 (x) P2)   (Eq. 2-3)
+
+into an offline and an online half:
+
+* offline, once (:func:`fold_weight`, :func:`pack_weight`): W'_t = (W * d_t) (P1^{-1} (x) P2^{-1})^T in float64 with
+  the factors' closed-form inverses V diag(e^{-s}) U^T, rounded once to fp32 and quantized per output row with the
+  clip r_t: int4 codes (exactly :func:`~loopq.quant.primitives.quantize_codes` of that fp32 weight) packed two per
+  byte, one fp16 scale per 32 inputs (:func:`loopq.kernels.quantize_weight`);
+* online, every call: x * e^{-log d_t} (the kernel has no diagonal), then the fused kernel transform x (P1 (x) P2)
+  with per-token group quantization at the loop's clip c_t, then the W4A4 or W4A8 GEMM of the whole group
+  (concatenated outputs, split afterwards) + bias.
+
+Every per-slot tensor has a leading slot axis of length 1 (shared by all loops) or T (loop-dependent: LAS clips, a
+promoted group's transforms and weights); loop t reads entry ``min(t, len - 1)``, so loops beyond the calibrated
+count reuse the last slot, as in the fake-quant group. Groups outside the loop receive ``t = None`` (slot 0).
+
+Where the exported group and the fake-quant student differ (the exporter's tests measure each):
+
+* the kernel transforms in a fixed fp32 summation order (``kron_apply_ordered``), the student with a BLAS matmul:
+  the transformed activations differ in the last bits, so an activation code can move by 1 at an exact tie;
+* weight scales are stored as fp16 (relative error <= 2^-11), the student keeps fp32 scales;
+* the fold is float64, the student's effective weight fp32: a weight code can move by 1 at a near-tie;
+* a bf16 student rounds x P to bf16 before quantizing; the kernel quantizes the fp32 transform.
+
+The packed tensors keep their formats under ``model.to(dtype)`` (only device moves apply to them), so a loaded model
+can be cast to BF16 as a whole: its FP modules follow, the packed groups do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from loopq.kernels import GROUP_SIZE, gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight
+from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.transforms import KroneckerTransform, fold_weight, kron_factors
+
+ACT_BITS = (4, 8)  # W4A4 and W4A8 kernels
+
+
+class ExportError(ValueError):
+    """A student, group or export directory the packed format cannot represent; the message names the culprit."""
+
+
+@dataclass(frozen=True)
+class PackedGroupSpec:
+    """Layout of one packed group: enough to allocate its tensors before loading them (from JSON)."""
+
+    names: tuple[str, ...]
+    splits: tuple[int, ...]
+    in_features: int
+    a_bits: int
+    looped: bool
+    slots: int  # calibrated loop slots (1 outside the loop)
+    weight_slots: int  # T for a promoted group, else 1
+    transform_slots: int  # 0 without transforms
+    act_slots: int  # T with LAS (or a promoted clip), else 1
+    diag_scale: bool
+    bias: bool
+
+    @classmethod
+    def of(cls, group: QuantLinearGroup) -> PackedGroupSpec:
+        loop_tr = group.loop_transforms
+        tr = group.transform
+        return cls(
+            names=tuple(group.names),
+            splits=tuple(group.splits),
+            in_features=group.in_features,
+            a_bits=group.a_bits,
+            looped=group.looped,
+            slots=group.slots,
+            weight_slots=group.slots if group.promoted else 1,
+            transform_slots=len(loop_tr) if loop_tr is not None else int(tr is not None),
+            act_slots=group.act_clip.numel(),
+            diag_scale=tr is not None and tr.log_d is not None,
+            bias=any(b is not None for b in group.biases()),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PackedGroupSpec:
+        return cls(**{**data, "names": tuple(data["names"]), "splits": tuple(data["splits"])})
+
+
+def check_exportable(group: QuantLinearGroup, name: str) -> None:
+    """The kernels run int4 weights, 4/8-bit activations and groups of 32 inputs; say which key to change."""
+    if group.w_bits != 4:
+        raise ExportError(f"{name}: quant.w_bits={group.w_bits}, but the kernels pack int4 weights; use w_bits=4")
+    if group.a_bits not in ACT_BITS:
+        raise ExportError(
+            f"{name}: quant.a_bits={group.a_bits}; the kernels run W4A4 or W4A8, use a_bits in {ACT_BITS}"
+        )
+    if group.group_size != GROUP_SIZE:
+        raise ExportError(
+            f"{name}: quant.group_size={group.group_size} is not supported by the kernels; recalibrate with "
+            f"quant.group_size={GROUP_SIZE}"
+        )
+    if group.in_features % GROUP_SIZE:
+        raise ExportError(
+            f"{name}: input dimension {group.in_features} is not a multiple of the kernels' group of {GROUP_SIZE}; "
+            "keep this module full precision (fp_module_patterns)"
+        )
+
+
+@torch.no_grad()
+@torch.no_grad()
+def pack_weight(group: QuantLinearGroup, slot: int) -> tuple[Tensor, Tensor]:
+    """Slot ``slot``'s folded weight as packed int4 codes ``[N, K/2]`` and fp16 scales ``[N, K/32]``."""
+    weight = fold_weight(torch.cat(group.weights()), group.transform_for(slot))
+    clip = group.weight_clip_ratio(slot).reshape(-1)
+    return quantize_weight(weight, clip, bits=4, group_size=GROUP_SIZE)
+
+
+@torch.no_grad()
+def activation_side(transform: KroneckerTransform) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(P1, P2, e^{-log d}) in fp32, computed by the same ops as the student's forward (so the same bits)."""
+    inv_d = None if transform.log_d is None else (-transform.log_d).exp()
+    return transform.left.matrix(), transform.right.matrix(), inv_d
+
+
+class PackedLinearGroup(nn.Module):
+    """Integer replacement of a :class:`QuantLinearGroup` (same call: ``group(x, t) -> tuple of outputs``).
+
+    ``backend`` is passed to the kernels (``None``: Triton on CUDA, the torch reference on CPU).
+    """
+
+    def __init__(self, spec: PackedGroupSpec, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend: str | None = None
+        k, n, sw, st = spec.in_features, sum(spec.splits), spec.weight_slots, spec.transform_slots
+        n1, n2 = kron_factors(k)
+        empty = partial(torch.empty, device=device, dtype=torch.float32)
+        self.register_buffer("weight", empty(sw, n, k // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", empty(sw, n, k // GROUP_SIZE, dtype=torch.float16))
+        self.register_buffer("act_clip", empty(spec.act_slots))
+        self.register_buffer("left", empty(st, n1, n1) if st else None)
+        self.register_buffer("right", empty(st, n2, n2) if st else None)
+        self.register_buffer("inv_d", empty(st, k) if st and spec.diag_scale else None)
+        self.register_buffer("bias", empty(n) if spec.bias else None)
+
+    @classmethod
+    @torch.no_grad()
+    def from_quant_group(cls, group: QuantLinearGroup, name: str = "group") -> PackedLinearGroup:
+        """Fold, quantize and pack every slot of a calibrated fake-quant group (the *convert* step)."""
+        check_exportable(group, name)
+        spec = PackedGroupSpec.of(group)
+        packed = cls(spec, device="meta")
+        codes, scales = zip(*(pack_weight(group, s) for s in range(spec.weight_slots)), strict=True)
+        packed.weight, packed.weight_scale = torch.stack(codes), torch.stack(scales)
+        packed.act_clip = torch.stack([group.act_clip_ratio(s) for s in range(spec.act_slots)]).float()
+        if spec.transform_slots:
+            sides = [activation_side(group.transform_for(s)) for s in range(spec.transform_slots)]
+            left, right, inv_d = zip(*sides, strict=True)
+            packed.left, packed.right = torch.stack(left), torch.stack(right)
+            packed.inv_d = torch.stack(inv_d) if spec.diag_scale else None
+        packed.bias = concat_bias(group)
+        return packed
+
+    def slot(self, t: int | None) -> int:
+        """Loop index -> parameter slot; loops beyond the calibrated count reuse the last slot."""
+        return 0 if t is None or not self.spec.looped else min(t, self.spec.slots - 1)
+
+    def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
+        slot = self.slot(t)
+        flat = x.reshape(-1, self.spec.in_features)
+        if self.inv_d is not None:
+            flat = flat.float() * _at(self.inv_d, slot)
+        left = None if self.left is None else _at(self.left, slot)
+        right = None if self.right is None else _at(self.right, slot)
+        clip = float(_at(self.act_clip, slot))
+        codes, scales = quantize_activation(flat, left, right, clip, self.spec.a_bits, GROUP_SIZE, self.backend)
+        gemm = gemm_w4a4 if self.spec.a_bits == 4 else gemm_w4a8
+        y = gemm(codes, scales, _at(self.weight, slot), _at(self.weight_scale, slot), backend=self.backend)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return tuple(y.split(list(self.spec.splits), dim=-1))
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PackedLinearGroup:
+        """Follow device moves but never dtype casts: ``model.to(torch.bfloat16)`` / ``.half()`` would round the
+        fp16 scales and the fp32 transforms and clips, which the kernels read as they were exported."""
+        for name, t in self._buffers.items():
+            if t is not None:
+                self._buffers[name] = t.to(fn(torch.empty(0, dtype=t.dtype, device=t.device)).device)
+        return self
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (
+            f"in={s.in_features}, out={list(s.splits)}, W4A{s.a_bits}, slots(weight={s.weight_slots}, "
+            f"transform={s.transform_slots}, act_clip={s.act_slots})"
+        )
+
+
+def concat_bias(group: QuantLinearGroup) -> Tensor | None:
+    """The group's biases as one fp32 vector over the concatenated outputs (zeros for bias-free linears)."""
+    biases = group.biases()
+    if all(b is None for b in biases):
+        return None
+    device = group.weights()[0].device
+    parts = [
+        torch.zeros(n, device=device) if b is None else b.float() for b, n in zip(biases, group.splits, strict=True)
+    ]
+    return torch.cat(parts)
+
+
+def _at(per_slot: Tensor, slot: int) -> Tensor:
+    return per_slot[min(slot, per_slot.shape[0] - 1)]

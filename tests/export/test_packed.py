@@ -1,0 +1,194 @@
+"""PackedLinearGroup against the fake-quant group: integer codes, teacher-forced outputs, backends, bad shapes.
+
+Tolerances (teacher-forced: both groups see the student's own recorded inputs):
+
+* weight codes: *equal* to ``quantize_codes`` of the student's effective weight folded in float64 (here with an
+  independent Kronecker inverse); against the student's fp32 effective weight at most a 1e-4 fraction may move by
+  1 (near-ties of the fp32 fold; measured over the six fixture students: 0 or 1 code per model, <= 5e-6);
+* activation codes: at most a 1e-3 fraction may move by 1 - the kernel's transform sums in a fixed order, the
+  student's ``kron_apply`` in BLAS order, so an exact tie can round the other way (measured: 0-2 codes in 2e5-5e5
+  per forward, all W4A8);
+* outputs (where no activation code moved): |out - ref| <= 2^-11 sum_k |xq_k wq_k| elementwise - the fp16 rounding
+  of the weight scales (relative error <= 2^-11 each) is the only difference left (relative L2 measured 2e-4 to
+  4e-3: the bound is on the sum of magnitudes, not on the possibly cancelling sum).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from loopq.kernels import quantize_activation, triton_interpreted, unpack_int4
+from loopq.models.base import LinearGroup
+from loopq.quant import QuantConfig, quant_groups
+from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.packed import ExportError, PackedLinearGroup, concat_bias, fold_weight
+from loopq.quant.primitives import fake_quant, quantize_codes
+from loopq.quant.transforms import KroneckerTransform
+
+
+def kronecker_fold(group: QuantLinearGroup, slot: int) -> torch.Tensor:
+    """W' = (W * d) P^{-T} with P = kron(P1, P2) materialised and inverted numerically, in float64."""
+    tr = copy.deepcopy(group.transform_for(slot)).double()
+    with torch.no_grad():
+        p = torch.kron(tr.left.matrix(), tr.right.matrix())
+        w = torch.cat(group.weights()).double() * tr.log_d.exp()
+        return (w @ torch.linalg.inv(p).T).float()
+
+
+def record_inputs(student) -> tuple[dict[str, list], list]:
+    """Hooks recording every group call ``(x, t)`` of the next student forwards, by group name (remove after)."""
+    calls: dict[str, list] = {name: [] for name in quant_groups(student)}
+    hooks = [
+        g.register_forward_pre_hook(
+            lambda m, args, n=name: calls[n].append((args[0], args[1] if len(args) > 1 else None))
+        )
+        for name, g in quant_groups(student).items()
+    ]
+    return calls, hooks
+
+
+def test_weight_codes_are_the_students_codes(exported):
+    moved = total = 0
+    for name, group in quant_groups(exported.student).items():
+        packed = exported.model.get_submodule(name)
+        for slot in range(packed.spec.weight_slots):
+            clip = group.weight_clip_ratio(slot)
+            codes, scales = quantize_codes(kronecker_fold(group, slot), 4, 32, clip)
+            assert torch.equal(unpack_int4(packed.weight[slot]), codes), (name, slot)
+            assert torch.equal(packed.weight_scale[slot], scales.half()), (name, slot)
+            with torch.no_grad():
+                fp32_codes, _ = quantize_codes(group.effective_weight_fp(slot), 4, 32, clip)
+            diff = (fp32_codes.int() - codes.int()).abs()
+            assert int(diff.max()) <= 1
+            moved, total = moved + int((diff > 0).sum()), total + diff.numel()
+    assert moved <= 1e-4 * total
+
+
+def test_activation_side_is_the_students(exported):
+    for name, group in quant_groups(exported.student).items():
+        packed = exported.model.get_submodule(name)
+        for slot in range(packed.spec.transform_slots):
+            tr = group.transform_for(slot)
+            p1, p2, _, _ = tr.matrices()
+            assert torch.equal(packed.left[slot], p1) and torch.equal(packed.right[slot], p2)
+            assert torch.equal(packed.inv_d[slot], (-tr.log_d).exp())
+        clips = [group.act_clip_ratio(s) for s in range(packed.spec.act_slots)]
+        assert torch.equal(packed.act_clip, torch.stack(clips))
+
+
+def test_teacher_forced_codes_and_outputs(exported):
+    calls, hooks = record_inputs(exported.student)
+    with torch.no_grad():
+        exported.student(exported.ids())
+    for h in hooks:
+        h.remove()
+    moved = total = 0
+    for name, group in quant_groups(exported.student).items():
+        packed = exported.model.get_submodule(name)
+        for x, t in calls[name]:
+            with torch.no_grad():
+                diff = activation_code_moves(group, packed, x, t)
+                assert int(diff.max()) <= 1, (name, t)
+                moved, total = moved + int((diff > 0).sum()), total + diff.numel()
+                if not diff.any():
+                    assert_within_fp16_scale_error(group, packed, x, t)
+    assert moved <= 1e-3 * total
+
+
+def activation_code_moves(group: QuantLinearGroup, packed: PackedLinearGroup, x: torch.Tensor, t: int | None):
+    """|kernel code - student code| of every activation element of one call."""
+    slot = group.slot(t)
+    tr = group.transform_for(slot)
+    p1, p2, _, _ = tr.matrices()
+    want, _ = quantize_codes(tr.activation(x, p1, p2), group.a_bits, 32, group.act_clip_ratio(slot))
+    flat = x.reshape(-1, group.in_features)
+    flat = flat if packed.inv_d is None else flat * _at(packed.inv_d, slot)
+    left, right, clip = _at(packed.left, slot), _at(packed.right, slot), float(_at(packed.act_clip, slot))
+    codes, _ = quantize_activation(flat, left, right, clip, group.a_bits)
+    got = unpack_int4(codes) if group.a_bits == 4 else codes
+    return (got.int() - want.reshape(got.shape).int()).abs()
+
+
+def assert_within_fp16_scale_error(group, packed, x, t):
+    """With the same codes on both sides (weights folded in float64, as exported), the only difference left is the
+    fp16 rounding of the weight scales: |out - ref| <= 2^-11 sum_k |xq_k wq_k|."""
+    slot = group.slot(t)
+    xq = group.quantized_input(x, slot)
+    weight = fold_weight(torch.cat(group.weights()), group.transform_for(slot))
+    wq = fake_quant(weight, 4, 32, group.weight_clip_ratio(slot))
+    bias = concat_bias(group)
+    ref, out = xq @ wq.T + (0 if bias is None else bias), torch.cat(packed(x, t), -1)
+    bound = 2**-11 * (xq.abs() @ wq.abs().T)
+    assert ((out - ref).abs() <= bound * 1.01 + 1e-6).all()
+
+
+def _at(per_slot: torch.Tensor, slot: int) -> torch.Tensor:
+    return per_slot[min(slot, per_slot.shape[0] - 1)]
+
+
+@pytest.mark.skipif(not triton_interpreted(), reason="needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
+def test_triton_backend_matches_torch_backend(exported):
+    name = exported.meta["promoted"][0]
+    packed = exported.model.get_submodule(name)
+    x = torch.randn(2, 8, packed.spec.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = packed(x, 1)
+        packed.backend = "triton"
+        try:
+            got = packed(x, 1)
+        finally:
+            packed.backend = None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fold_preserves_the_function_without_quantization():
+    gen = torch.Generator().manual_seed(0)
+    tr = KroneckerTransform(96)
+    tr.randomize_(gen)
+    w, x = torch.randn(40, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    with torch.no_grad():
+        p1, p2, _, _ = tr.matrices()
+        y = tr.activation(x, p1, p2) @ fold_weight(w, tr).T
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("a_bits", [4, 8])
+@pytest.mark.parametrize(
+    "switches",
+    [{}, {"diag_scale": False}, {"transforms": False}, {"las": False}],
+    ids=["full", "no-d", "no-P", "no-las"],
+)
+def test_group_variants_with_bias(switches, a_bits):
+    """Biases on some linears, no diagonal, no transform, one shared activation clip; inside and outside the loop."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        linears = LinearGroup(a=nn.Linear(64, 48), b=nn.Linear(64, 16, bias=False), c=nn.Linear(64, 8))
+    config = QuantConfig(a_bits=a_bits, **switches)
+    for looped in (True, False):
+        group = QuantLinearGroup(linears, config, num_loops=3, looped=looped)
+        if group.transform is not None:
+            group.transform.randomize_(gen)
+        with torch.no_grad():
+            group.act_clip.copy_(torch.randn(group.act_clip.shape, generator=gen) + 2)
+        packed = PackedLinearGroup.from_quant_group(group)
+        assert packed.spec.act_slots == (3 if looped and config.las else 1)
+        x = torch.randn(3, 5, 64, generator=gen)
+        for t in (0, 2, 4) if looped else (None,):
+            with torch.no_grad():
+                outs = packed(x, t)
+                assert [o.shape[-1] for o in outs] == [48, 16, 8]
+                if group.transform is not None:
+                    assert not activation_code_moves(group, packed, x, t).any()
+                assert_within_fp16_scale_error(group, packed, x, t)
+
+
+def test_input_dimension_not_a_multiple_of_32_is_rejected():
+    group = QuantLinearGroup(LinearGroup(proj=nn.Linear(48, 16)), QuantConfig(group_size=32), 2, looped=True)
+    with pytest.raises(ExportError, match="input dimension 48"):
+        PackedLinearGroup.from_quant_group(group, "layers.0.proj")
