@@ -37,6 +37,8 @@ from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, prepare
 
 SEQ_LEN = 256
+#: the first windows of WikiText-2 test that the tests re-measure against the record (a fast, exact check)
+QUICK_WINDOWS = 48
 
 #: the fragility table's rows: plain symmetric RTN (no transforms, no learned clipping, no LoopQ parts)
 RTN_SETTINGS: dict[str, dict[str, int]] = {
@@ -141,7 +143,14 @@ def measure(model_dir: Path, tokenizer: Tokenizer, model: LoopLM | None = None) 
     vocab = tokenizer.get_vocab_size()
     table = fragility(model, stream, probe)
     fp_loops = table["FP"]["per_loop_ppl"]
+    subset = stream[: QUICK_WINDOWS * SEQ_LEN]
+    quick_rtn = prepare(model, QuantConfig.rtn(4, 4, 32)).eval()
     return {
+        "quick_check": {
+            "windows": QUICK_WINDOWS,
+            "fp_ppl": perplexity(model, subset, SEQ_LEN, batch_size=8).ppl,
+            "rtn_w4a4_g32_ppl": perplexity(quick_rtn, subset, SEQ_LEN, batch_size=8).ppl,
+        },
         "wikitext2_windows": int(stream.numel() // SEQ_LEN),
         "seq_len": SEQ_LEN,
         "unigram_ppl": unigram_perplexity(training_token_ids(tokenizer), stream, vocab),

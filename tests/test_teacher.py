@@ -1,0 +1,66 @@
+"""The committed embedded teachers meet their recorded numbers (issue: teacher + testbed)."""
+
+import json
+
+import pytest
+import torch
+
+from loopq.data.tokenizer import load_tokenizer
+from loopq.eval.perplexity import perplexity, wikitext2_stream
+from loopq.models import load_looplm
+from loopq.paths import ASSETS
+from loopq.quant import QuantConfig, prepare
+from loopq.testbed import QUICK_WINDOWS, SEQ_LEN
+
+PLAIN, STRESS = ASSETS / "tiny-ouro", ASSETS / "tiny-ouro-outliers"
+
+
+def record(path):
+    return json.loads((path / "testbed.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def subset():
+    stream = torch.tensor(wikitext2_stream(load_tokenizer(PLAIN)))
+    return stream[: QUICK_WINDOWS * SEQ_LEN]
+
+
+def test_teacher_is_small_native_ouro_with_tokenizer_and_record():
+    model = load_looplm(PLAIN)
+    assert model.arch == "ouro" and model.default_num_loops == 4
+    assert sum(f.stat().st_size for f in PLAIN.iterdir()) < 10 * 2**20
+    assert load_tokenizer(PLAIN).get_vocab_size() == model.config.vocab_size
+    train = json.loads((PLAIN / "training_record.json").read_text())
+    assert train["command"].startswith("python -m loopq.pretrain") and "seed" in train["model_hparams"]
+
+
+def test_recorded_quality_bar():
+    rec = record(PLAIN)
+    fp = rec["fragility"]["FP"]["per_loop_ppl"]
+    assert fp[-1] <= 0.5 * rec["unigram_ppl"], "a real LM: at most half the unigram perplexity"
+    assert rec["last_over_first_loop_ppl"] == pytest.approx(fp[-1] / fp[0])
+    assert fp[-1] <= 0.9 * fp[0], "the loops matter: last loop clearly better than loop 1"
+
+
+def test_teacher_meets_its_recorded_perplexity(subset):
+    model = load_looplm(PLAIN)
+    got = perplexity(model, subset, SEQ_LEN, batch_size=8).ppl
+    assert got == pytest.approx(record(PLAIN)["quick_check"]["fp_ppl"], rel=1e-4)
+
+
+def test_stress_variant_is_the_same_function():
+    plain, stress = load_looplm(PLAIN), load_looplm(STRESS)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = plain(ids, return_trajectory=True), stress(ids, return_trajectory=True)
+    assert torch.equal(a.logits, b.logits)  # power-of-two reparameterisation: bit-identical
+    assert all(torch.equal(x, y) for x, y in zip(a.loop_states, b.loop_states, strict=True))
+    assert not torch.equal(plain.model.layers[0].input_layernorm.weight, stress.model.layers[0].input_layernorm.weight)
+
+
+def test_rtn_w4a4_breaks_the_stress_variant(subset):
+    stress = load_looplm(STRESS)
+    fp = perplexity(stress, subset, SEQ_LEN, batch_size=8).ppl
+    rtn = perplexity(prepare(stress, QuantConfig.rtn(4, 4, 32)).eval(), subset, SEQ_LEN, batch_size=8).ppl
+    assert rtn >= 2 * fp
+    assert rtn == pytest.approx(record(STRESS)["quick_check"]["rtn_w4a4_g32_ppl"], rel=1e-3)
