@@ -15,3 +15,15 @@ class KillAtStep(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PoisonAtStep(L.Callback):
+    """Write NaN into the student's first trainable parameter right before step ``step``: the loss goes NaN."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            param = next(p for p in pl_module.student.parameters() if p.requires_grad)
+            param.data.fill_(float("nan"))

@@ -73,3 +73,20 @@ def test_teacher_of_another_kind_is_named(tmp_path):
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
     out = fit(tmp_path, "--model.teacher", str(bad), check=False)
     assert out.returncode != 0 and "unknown architecture" in out.stderr
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path):
+    poison = json.dumps({"class_path": "tests.helpers.PoisonAtStep", "init_args": {"step": 4}})
+    out = fit(tmp_path, "--trainer.callbacks+", poison, check=False)
+    assert out.returncode != 0 and "loss is not finite at step 4" in out.stderr
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 3  # written before the failure, intact, and free of NaN
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+    assert not (tmp_path / "student").exists()
+
+
+def test_calibration_text_shorter_than_a_sample_is_named(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to make even one calibration sample.")
+    out = fit(tmp_path, "--data.sources", f"[{short}]", check=False)
+    assert out.returncode != 0 and "shorter than one sample of seq_len=32" in out.stderr
