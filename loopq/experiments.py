@@ -1,0 +1,99 @@
+"""Run a whole comparison on one teacher and hand the results to the report:
+
+    python -m loopq.experiments table1 --model loopq/assets/tiny-ouro --out results/tiny-ouro --limit 200
+
+``table1``: FP, plain symmetric RTN and LoopQ at W4A4 and W4A8 (the paper's Table 1 rows that exist so far),
+each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ perplexity per loop + the lm-eval tasks with
+``limit`` examples per task). LoopQ students are calibrated by ``python -m loopq.fit`` with the calibration
+config (default ``configs/tiny.yaml``) in a subprocess each, under ``<out>/runs/``.
+``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from jsonargparse import CLI
+
+from loopq.evaluate import evaluate
+from loopq.paths import REPO_ROOT
+
+BITS = {"w4a4": 4, "w4a8": 8}
+ABLATIONS = {
+    "LoopQ w/o LAS": ["--model.quant.las", "false"],
+    "LoopQ w/o SLT": ["--model.quant.slt_budget", "0"],
+    "LoopQ w/o CTA": ["--model.quant.cta", "false"],
+}
+
+
+def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[str]) -> Path:
+    """``python -m loopq.fit`` in a fresh process; returns the student directory."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "loopq.fit",
+        "--config",
+        config,
+        "--model.teacher",
+        model,
+        "--model.quant.a_bits",
+        str(a_bits),
+        "--trainer.default_root_dir",
+        str(run_dir),
+        "--trainer.enable_progress_bar",
+        "false",
+        *extra,
+    ]
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+    return run_dir / "student"
+
+
+def table1(
+    model: str, out: str, config: str = "configs/tiny.yaml", limit: int | None = 200, tasks: list[str] | None = None
+) -> list[Path]:
+    """FP, RTN and LoopQ at W4A4 and W4A8 on ``model``; one result JSON each in ``out``."""
+    root = Path(out)
+    written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks)]
+    for bits, a_bits in BITS.items():
+        written.append(_eval(root / f"rtn-{bits}.json", model=model, method="RTN", bits=bits, limit=limit, tasks=tasks))
+        student = calibrate(model, root / "runs" / f"loopq-{bits}", config, a_bits, [])
+        written.append(
+            _eval(
+                root / f"loopq-{bits}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks
+            )
+        )
+    return written
+
+
+def ablations(
+    model: str, out: str, config: str = "configs/tiny.yaml", limit: int | None = 200, tasks: list[str] | None = None
+) -> list[Path]:
+    """LoopQ W4A4 with one component switched off at a time (paper Table 2)."""
+    root = Path(out)
+    written = []
+    for name, switch in ABLATIONS.items():
+        slug = name.lower().replace(" ", "-").replace("/", "")
+        student = calibrate(model, root / "runs" / slug, config, 4, switch)
+        written.append(
+            _eval(root / f"{slug}.json", student=str(student), method=name, bits="w4a4", limit=limit, tasks=tasks)
+        )
+    return written
+
+
+def _eval(path: Path, **kwargs: object) -> Path:
+    if path.is_file():  # experiments resume: finished evaluations are kept
+        return path
+    evaluate(out=str(path), **kwargs)  # type: ignore[arg-type]
+    print(f"[loopq] wrote {path}: {json.loads(path.read_text())['wikitext2_ppl']:.2f} WT2 ppl")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    CLI([table1, ablations], args=argv, as_positional=False)
+
+
+if __name__ == "__main__":
+    main()
