@@ -37,23 +37,26 @@ def rtn_config(bits: str, group_size: int = 32) -> QuantConfig:
     return QuantConfig.rtn(*BITS[bits], group_size=group_size)
 
 
-def build(model: str | None, student: str | None, exported: str | None, method: str, bits: str) -> tuple[LoopLM, str]:
-    """The model to evaluate and the directory its tokenizer lives in."""
+def build(
+    model: str | None, student: str | None, exported: str | None, method: str, bits: str
+) -> tuple[LoopLM, str, str]:
+    """The model to evaluate, the directory its tokenizer lives in, and its actual bit widths."""
     if student:
         from loopq.calib.student_io import load_student
 
         built, meta = load_student(student)
-        return built, meta["teacher"]
+        return built, meta["teacher"], f"w{meta['quant']['w_bits']}a{meta['quant']['a_bits']}"
     if exported:
         from loopq.export import load_quantized
 
-        return load_quantized(exported), exported
+        quant = json.loads((Path(exported) / "loopq_export.json").read_text())["quant"]
+        return load_quantized(exported), exported, f"w{quant['w_bits']}a{quant['a_bits']}"
     if model is None:
         raise ValueError("pass --model (FP/RTN), --student or --exported")
     teacher = load_looplm(model)
     if method.upper().startswith("RTN") or method.lower() == "symmetric":
-        return prepare(teacher, rtn_config(bits)).eval(), str(resolve_model_dir(model))
-    return teacher, str(resolve_model_dir(model))
+        return prepare(teacher, rtn_config(bits)).eval(), str(resolve_model_dir(model)), bits
+    return teacher, str(resolve_model_dir(model)), "fp"
 
 
 def evaluate(
@@ -68,16 +71,18 @@ def evaluate(
     ppl_seq_len: int = 256,
     batch_size: int = 8,
     out: str | None = None,
+    variant: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``."""
     start = time.time()
-    net, tok_dir = build(model, student, exported, method, bits)
+    net, tok_dir, bits = build(model, student, exported, method, bits)
     tokenizer = load_tokenizer(tok_dir)
     ppl = perplexity(net, torch.tensor(wikitext2_stream(tokenizer)), ppl_seq_len, batch_size, num_loops, per_loop=True)
     result: dict[str, Any] = {
         "method": method,
-        "bits": "fp" if method == "FP" else bits,
+        "bits": bits,
         "model": model or student or exported,
+        "variant": variant or Path(tok_dir).name,
         "num_loops": num_loops or net.default_num_loops,
         "wikitext2_ppl": ppl.ppl,
         "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
