@@ -56,6 +56,7 @@ class QuantLinearGroup(nn.Module):
         self.act_clip_promoted = False
         #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`)
         self.kernel_numerics = False
+        self._eval_cache: dict[int, tuple[Tensor, ...]] = {}
 
     # ------------------------------------------------------------------ helpers
     def weights(self) -> list[Tensor]:
@@ -86,6 +87,11 @@ class QuantLinearGroup(nn.Module):
     def transform_matrices(self, tr: KroneckerTransform, slot: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(P1, P2, P1^-1, P2^-1); in probe mode P_t = P + Delta_t with a zero Delta_t whose gradient is phi_t."""
         if self.probe is None:
+            if self._cacheable():
+                key = -1 - slot
+                if key not in self._eval_cache:
+                    self._eval_cache[key] = tr.matrices()
+                return self._eval_cache[key]  # type: ignore[return-value]
             return tr.matrices()
         p1 = tr.left.matrix() + self.probe[0][slot]
         p2 = tr.right.matrix() + self.probe[1][slot]
@@ -102,9 +108,27 @@ class QuantLinearGroup(nn.Module):
         return weight
 
     def effective_weight(self, slot: int) -> Tensor:
-        """The transformed, fake-quantized, concatenated weight ``[sum(out), in]`` (fp32) for ``slot``."""
-        weight = self.effective_weight_fp(slot)
-        return fake_quant(weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+        """The transformed, fake-quantized, concatenated weight ``[sum(out), in]`` (fp32) for ``slot``.
+
+        In eval mode without gradients it is computed once per slot and cached (the parameters cannot change
+        there); ``train()``, promotion and loading a state dict drop the cache."""
+        if self._cacheable() and slot in self._eval_cache:
+            return self._eval_cache[slot][0]
+        weight = fake_quant(self.effective_weight_fp(slot), self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+        if self._cacheable():
+            self._eval_cache[slot] = (weight,)
+        return weight
+
+    def _cacheable(self) -> bool:
+        return not self.training and not torch.is_grad_enabled() and self.probe is None
+
+    def train(self, mode: bool = True) -> QuantLinearGroup:
+        self._eval_cache = {}
+        return super().train(mode)
+
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        self._eval_cache = {}
+        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
 
     def quantized_input(self, x: Tensor, slot: int) -> Tensor:
         """x P_t quantized with the loop's activation clipping."""
@@ -158,6 +182,7 @@ class QuantLinearGroup(nn.Module):
         """
         if not self.looped:
             raise ValueError("only groups inside the loop can be promoted to loop-dependent")
+        self._eval_cache = {}
         if self.promoted:
             return []
         new: list[nn.Parameter] = []

@@ -195,3 +195,25 @@ def test_probe_gradients_are_per_loop_parts_of_the_shared_gradient(fixtures):
     predicted = eps * (phi[:, : n1 * n1] * direction.flatten()).sum()
     assert float(moved - base) == pytest.approx(float(predicted), rel=0.1, abs=1e-6)
     group.stop_probe()
+
+
+def test_eval_cache_is_exact_and_dropped_on_train_promotion_and_load(fixtures):
+    teacher = load_looplm(fixtures / "ouro-tiny")
+    student = prepare(teacher, QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random")).eval()
+    ids = ids_for(teacher)
+    first = run(student, ids).logits
+    group = next(iter(looped_quant_groups(student).values()))
+    assert group._eval_cache  # filled by the no-grad eval forward
+    torch.testing.assert_close(run(student, ids).logits, first, atol=0, rtol=0)
+    with torch.no_grad():
+        group.transform.left.log_s.add_(0.2)  # a change the cache would hide...
+    student.train()
+    student.eval()  # ...is seen after train(): the cache was dropped
+    changed = run(student, ids).logits
+    assert not torch.equal(changed, first)
+    group.promote()
+    assert not group._eval_cache
+    state = {k: v.clone() for k, v in student.state_dict().items()}
+    run(student, ids)
+    student.load_state_dict(state)
+    assert not group._eval_cache
