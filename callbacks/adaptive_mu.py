@@ -1,7 +1,8 @@
 """Adaptive mu_t (paper appendix): how much each loop's state is pulled toward the final teacher state.
 
 Every ``every_n_steps`` optimizer steps (default 100, as in the paper) mu_t is recomputed from the current
-batch's teacher and student trajectories, averaged across processes, and written to the module's ``mu`` buffer.
+global batch's teacher and student trajectories (the squared norms are summed over every process's samples
+before the ratio, so mu_t does not depend on the number of processes) and written to the module's ``mu`` buffer.
 Stateful: resume restores the last mu_t.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from loopq.calib.losses import adaptive_mu
+from loopq.calib.losses import mu_from_sums, mu_sums
 
 
 class AdaptiveMu(L.Callback):
@@ -26,10 +27,11 @@ class AdaptiveMu(L.Callback):
         step = trainer.global_step - 1  # the step that just finished
         if step % self.every_n_steps or not pl_module.last:
             return
-        mu = adaptive_mu(pl_module.last["teacher_states"], pl_module.last["student_states"], self.eps)
-        mu = trainer.strategy.reduce(mu.to(pl_module.device), reduce_op="mean")
+        sums = mu_sums(pl_module.last["teacher_states"], pl_module.last["student_states"]).to(pl_module.device)
+        sums = trainer.strategy.reduce(sums, reduce_op="sum")  # sums, then the ratio: world-size invariant
+        mu = mu_from_sums(sums, self.eps)
         pl_module.mu.copy_(mu)
-        self.mu = mu.tolist()
+        self.mu = pl_module.mu.tolist()  # exactly what the buffer holds (resume restores it bit for bit)
         pl_module.log_dict({f"mu/t{t}": v for t, v in enumerate(self.mu)})
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:

@@ -39,20 +39,24 @@ class PerLoopDiagnostics(L.Callback):
         holdout = getattr(trainer.datamodule, "holdout", None)
         if holdout is None or len(holdout) == 0:
             return
+        # Every rank runs this: trainer.log_dir broadcasts from rank 0 under DDP, and under DeepSpeed ZeRO-3 the
+        # forward passes gather partitioned parameters - collectives that rank 0 alone would wait on forever.
+        log_dir = trainer.log_dir or trainer.default_root_dir
         was_training = pl_module.student.training
         pl_module.student.eval()
         errors = layer_loop_errors(
             pl_module.teacher, pl_module.student, holdout.to(pl_module.device), pl_module.num_loops
         )
         pl_module.student.train(was_training)
-        if trainer.is_global_zero:
-            metrics = {f"diag/err_t{t}_l{layer}": v for t, row in enumerate(errors) for layer, v in enumerate(row)}
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-            path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:
-                f.write(json.dumps({"step": trainer.global_step, "errors": errors}) + "\n")
+        if not trainer.is_global_zero:
+            return  # the held-out batch is the same on every rank: rank 0 writes
+        metrics = {f"diag/err_t{t}_l{layer}": v for t, row in enumerate(errors) for layer, v in enumerate(row)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        path = Path(log_dir) / self.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "errors": errors}) + "\n")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if (trainer.global_step - 1) % self.every_n_steps == 0:

@@ -12,7 +12,8 @@ Stateful: selections and score history are saved; the module re-promotes the gro
 parameters. Under DDP the new parameters are not known to the DDP reducer, so their gradients are averaged here
 (``on_before_optimizer_step``) and the strategy must allow unused parameters (the promoted group's shared
 transform stops receiving gradient): use ``ddp_find_unused_parameters_true``. DeepSpeed cannot grow its
-optimizer mid-run: there, all rounds happen back to back before training (``upfront=True``).
+optimizer mid-run: there, all rounds happen back to back before training (``upfront=True``, switched on
+automatically under DeepSpeed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from loopq.quant import looped_quant_groups
@@ -57,17 +60,24 @@ class SharingGapReselection(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
         """Upfront mode: all rounds before the optimizer exists (DeepSpeed cannot add parameters later)."""
+        if stage == "fit" and not self.upfront:
+            self.upfront = _must_run_upfront(trainer)
         if not self.upfront or stage != "fit" or self.selected or trainer.ckpt_path:
             return  # resumed runs restore the selection from the checkpoint
         pl_module.to(trainer.strategy.root_device)
+        if hasattr(pl_module, "initialise_clipping"):
+            pl_module.initialise_clipping()  # score with the clipping training starts from
         loader = trainer.datamodule.train_dataloader()
         batches = [b for _, b in zip(range(self.probe_batches), loader, strict=False)]
         while len(self.selected) < self._budget(pl_module):
-            if not self.run_round(trainer, pl_module, batches, step=0):
+            if not self.run_round(trainer, pl_module, batches, step=0, upfront=True):
                 break
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        self._late_params = [p for n in self.selected for p in pl_module.student_group(n).promotion_parameters()]
+        # Groups selected so far (upfront rounds, or re-promoted from a checkpoint) were promoted before the
+        # strategy wrapped the model, so DDP already averages their gradients: only later promotions need the
+        # manual all-reduce of on_before_optimizer_step.
+        self._late_params = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self.upfront and self.due(trainer.global_step, pl_module):
@@ -88,16 +98,24 @@ class SharingGapReselection(L.Callback):
                     loss = pl_module.compute_loss(batch)["loss"]
                     deltas = [d for g in probed.values() for d in g.probe]
                     grads = torch.autograd.grad(loss, deltas, allow_unused=True)
-                for i, (name, g) in enumerate(probed.items()):
-                    phi = _per_loop(grads[2 * i], grads[2 * i + 1], g.slots)
-                    acc[name].add(trainer.strategy.reduce(phi, reduce_op="mean"))
+                phis = [
+                    _per_loop(grads[2 * i], grads[2 * i + 1], g.slots, loss.device)
+                    for i, g in enumerate(probed.values())
+                ]
+                if trainer.world_size > 1 and phis:  # one all-reduce per batch for every group's phi
+                    flat = trainer.strategy.reduce(torch.cat([p.reshape(-1) for p in phis]), reduce_op="mean")
+                    phis = [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in phis]), phis, strict=True)]
+                for name, phi in zip(probed, phis, strict=True):
+                    acc[name].add(phi)
         finally:
             for g in groups.values():
                 g.stop_probe()
         psi_scale = {n: float(a.psi.mean()) / a.count for n, a in acc.items()}
         return {n: a.score(eps=self.eps_rel * psi_scale[n] + 1e-30) for n, a in acc.items()}
 
-    def run_round(self, trainer: L.Trainer, pl_module: Any, batches: list[Any], step: int) -> list[str]:
+    def run_round(
+        self, trainer: L.Trainer, pl_module: Any, batches: list[Any], step: int, upfront: bool = False
+    ) -> list[str]:
         scores = self.score(trainer, pl_module, batches)
         if not scores:
             return []
@@ -108,17 +126,37 @@ class SharingGapReselection(L.Callback):
             self._late_params.extend(pl_module.promote(name))
             self.selected.append(name)
         self.history.append({"step": step, "selected": chosen, "scores": scores})
-        pl_module.log("slt/num_selected", float(len(self.selected)))
+        if not upfront:
+            pl_module.log("slt/num_selected", float(len(self.selected)))
+        else:  # upfront rounds run in setup, where LightningModule.log is not allowed
+            for logger in trainer.loggers:
+                logger.log_metrics({"slt/num_selected": float(len(self.selected))}, step=step)
         if trainer.is_global_zero:
             print(f"[loopq] step {step}: SLT promoted {chosen} (S = {[round(scores[c], 4) for c in chosen]})")
         return chosen
 
     # ------------------------------------------------------------------ DDP: promoted params are not in the reducer
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-        if trainer.world_size > 1 and not self.upfront:
-            for p in self._late_params:
-                if p.grad is not None:
-                    p.grad.copy_(trainer.strategy.reduce(p.grad, reduce_op="mean"))
+        """Average the gradients of parameters promoted after DDP wrapped the model (it does not know them).
+
+        Runs after backward and before gradient clipping and the optimizer step (Lightning's order), on every
+        rank. All late gradients travel in one flattened all-reduce; a parameter without a gradient on this rank
+        contributes zeros, and every rank then holds the same averaged gradient (a parameter that has no
+        gradient on any rank keeps ``grad = None`` so AdamW skips it, as in a single process).
+        """
+        if trainer.world_size <= 1 or self.upfront or not self._late_params:
+            return
+        params = self._late_params
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        has_grad = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
+        flat = trainer.strategy.reduce(torch.cat([*grads, has_grad.to(grads[0].dtype)]), reduce_op="sum")
+        total, seen = flat[: -len(params)], flat[-len(params) :]
+        offset = 0
+        for p, n in zip(params, seen.tolist(), strict=True):
+            chunk = total[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if n > 0:
+                p.grad = chunk.div(trainer.world_size).clone()
 
     def state_dict(self) -> dict[str, Any]:
         return {"selected": list(self.selected), "history": self.history}
@@ -128,6 +166,29 @@ class SharingGapReselection(L.Callback):
         self.history = list(state_dict["history"])
 
 
-def _per_loop(g1: Tensor | None, g2: Tensor | None, slots: int) -> Tensor:
+def _per_loop(g1: Tensor | None, g2: Tensor | None, slots: int, device: torch.device | None = None) -> Tensor:
     parts = [g.reshape(slots, -1) for g in (g1, g2) if g is not None]
-    return torch.cat(parts, dim=1).detach() if parts else torch.zeros(slots, 1)
+    return torch.cat(parts, dim=1).detach() if parts else torch.zeros(slots, 1, device=device)
+
+
+def _must_run_upfront(trainer: L.Trainer) -> bool:
+    """Progressive promotion needs an optimizer that can grow and, under DDP, ``find_unused_parameters``.
+
+    DeepSpeed cannot add parameters to its optimizer: switch to up-front rounds (with a warning) so that any config
+    can be launched under DeepSpeed. Plain DDP would reject the promoted group's unused shared transform at the
+    step after a promotion: refuse at setup with the fix instead.
+    """
+    strategy = trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy):
+        rank_zero_warn(
+            "SharingGapReselection: DeepSpeed cannot add parameters to its optimizer mid-run, so all SLT rounds "
+            "run up front, before training (as with upfront: true)"
+        )
+        return True
+    kwargs = getattr(strategy, "_ddp_kwargs", None)
+    if trainer.world_size > 1 and kwargs is not None and not kwargs.get("find_unused_parameters", False):
+        raise ValueError(
+            "SharingGapReselection: a promoted group's shared transform stops receiving gradient, which plain "
+            "DDP rejects; use --trainer.strategy ddp_find_unused_parameters_true (or upfront: true)"
+        )
+    return False

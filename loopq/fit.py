@@ -2,18 +2,22 @@
 
 A LightningCLI over :class:`~loopq.calib.module.LoopQCalibration` and
 :class:`~loopq.data.calibration.CalibrationDataModule`; the resolved config is saved next to the run's logs.
-``--ckpt_path last`` resumes mid-calibration (optimizer, schedule, mu_t, SLT selection and data order).
+``--ckpt_path last`` resumes mid-calibration (optimizer, schedule, mu_t, SLT selection and data order); under
+DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``) and ``last`` finds them the same way.
 Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``trainer.strategy`` set to
 ``ddp_find_unused_parameters_true`` or a DeepSpeed config.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from loopq.calib.module import LoopQCalibration
 from loopq.data.calibration import CalibrationDataModule
@@ -54,8 +58,30 @@ def main(args: list[str] | None = None) -> LoopQCalibration:
         parser_kwargs={"default_env": False},
     )
     cli.after_instantiate()
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
+    # Resolved before fit and set on the trainer, so that setup hooks already see it: DeepSpeed restores after
+    # building its engine, and the promoted SLT groups must exist before that (see loopq.calib.deepspeed).
+    cli.trainer.ckpt_path = resolve_ckpt_path(cli.trainer, cli.config.ckpt_path)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli.model
+
+
+def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
+    """``last`` -> the newest ``last*.ckpt`` (a file, or a DeepSpeed checkpoint directory) of the run's
+    ModelCheckpoint folders, None (a fresh start, with a warning) if there is none yet; other values as given."""
+    if ckpt_path != "last":
+        return ckpt_path
+    pattern = re.compile(r"^last(-\d+)?\.ckpt$")
+    candidates = [
+        path
+        for cb in trainer.checkpoint_callbacks
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath and Path(cb.dirpath).is_dir()
+        for path in Path(cb.dirpath).iterdir()
+        if pattern.match(path.name)
+    ]
+    if not candidates:
+        rank_zero_warn("--ckpt_path last: no last checkpoint yet under the run's checkpoint folder; starting fresh")
+        return None
+    return str(max(candidates, key=lambda path: path.stat().st_mtime_ns))
 
 
 if __name__ == "__main__":

@@ -27,3 +27,18 @@ class PoisonAtStep(L.Callback):
         if trainer.global_step == self.step:
             param = next(p for p in pl_module.student.parameters() if p.requires_grad)
             param.data.fill_(float("nan"))
+
+
+class SaveRankStudent(L.Callback):
+    """At the end of fit, every rank writes its own copy of the student to ``<default_root_dir>/rank<r>.safetensors``
+    (multi-process tests check that the ranks stayed identical)."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        from safetensors.torch import save_file
+
+        from loopq.calib.student_io import quant_state
+
+        save_file(
+            quant_state(pl_module.student),
+            os.path.join(trainer.default_root_dir, f"rank{trainer.global_rank}.safetensors"),
+        )

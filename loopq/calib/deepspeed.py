@@ -1,28 +1,79 @@
 """DeepSpeed ZeRO for LoopQ calibration, on GPUs and (for testing) on CPUs.
 
-Lightning's ``DeepSpeedStrategy`` refuses non-CUDA accelerators and passes ``root_device.index`` (``None`` on
-CPU) as the device rank. This subclass lifts the accelerator check and passes the local rank instead, so the
-same ZeRO-2/3 code path runs on CPU processes over gloo (what the tests do) and on GPUs (what real runs do).
-Promoting SLT groups mid-run would need new optimizer parameters, which DeepSpeed cannot add: with DeepSpeed the
-sharing-gap selection runs up front (``SharingGapReselection(upfront=True)``).
+Lightning's ``DeepSpeedStrategy`` refuses non-CUDA accelerators, insists that device indices equal local ranks
+(CPU devices have no index) and passes ``root_device.index`` (``None`` on CPU) as the device rank. This subclass
+lifts those CUDA-only checks and passes the local rank instead, so the same ZeRO-2/3 code path runs on CPU
+processes over gloo (what the tests do) and on GPUs over NCCL (what real runs do)::
+
+    trainer:
+      strategy:
+        class_path: loopq.calib.deepspeed.LoopQDeepSpeedStrategy
+        init_args: {stage: 2}          # or 3; any DeepSpeedStrategy argument, or config: ds_config.json
+
+What is specific to LoopQ:
+
+* **SLT selection up front.** Promoting groups mid-run would need new optimizer parameters, which DeepSpeed
+  cannot add to its flattened/partitioned optimizer: ``SharingGapReselection`` runs all its rounds before
+  training under DeepSpeed (``upfront=True``; switched on with a warning when a config asks for progressive).
+* **Resume.** DeepSpeed restores a checkpoint *after* building its engine, but the promoted groups' parameters
+  must exist *before* it. Every checkpoint directory therefore also gets a small ``loopq.json`` (promoted groups,
+  mu_t) that :class:`~loopq.calib.module.LoopQCalibration` reads in ``setup`` to re-promote them first.
+  DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``); ``--ckpt_path last`` finds them like files.
+* **ZeRO-3** partitions parameters: :func:`gathered` collects the student's for writing it at the end.
+* **CPU start-up.** On first use DeepSpeed JIT-compiles a shared-memory all-reduce op for CPU processes
+  (40-66 s; cached afterwards). It only speeds up CPU collectives; ``LOOPQ_DEEPSPEED_SHM=0`` skips it (plain gloo
+  collectives, ~2 s start-up). The tests set it. GPUs never use the op.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+import torch
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
+
+#: the LoopQ state a DeepSpeed checkpoint directory carries next to DeepSpeed's own files
+SIDECAR = "loopq.json"
+#: set to 0 to skip DeepSpeed's JIT-compiled shared-memory op for CPU collectives
+SHM_ENV = "LOOPQ_DEEPSPEED_SHM"
+
+
+def disable_shm_comm() -> None:
+    """Make DeepSpeed's torch backend skip building its CPU shared-memory comm op (falls back to gloo)."""
+    import importlib
+
+    # not ``import deepspeed.comm.torch as m``: ``deepspeed.comm`` has an attribute ``torch`` (the torch library)
+    # which that statement would bind instead of the submodule
+    backend = importlib.import_module("deepspeed.comm.torch")
+    backend.build_shm_op = lambda: None
 
 
 class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
     strategy_name = "loopq_deepspeed"
 
     def setup_environment(self) -> None:
-        # skip DeepSpeedStrategy's CUDA-only check; keep the DDP-level environment setup
+        # skip DeepSpeedStrategy's CUDA-only check; keep the DDP-level environment setup (-> setup_distributed)
         super(DeepSpeedStrategy, self).setup_environment()
+
+    def setup_distributed(self) -> None:
+        assert self.parallel_devices is not None
+        if self.root_device.type != "cpu":  # CPU "devices" have no index to check against the local rank
+            _validate_device_index_selection(self.parallel_devices)
+        reset_seed()
+        self.set_world_ranks()
+        if os.environ.get(SHM_ENV, "1") == "0":
+            disable_shm_comm()
+        self._init_deepspeed_distributed()
 
     def _device_rank(self) -> int:
         index = self.root_device.index
@@ -44,3 +95,43 @@ class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, ds_optimizer
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        filepath = self.broadcast(filepath)
+        if self.is_global_zero and "loopq" in checkpoint:
+            target = Path(filepath) / SIDECAR
+            tmp = target.with_name(f".{SIDECAR}.tmp")
+            tmp.write_text(json.dumps(checkpoint["loopq"], indent=2) + "\n")
+            os.replace(tmp, target)
+        self.barrier("loopq_sidecar")
+
+
+def read_sidecar(ckpt_path: str | os.PathLike | None) -> dict[str, Any] | None:
+    """The LoopQ state written next to a DeepSpeed checkpoint directory (None for a single-file checkpoint)."""
+    if ckpt_path is None or not Path(ckpt_path).is_dir():
+        return None
+    path = Path(ckpt_path) / SIDECAR
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: missing - {ckpt_path} is a DeepSpeed checkpoint directory not written by loopq.fit "
+            "(LoopQDeepSpeedStrategy writes it next to every checkpoint)"
+        )
+    return json.loads(path.read_text())
+
+
+def is_zero3(strategy: Any) -> bool:
+    """Whether ``strategy`` partitions parameters (DeepSpeed ZeRO stage 3): forwards become collectives."""
+    return isinstance(strategy, DeepSpeedStrategy) and bool(strategy.config) and strategy.zero_stage_3
+
+
+def gathered(strategy: Any, params: Iterable[torch.nn.Parameter]) -> contextlib.AbstractContextManager:
+    """Full (unpartitioned) values of ``params`` inside the ``with`` block under ZeRO-3; a no-op otherwise.
+
+    Collective under ZeRO-3: every rank must enter it.
+    """
+    if is_zero3(strategy):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+    return contextlib.nullcontext()

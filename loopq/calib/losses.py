@@ -63,9 +63,25 @@ def transition_term(adapted: Sequence[Tensor], teacher: Sequence[Tensor]) -> Ten
 
 def adaptive_mu(teacher: Sequence[Tensor], student: Sequence[Tensor], eps: float = 1e-6) -> Tensor:
     """mu_t of the appendix (per-sample squared norms summed over the batch), shape ``[T]``."""
-    final = teacher[-1].float()
-    to_final = torch.stack([(final - h.float()).pow(2).sum() for h in teacher])
-    mismatch = torch.stack([(h.float() - s.float()).pow(2).sum() for h, s in zip(teacher, student, strict=True)])
+    return mu_from_sums(mu_sums(teacher, student), eps)
+
+
+def mu_sums(teacher: Sequence[Tensor], student: Sequence[Tensor]) -> Tensor:
+    """``[2, T]``: sum over the batch of ||H_T - H_t||^2 (row 0) and ||H_t - H~_t||^2 (row 1).
+
+    Sums, not ratios: under data parallelism each process's sums are added (all-reduce *sum*) before
+    :func:`mu_from_sums`, so mu_t of a global batch does not depend on how it is split across processes.
+    Accumulated in float64 so that the split (a different summation order) changes mu_t by ~1e-16, not ~1e-7.
+    """
+    final = teacher[-1].double()
+    to_final = torch.stack([(final - h.double()).pow(2).sum() for h in teacher])
+    mismatch = torch.stack([(h.double() - s.double()).pow(2).sum() for h, s in zip(teacher, student, strict=True)])
+    return torch.stack([to_final, mismatch])
+
+
+def mu_from_sums(sums: Tensor, eps: float = 1e-6) -> Tensor:
+    """mu_t = to_final_t / (to_final_t + sum_{t' >= t} mismatch_t' + eps) from :func:`mu_sums`."""
+    to_final, mismatch = sums[0], sums[1]
     tail = mismatch.flip(0).cumsum(0).flip(0)  # sum_{t' >= t}
     return to_final / (to_final + tail + eps)
 

@@ -20,6 +20,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
 from loopq.calib.losses import loopq_loss
 from loopq.calib.student_io import save_student
 from loopq.calib.targets import TeacherTargets, load_or_compute
@@ -80,7 +81,8 @@ class LoopQCalibration(L.LightningModule):
         """Teacher targets for every calibration sample, computed once (or read from the cache)."""
         if self.targets is None:
             samples: Tensor = self.trainer.datamodule.samples
-            vocab = self.teacher.lm_head.weight.shape[0]
+            head = self.teacher.lm_head.weight
+            vocab = getattr(head, "ds_shape", head.shape)[0]  # ZeRO-3 partitions it: ds_shape is the full shape
             if int(samples.max()) >= vocab:
                 raise DataError(f"data.tokenizer produces id {int(samples.max())} >= the teacher's vocab {vocab}")
             self.targets = load_or_compute(
@@ -92,15 +94,37 @@ class LoopQCalibration(L.LightningModule):
                 self.hparams.target_cache_dir,
                 self.global_rank,
                 self.trainer.strategy.barrier,
+                collective=is_zero3(self.trainer.strategy),
             )
         return self.targets
 
     def setup(self, stage: str) -> None:
-        """Fresh runs initialise LAS clipping from per-loop statistics (resumed runs load it instead)."""
-        if stage == "fit" and self.hparams.init_clipping and not self._clip_initialised:
-            dm = self.trainer.datamodule
-            init_clipping_from_data(self.student, dm.samples[: dm.hparams.batch_size])
-            self._clip_initialised = True
+        """Fresh runs initialise LAS clipping from per-loop statistics (resumed runs load it instead).
+
+        Resuming from a DeepSpeed checkpoint directory re-promotes its SLT groups here, before the engine and its
+        optimizer are built (DeepSpeed restores checkpoints only after that; other strategies restore earlier and
+        re-promote in :meth:`on_load_checkpoint`).
+        """
+        if stage != "fit":
+            return
+        state = read_sidecar(self.trainer.ckpt_path)
+        for name in (state or {}).get("promoted", []):
+            if name not in self.promoted:
+                self.promote(name)
+        self.initialise_clipping()
+
+    def initialise_clipping(self) -> None:
+        """LAS clipping from the first global batch, once per fresh run (a resumed run loads the calibrated one).
+
+        Also called by up-front SLT rounds (which run in a callback's ``setup``, before this module's) so that they
+        score the groups with initialised clipping, as progressive rounds do.
+        """
+        if self._clip_initialised or not self.hparams.init_clipping or self.trainer.ckpt_path:
+            return
+        dm = self.trainer.datamodule
+        global_batch = dm.hparams.batch_size * self.trainer.world_size  # data.batch_size is per process
+        init_clipping_from_data(self.student, dm.samples[:global_batch].to(self.device))
+        self._clip_initialised = True
 
     def student_group(self, name: str) -> QuantLinearGroup:
         return quant_groups(self.student)[name]
@@ -133,15 +157,20 @@ class LoopQCalibration(L.LightningModule):
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         terms = self.compute_loss(batch)
-        bad = not bool(torch.isfinite(terms["loss"]).item())
-        if self.trainer.strategy.reduce_boolean_decision(bad, all=False):
+        # One all-reduce per step: the logged terms become means over the global batch (not rank 0's shard), and
+        # a non-finite loss on any rank makes the mean non-finite, so every rank stops together.
+        names = list(terms)
+        values = torch.stack([terms[k].detach().float() for k in names])
+        if self.trainer.world_size > 1:
+            values = self.trainer.strategy.reduce(values, reduce_op="mean")
+        logged = dict(zip(names, values.tolist(), strict=True))
+        if not math.isfinite(logged["loss"]):
             raise NonFiniteLossError(
-                f"loss is not finite at step {self.global_step} (terms: "
-                f"{ {k: float(v) for k, v in terms.items()} }); the last good checkpoint is kept - lower model.lr "
-                "or check the data, then resume with --ckpt_path last"
+                f"loss is not finite at step {self.global_step} (terms: {logged}); the last good checkpoint is "
+                "kept - lower model.lr or check the data, then resume with --ckpt_path last"
             )
-        self.log_dict({f"train/{k}": v for k, v in terms.items()}, prog_bar=False)
-        self.log("loss", terms["loss"], prog_bar=True, logger=False)
+        self.log_dict({f"train/{k}": v for k, v in logged.items()}, prog_bar=False)
+        self.log("loss", logged["loss"], prog_bar=True, logger=False)
         return terms["loss"]
 
     # ------------------------------------------------------------------ SLT promotion (called by the callback)
@@ -205,9 +234,12 @@ class LoopQCalibration(L.LightningModule):
 
     def on_fit_end(self) -> None:
         out = self.hparams.output_dir or (Path(self.trainer.default_root_dir) / "student")
-        if self.trainer.is_global_zero:
-            path = save_student(self, Path(out))
-            print(f"[loopq] calibrated student written to {path}")
+        # under ZeRO-3 the student's parameters are partitioned: every rank takes part in gathering them
+        with gathered(self.trainer.strategy, student_parameters(self.student)):
+            if self.trainer.is_global_zero:
+                path = save_student(self, Path(out))
+                print(f"[loopq] calibrated student written to {path}")
+        self.trainer.strategy.barrier("loopq_student_written")
 
 
 def load_teacher(path: str) -> LoopLM:
@@ -218,6 +250,11 @@ def load_teacher(path: str) -> LoopLM:
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher.eval()
+
+
+def student_parameters(student: nn.Module) -> list[nn.Parameter]:
+    """The trainable quantization parameters (what a student directory stores)."""
+    return [p for p in student.parameters() if p.requires_grad]
 
 
 def student_keys(student: nn.Module) -> set[str]:

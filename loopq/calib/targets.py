@@ -54,11 +54,11 @@ def compute_targets(
 ) -> TeacherTargets:
     """Run the teacher once over all samples (no grad) and keep what the loss needs."""
     device = next(teacher.parameters()).device
-    vocab = teacher.lm_head.weight.shape[0]
-    index_dtype = torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32
     values, indices, states = [], [], []
     for chunk in samples.split(batch_size):
         out = teacher(chunk.to(device), num_loops=num_loops, return_trajectory=True)
+        # the vocabulary from the logits, not lm_head.weight (an empty placeholder under DeepSpeed ZeRO-3)
+        index_dtype = torch.int16 if out.logits.shape[-1] <= torch.iinfo(torch.int16).max else torch.int32
         v, i = teacher_topk(out.logits, k)
         values.append(v.to(store_dtype).cpu())
         indices.append(i.to(index_dtype).cpu())
@@ -86,17 +86,26 @@ def load_or_compute(
     cache_dir: str | None,
     rank: int = 0,
     barrier: object | None = None,
+    collective: bool = False,
 ) -> TeacherTargets:
-    """In memory without ``cache_dir``; otherwise read the cache file, computing it (rank 0) if missing."""
+    """In memory without ``cache_dir``; otherwise read the cache file, computing it (rank 0) if missing.
+
+    ``collective``: the teacher's forward is a collective operation (DeepSpeed ZeRO-3 gathers its partitioned
+    parameters), so when the file is missing every rank runs it and rank 0 writes the result.
+    """
     if cache_dir is None:
         return compute_targets(teacher, samples, k, num_loops)
     path = (
         Path(cache_dir) / f"teacher-targets-{cache_key(teacher_dir, samples, k, num_loops, torch.float16)}.safetensors"
     )
-    if rank == 0 and not path.is_file():
+    missing = not path.is_file()
+    if collective and callable(barrier):
+        barrier()  # every rank has looked before rank 0 may write: they agree on `missing`
+    if missing and (rank == 0 or collective):
         t = compute_targets(teacher, samples, k, num_loops)
-        tensors = {"values": t.values, "indices": t.indices, "states": t.states}
-        atomic_write(path, lambda p: save_file(tensors, str(p)))
+        if rank == 0:
+            tensors = {"values": t.values, "indices": t.indices, "states": t.states}
+            atomic_write(path, lambda p: save_file(tensors, str(p)))
     if callable(barrier):
         barrier()
     if not path.is_file():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
 from loopq.quant.cta import TransitionAdapters
@@ -38,8 +39,13 @@ class ParameterReport:
         return {**asdict(self), "shared_ratio": self.shared_ratio, "loop_dependent_ratio": self.loop_dependent_ratio}
 
 
+def _numel(p: torch.Tensor) -> int:
+    """Element count; DeepSpeed ZeRO-3 leaves an empty placeholder and records the full count in ``ds_numel``."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def _count(params: list[nn.Parameter]) -> int:
-    return sum(p.numel() for p in params if p.requires_grad)
+    return sum(_numel(p) for p in params if p.requires_grad)
 
 
 def group_split(group: QuantLinearGroup) -> tuple[int, int]:
@@ -53,7 +59,7 @@ def group_split(group: QuantLinearGroup) -> tuple[int, int]:
         loop += _count([group.loop_weight_clip])
     else:
         shared += _count([group.weight_clip])
-    if group.act_clip.numel() > 1:
+    if _numel(group.act_clip) > 1:
         loop += _count([group.act_clip])
     else:
         shared += _count([group.act_clip])
@@ -73,6 +79,6 @@ def parameter_report(student: nn.Module) -> ParameterReport:
             shared += _count(module.shared_parameters())
             loop += _count(module.loop_dependent_parameters())
             quant_ids.update(id(p) for p in module.parameters())
-    model = sum(p.numel() for p in student.parameters() if id(p) not in quant_ids)
+    model = sum(_numel(p) for p in student.parameters() if id(p) not in quant_ids)
     model += sum(b.numel() for m in student.modules() if isinstance(m, QuantLinearGroup) for b in m.weights())
     return ParameterReport(total=model + shared + loop, model=model, shared=shared, loop_dependent=loop)

@@ -45,7 +45,8 @@ class TransitionAdapters(nn.Module):
 
     def forward(self, h: Tensor, t: int) -> Tensor:
         i = min(t, self.num_transitions - 1)
-        out = transition_adapter(h.float(), self.a[i], self.b[i], self.eta[i], self.u, self.v, self.eps)
+        x = h.to(torch.promote_types(h.dtype, self.a.dtype))  # fp32 compute (fp64 when the module is double)
+        out = transition_adapter(x, self.a[i], self.b[i], self.eta[i], self.u, self.v, self.eps)
         return out.to(h.dtype)
 
     def loop_dependent_parameters(self) -> list[nn.Parameter]:

@@ -1,0 +1,191 @@
+"""Calibration benchmark on the embedded tiny teacher: step time against the FP model, memory against loop count.
+
+Both measurements use one batch of the calibration data (``data.batch_size`` x ``data.seq_len`` of
+``configs/tiny.yaml``: 4 x 128 tokens by default) and the LoopQ student of ``configs/tiny.yaml`` (W4A4, group 32,
+LAS, CTA rank 8, its SLT budget promoted so the step is the end-of-calibration one):
+
+(a) **step time ratio** = one calibration step (student forward over the true recurrence + LoopQ loss via
+    ``LoopQCalibration.compute_loss`` + backward + gradient clipping + AdamW step) / one forward+backward of the
+    FP teacher (its parameters temporarily ``requires_grad``; loss: next-token cross-entropy). Target <= 2.0x.
+(b) **peak memory growth** = peak memory of one calibration step at 2T loops / at T loops (T = the teacher's
+    trained loop count; the teacher targets are computed for 2T loops by loop extrapolation), with per-loop
+    activation checkpointing (``model.checkpoint_loops``) on and off. Target <= 1.5x with checkpointing.
+    Memory: on GPU ``torch.cuda.max_memory_allocated`` above what was allocated before the step; on CPU the peak
+    of the running sum of every tensor allocation and free recorded by ``torch.profiler`` (``profile_memory``)
+    during the step - also memory above what existed before it (parameters, teacher, cached targets excluded).
+
+    OMP_NUM_THREADS=1 python bench/calibration.py [--iters 10] [--batch 4] [--seq 128] [--loops 4]
+
+Times are medians over ``--iters`` steps after warm-up. The numbers of a run are kept in ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loopq.calib.module import LoopQCalibration, load_teacher
+from loopq.calib.targets import compute_targets
+from loopq.data.calibration import CalibrationDataModule
+from loopq.paths import ASSETS
+from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups
+
+TEACHER = str(ASSETS / "tiny-ouro")
+QUANT = {"w_bits": 4, "a_bits": 4, "group_size": 32, "las": True, "slt_budget": 2, "cta": True, "cta_rank": 8}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=10, help="timed steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4, help="samples per step (configs/tiny.yaml: 4)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sample (configs/tiny.yaml: 128)")
+    parser.add_argument("--loops", type=int, default=None, help="T (default: the teacher's trained loop count)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser.parse_args(argv)
+
+
+def calibration_batch(batch: int, seq: int) -> torch.Tensor:
+    dm = CalibrationDataModule(tokenizer=TEACHER, num_samples=batch, seq_len=seq, batch_size=batch, holdout_samples=0)
+    dm.setup("fit")
+    return dm.samples
+
+
+def build(samples: torch.Tensor, loops: int, checkpoint_loops: bool, device: str) -> LoopQCalibration:
+    """The calibration module at ``loops`` loops: clipping initialised, SLT budget promoted, targets cached."""
+    module = LoopQCalibration(
+        TEACHER, QuantConfig(**QUANT, num_loops=loops), topk=1000, checkpoint_loops=checkpoint_loops
+    )
+    module.to(device)
+    init_clipping_from_data(module.student, samples.to(device))
+    for name in list(looped_quant_groups(module.student))[: module.quant_config.slt_budget]:
+        module.promote(name)  # which groups does not matter for cost: promoted groups differ only in values
+    module.targets = compute_targets(module.teacher, samples.to(device), 1000, loops)
+    module.mu.fill_(0.5)
+    return module
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Any, iters: int, warmup: int, device: str) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def student_step(module: LoopQCalibration, batch: list[torch.Tensor], opt: torch.optim.Optimizer) -> Any:
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = module.compute_loss(batch)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+        opt.step()
+        module.last = {}  # the step's states are not kept between steps
+
+    return step
+
+
+def teacher_step(module: LoopQCalibration, ids: torch.Tensor, loops: int) -> Any:
+    def step() -> None:
+        logits = module.teacher(ids, num_loops=loops).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        for p in module.teacher.parameters():
+            p.grad = None
+
+    return step
+
+
+def peak_bytes(fn: Any, device: str) -> int:
+    """Peak memory allocated while ``fn`` runs, above what was allocated when it started."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return max(itertools.accumulate((e.self_cpu_memory_usage for e in events), initial=0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    samples = calibration_batch(args.batch, args.seq)
+    device = args.device
+    ids = samples.to(device)
+    batch = [torch.arange(len(samples), device=device), ids]
+    print(
+        f"tiny teacher {TEACHER}, batch {args.batch} x {args.seq} tokens, device {device}, "
+        f"threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
+    )
+
+    # (a) step time
+    loops = args.loops or load_teacher(TEACHER).default_num_loops
+    module = build(samples, loops, False, device)
+    opt = torch.optim.AdamW(module.param_groups(), weight_decay=0.0)
+    t_student = timed(student_step(module, batch, opt), args.iters, args.warmup, device)
+    for p in module.teacher.parameters():
+        p.requires_grad_(True)
+    t_teacher = timed(teacher_step(module, ids, loops), args.iters, args.warmup, device)
+    for p in module.teacher.parameters():
+        p.requires_grad_(False)
+    del module, opt
+    module = build(samples, loops, True, device)
+    opt = torch.optim.AdamW(module.param_groups(), weight_decay=0.0)
+    t_ckpt = timed(student_step(module, batch, opt), args.iters, args.warmup, device)
+    del module, opt
+    print(f"\n(a) step time at T = {loops} loops (median of {args.iters})")
+    print(f"    FP teacher forward+backward                    {t_teacher * 1e3:8.1f} ms")
+    print(f"    LoopQ calibration step                         {t_student * 1e3:8.1f} ms")
+    print(f"    ratio                                          {t_student / t_teacher:8.2f}x   (target <= 2.0x)")
+    print(f"    LoopQ step with checkpoint_loops (recompute)   {t_ckpt * 1e3:8.1f} ms  ({t_ckpt / t_teacher:.2f}x)")
+
+    # (b) peak memory at T and 2T loops, checkpointing off / on
+    print("\n(b) peak memory of one calibration step (MB above the state before the step)")
+    peaks: dict[tuple[bool, int], int] = {}
+    for ckpt in (False, True):
+        for n in (loops, 2 * loops):
+            module = build(samples, n, ckpt, device)
+            opt = torch.optim.AdamW(module.param_groups(), weight_decay=0.0)
+            step = student_step(module, batch, opt)
+            step()  # AdamW state exists before the measured step
+            peaks[ckpt, n] = peak_bytes(step, device)
+            print(f"    checkpoint_loops={ckpt!s:5}  {n:2d} loops  {peaks[ckpt, n] / 2**20:8.2f} MB")
+            del module, opt
+    for ckpt in (False, True):
+        growth = peaks[ckpt, 2 * loops] / peaks[ckpt, loops]
+        target = "   (target <= 1.5x)" if ckpt else ""
+        print(f"    growth T -> 2T, checkpoint_loops={ckpt!s:5}  {growth:6.2f}x{target}")
+    print(f"    checkpointing saves at 2T: {peaks[False, 2 * loops] / peaks[True, 2 * loops]:.2f}x less peak memory")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
