@@ -59,7 +59,9 @@ def table1(
     written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks)]
     for bits, a_bits in BITS.items():
         written.append(_eval(root / f"rtn-{bits}.json", model=model, method="RTN", bits=bits, limit=limit, tasks=tasks))
-        student = calibrate(model, root / "runs" / f"loopq-{bits}", config, a_bits, [])
+        run = root / "runs" / f"loopq-{bits}"
+        done = (root / f"loopq-{bits}.json").is_file()  # a finished row is not recalibrated on a re-run
+        student = run / "student" if done else calibrate(model, run, config, a_bits, [])
         written.append(
             _eval(
                 root / f"loopq-{bits}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks
@@ -76,7 +78,8 @@ def ablations(
     written = []
     for name, switch in ABLATIONS.items():
         slug = name.lower().replace(" ", "-").replace("/", "")
-        student = calibrate(model, root / "runs" / slug, config, 4, switch)
+        run = root / "runs" / slug
+        student = run / "student" if (root / f"{slug}.json").is_file() else calibrate(model, run, config, 4, switch)
         written.append(
             _eval(root / f"{slug}.json", student=str(student), method=name, bits="w4a4", limit=limit, tasks=tasks)
         )
