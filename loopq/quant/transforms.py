@@ -52,10 +52,15 @@ class FactorMatrix(nn.Module):
         self.log_s = nn.Parameter(torch.zeros(n))
 
     def matrix(self) -> Tensor:
-        return orthogonal(self.u) * self.log_s.exp() @ orthogonal(self.v).transpose(0, 1)
+        return self.matrix_and_inverse()[0]
 
     def inverse(self) -> Tensor:
-        return orthogonal(self.v) * (-self.log_s).exp() @ orthogonal(self.u).transpose(0, 1)
+        return self.matrix_and_inverse()[1]
+
+    def matrix_and_inverse(self) -> tuple[Tensor, Tensor]:
+        """(P, P^{-1}) with each orthogonal factor evaluated once (two matrix exponentials, not four)."""
+        u, v = orthogonal(self.u), orthogonal(self.v)
+        return u * self.log_s.exp() @ v.transpose(0, 1), v * (-self.log_s).exp() @ u.transpose(0, 1)
 
     def randomize_(self, generator: torch.Generator, scale: float = 0.3) -> None:
         """A random invertible, non-orthogonal factor (tests of function preservation)."""
@@ -78,7 +83,8 @@ class KroneckerTransform(nn.Module):
 
     def matrices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(P1, P2, P1^{-1}, P2^{-1})."""
-        return self.left.matrix(), self.right.matrix(), self.left.inverse(), self.right.inverse()
+        (p1, p1_inv), (p2, p2_inv) = self.left.matrix_and_inverse(), self.right.matrix_and_inverse()
+        return p1, p2, p1_inv, p2_inv
 
     def activation(self, x: Tensor, p1: Tensor, p2: Tensor) -> Tensor:
         """x' = (x / d) (P1 (x) P2), computed in fp32 and cast back."""
