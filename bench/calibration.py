@@ -14,9 +14,12 @@ LAS, CTA rank 8, its SLT budget promoted so the step is the end-of-calibration o
     of the running sum of every tensor allocation and free recorded by ``torch.profiler`` (``profile_memory``)
     during the step - also memory above what existed before it (parameters, teacher, cached targets excluded).
 
-    OMP_NUM_THREADS=1 python bench/calibration.py [--iters 10] [--batch 4] [--seq 128] [--loops 4]
+    OMP_NUM_THREADS=1 python bench/calibration.py [--iters 10] [--batch 4] [--seq 128 256 512] [--loops 4]
 
-Times are medians over ``--iters`` steps after warm-up. The numbers of a run are kept in ``docs/benchmarks.md``.
+(a) runs for each ``--seq`` (tokens per step = batch x seq: the per-op overhead of the fake-quant chain on
+small tensors weighs less as the step grows); (b) uses the first ``--seq``. Student and teacher steps are
+timed alternately (one of each per iteration) so a change of machine load hits both; times are medians over
+``--iters`` iterations after warm-up. The numbers of a run are kept in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10, help="timed steps (after warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="samples per step (configs/tiny.yaml: 4)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sample (configs/tiny.yaml: 128)")
+    parser.add_argument(
+        "--seq", type=int, nargs="+", default=[128, 256, 512], help="tokens per sample (configs/tiny.yaml: 128)"
+    )
     parser.add_argument("--loops", type=int, default=None, help="T (default: the teacher's trained loop count)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser.parse_args(argv)
@@ -81,17 +86,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Any, iters: int, warmup: int, device: str) -> float:
+def timed_pair(first: Any, second: Any, iters: int, warmup: int, device: str) -> tuple[float, float]:
+    """Median times of ``first`` and ``second``, run alternately (one of each per iteration)."""
     for _ in range(warmup):
-        fn()
-    times = []
+        first()
+        second()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(iters):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, out in ((first, times[0]), (second, times[1])):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def student_step(module: LoopQCalibration, batch: list[torch.Tensor], opt: torch.optim.Optimizer) -> Any:
@@ -137,35 +145,36 @@ def peak_bytes(fn: Any, device: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
-    samples = calibration_batch(args.batch, args.seq)
     device = args.device
-    ids = samples.to(device)
-    batch = [torch.arange(len(samples), device=device), ids]
+    loops = args.loops or load_teacher(TEACHER).default_num_loops
     print(
         f"tiny teacher {TEACHER}, batch {args.batch} x {args.seq} tokens, device {device}, "
         f"threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
     )
-
-    # (a) step time
-    loops = args.loops or load_teacher(TEACHER).default_num_loops
-    module = build(samples, loops, False, device)
-    opt = torch.optim.AdamW(module.param_groups(), weight_decay=0.0)
-    t_student = timed(student_step(module, batch, opt), args.iters, args.warmup, device)
-    for p in module.teacher.parameters():
-        p.requires_grad_(True)
-    t_teacher = timed(teacher_step(module, ids, loops), args.iters, args.warmup, device)
-    for p in module.teacher.parameters():
-        p.requires_grad_(False)
-    del module, opt
-    module = build(samples, loops, True, device)
-    opt = torch.optim.AdamW(module.param_groups(), weight_decay=0.0)
-    t_ckpt = timed(student_step(module, batch, opt), args.iters, args.warmup, device)
-    del module, opt
-    print(f"\n(a) step time at T = {loops} loops (median of {args.iters})")
-    print(f"    FP teacher forward+backward                    {t_teacher * 1e3:8.1f} ms")
-    print(f"    LoopQ calibration step                         {t_student * 1e3:8.1f} ms")
-    print(f"    ratio                                          {t_student / t_teacher:8.2f}x   (target <= 2.0x)")
-    print(f"    LoopQ step with checkpoint_loops (recompute)   {t_ckpt * 1e3:8.1f} ms  ({t_ckpt / t_teacher:.2f}x)")
+    print(f"\n(a) step time at T = {loops} loops (median of {args.iters}; student and FP steps alternate)")
+    print("    tokens/step   FP fwd+bwd   LoopQ step   ratio (target <= 2.0x)   with checkpoint_loops")
+    for seq in args.seq:
+        samples = calibration_batch(args.batch, seq)
+        ids = samples.to(device)
+        batch = [torch.arange(len(samples), device=device), ids]
+        plain, ckpt = build(samples, loops, False, device), build(samples, loops, True, device)
+        for p in plain.teacher.parameters():
+            p.requires_grad_(True)
+        opts = [torch.optim.AdamW(m.param_groups(), weight_decay=0.0) for m in (plain, ckpt)]
+        t_student, t_teacher = timed_pair(
+            student_step(plain, batch, opts[0]), teacher_step(plain, ids, loops), args.iters, args.warmup, device
+        )
+        t_ckpt, t_teacher2 = timed_pair(
+            student_step(ckpt, batch, opts[1]), teacher_step(plain, ids, loops), args.iters, args.warmup, device
+        )
+        print(
+            f"    {args.batch * seq:11d}   {t_teacher * 1e3:7.1f} ms   {t_student * 1e3:7.1f} ms   "
+            f"{t_student / t_teacher:5.2f}x                   {t_ckpt * 1e3:7.1f} ms ({t_ckpt / t_teacher2:.2f}x)"
+        )
+        del plain, ckpt, opts
+    samples = calibration_batch(args.batch, args.seq[0])
+    ids = samples.to(device)
+    batch = [torch.arange(len(samples), device=device), ids]
 
     # (b) peak memory at T and 2T loops, checkpointing off / on
     print("\n(b) peak memory of one calibration step (MB above the state before the step)")

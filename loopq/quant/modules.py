@@ -56,7 +56,8 @@ class QuantLinearGroup(nn.Module):
         self.act_clip_promoted = False
         #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`)
         self.kernel_numerics = False
-        self._eval_cache: dict[int, tuple[Tensor, ...]] = {}
+        self._cache: dict[int, tuple[tuple[Tensor, ...] | None, Tensor]] = {}
+        self._cache_state: tuple | None = None
 
     # ------------------------------------------------------------------ helpers
     def weights(self) -> list[Tensor]:
@@ -85,17 +86,9 @@ class QuantLinearGroup(nn.Module):
         return clip_ratio(logits).reshape(-1, 1, 1)
 
     def transform_matrices(self, tr: KroneckerTransform, slot: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(P1, P2, P1^-1, P2^-1); in probe mode P_t = P + Delta_t with a zero Delta_t whose gradient is phi_t."""
-        if self.probe is None:
-            if self._cacheable():
-                key = -1 - slot
-                if key not in self._eval_cache:
-                    self._eval_cache[key] = tr.matrices()
-                return self._eval_cache[key]  # type: ignore[return-value]
-            return tr.matrices()
-        p1 = tr.left.matrix() + self.probe[0][slot]
-        p2 = tr.right.matrix() + self.probe[1][slot]
-        return p1, p2, torch.linalg.inv(p1), torch.linalg.inv(p2)
+        """(P1, P2, P1^-1, P2^-1) of ``slot``; in probe mode P_t = P + Delta_t with a zero Delta_t whose gradient
+        is phi_t (so the inverse is taken numerically)."""
+        return self._slot_tensors(slot)[0]  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ forward
     def effective_weight_fp(self, slot: int) -> Tensor:
@@ -108,27 +101,84 @@ class QuantLinearGroup(nn.Module):
         return weight
 
     def effective_weight(self, slot: int) -> Tensor:
-        """The transformed, fake-quantized, concatenated weight ``[sum(out), in]`` (fp32) for ``slot``.
+        """The transformed, fake-quantized, concatenated weight ``[sum(out), in]`` (fp32) for ``slot``."""
+        return self._slot_tensors(slot)[1]
 
-        In eval mode without gradients it is computed once per slot and cached (the parameters cannot change
-        there); ``train()``, promotion and loading a state dict drop the cache."""
-        if self._cacheable() and slot in self._eval_cache:
-            return self._eval_cache[slot][0]
-        weight = fake_quant(self.effective_weight_fp(slot), self.w_bits, self.group_size, self.weight_clip_ratio(slot))
-        if self._cacheable():
-            self._eval_cache[slot] = (weight,)
-        return weight
+    # ------------------------------------------------------------------ per-forward cache
+    # The transform matrices and the fake-quantized weight depend on the parameters and the slot only, not on
+    # the input: a shared group has the same ones in every loop. They are computed once per model forward
+    # (``begin_forward``, a forward pre-hook that ``prepare`` installs, i.e. *before* the loop and outside the
+    # per-loop checkpointed bodies, whose recomputation then reuses them) and, in eval mode without gradients,
+    # once per parameter version. Anything that changes a parameter in place bumps its version and invalidates.
+    def _param_slot(self, slot: int) -> int:
+        """Slot of the transform/weight: all loops share slot 0 unless promoted or probed (per-loop Delta_t)."""
+        return slot if self.promoted or self.probe is not None else 0
+
+    def _state_key(self) -> tuple:
+        probe = None if self.probe is None else id(self.probe[0])
+        versions = tuple(p._version for p in self.parameters())
+        return self.training, torch.is_grad_enabled(), probe, versions
+
+    def _slot_tensors(self, slot: int) -> tuple[tuple[Tensor, ...] | None, Tensor]:
+        """((P1, P2, P1^-1, P2^-1) or None, fake-quantized weight) of ``slot``, from the cache when valid."""
+        key = self._param_slot(slot)
+        state = self._state_key()
+        if self._cache_state != state:
+            self._cache = {}
+            self._cache_state = state if self._cacheable() else None  # only begin_forward opens a training scope
+        if key in self._cache:
+            return self._cache[key]
+        value = self._compute_slot(key, None)
+        if self._cache_state is not None:
+            self._cache[key] = value
+        return value
+
+    def _compute_slot(
+        self, slot: int, base: dict[int, tuple[Tensor, ...]] | None
+    ) -> tuple[tuple[Tensor, ...] | None, Tensor]:
+        tr = self.transform_for(slot)
+        mats = None
+        if tr is not None:
+            if self.probe is None:
+                mats = tr.matrices()
+            else:
+                p1, p2 = base[id(tr)] if base is not None and id(tr) in base else (tr.left.matrix(), tr.right.matrix())
+                p1, p2 = p1 + self.probe[0][slot], p2 + self.probe[1][slot]
+                mats = (p1, p2, torch.linalg.inv(p1), torch.linalg.inv(p2))
+        weight = torch.cat([w.float() for w in self.weights()])
+        if mats is not None:
+            weight = tr.weight(weight, mats[2], mats[3])  # type: ignore[union-attr]
+        weight = fake_quant(weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+        return mats, weight
+
+    def begin_forward(self) -> None:
+        """Compute every distinct slot's transform matrices and quantized weight for the coming model forward."""
+        self._cache, self._cache_state = {}, None
+        if self.kernel_numerics or self._cacheable():
+            return  # the eval cache fills lazily and survives forwards
+        base: dict[int, tuple[Tensor, ...]] = {}
+        if self.probe is not None and self.transform is not None:
+            base[id(self.transform)] = (self.transform.left.matrix(), self.transform.right.matrix())
+        for key in sorted({self._param_slot(t) for t in range(self.slots)}):
+            self._cache[key] = self._compute_slot(key, base)
+        self._cache_state = self._state_key()
 
     def _cacheable(self) -> bool:
         return not self.training and not torch.is_grad_enabled() and self.probe is None
 
     def train(self, mode: bool = True) -> QuantLinearGroup:
-        self._eval_cache = {}
+        self._cache, self._cache_state = {}, None
         return super().train(mode)
 
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
-        self._eval_cache = {}
+        self._cache, self._cache_state = {}, None
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
+
+    def __getstate__(self) -> dict:
+        """Copies (``copy.deepcopy``, pickling) never carry the cache: it may hold non-leaf autograd tensors."""
+        state = self.__dict__.copy()
+        state["_cache"], state["_cache_state"] = {}, None
+        return state
 
     def quantized_input(self, x: Tensor, slot: int) -> Tensor:
         """x P_t quantized with the loop's activation clipping."""
@@ -182,7 +232,7 @@ class QuantLinearGroup(nn.Module):
         """
         if not self.looped:
             raise ValueError("only groups inside the loop can be promoted to loop-dependent")
-        self._eval_cache = {}
+        self._cache, self._cache_state = {}, None
         if self.promoted:
             return []
         new: list[nn.Parameter] = []
@@ -210,6 +260,7 @@ class QuantLinearGroup(nn.Module):
     # ------------------------------------------------------------------ sharing-gap probe
     def start_probe(self) -> None:
         """Attach zero per-loop perturbations Delta_t of (P1, P2); their gradients are phi_{t,l} of §4.2."""
+        self._cache, self._cache_state = {}, None
         if self.transform is None or self.promoted or not self.looped:
             self.probe = None
             return
@@ -229,6 +280,14 @@ class QuantLinearGroup(nn.Module):
 
     def stop_probe(self) -> None:
         self.probe = None
+        self._cache, self._cache_state = {}, None
+
+
+def begin_forward(model: nn.Module, args: object) -> None:
+    """Forward pre-hook of a student: every group computes its per-forward tensors before the loop starts."""
+    for module in model.modules():
+        if isinstance(module, QuantLinearGroup):
+            module.begin_forward()
 
 
 def _clip_param(shape: tuple[int, ...], learnable: bool) -> nn.Parameter:

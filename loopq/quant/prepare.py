@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from loopq.models.base import LoopLM
 from loopq.quant.config import QuantConfig, QuantConfigError
 from loopq.quant.cta import TransitionAdapters
-from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.modules import QuantLinearGroup, begin_forward
 from loopq.quant.primitives import best_clip_ratio, clip_logit, fake_quant, to_groups
 
 
@@ -61,6 +61,7 @@ def prepare(model: LoopLM, config: QuantConfig, share_weights: bool = True) -> L
         dim = student.state_dim
         student.transition = TransitionAdapters(dim, num_loops, config.cta_rank, seed=config.seed)
         student.transition.to(group_device(student))
+    student.register_forward_pre_hook(begin_forward)  # per-forward transforms/weights, computed before the loop
     student.quant_config = config  # type: ignore[assignment]
     student.calibrated_loops = num_loops  # type: ignore[assignment]
     return student

@@ -31,9 +31,21 @@ def qrange(bits: int) -> tuple[int, int]:
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
+class _RoundSTE(torch.autograd.Function):
+    """round() forward, identity backward: one autograd node instead of ``x + (round(x) - x).detach()``'s four ops."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:
+        return grad
+
+
 def round_ste(x: Tensor) -> Tensor:
     """Round half to even in the forward pass, identity gradient in the backward pass."""
-    return x + (torch.round(x) - x).detach()
+    return _RoundSTE.apply(x) if torch.is_grad_enabled() and x.requires_grad else torch.round(x)
 
 
 def to_groups(x: Tensor, group_size: int) -> Tensor:

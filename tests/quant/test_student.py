@@ -1,5 +1,6 @@
 """The fake-quant student on all three architectures: function preservation, LAS, SLT promotion, CTA, counts."""
 
+import copy
 import pytest
 import torch
 
@@ -197,23 +198,76 @@ def test_probe_gradients_are_per_loop_parts_of_the_shared_gradient(fixtures):
     group.stop_probe()
 
 
-def test_eval_cache_is_exact_and_dropped_on_train_promotion_and_load(fixtures):
+def test_eval_cache_is_exact_and_follows_parameter_changes(fixtures):
     teacher = load_looplm(fixtures / "ouro-tiny")
     student = prepare(teacher, QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random")).eval()
     ids = ids_for(teacher)
     first = run(student, ids).logits
     group = next(iter(looped_quant_groups(student).values()))
-    assert group._eval_cache  # filled by the no-grad eval forward
+    assert group._cache  # filled by the no-grad eval forward
     torch.testing.assert_close(run(student, ids).logits, first, atol=0, rtol=0)
     with torch.no_grad():
-        group.transform.left.log_s.add_(0.2)  # a change the cache would hide...
-    student.train()
-    student.eval()  # ...is seen after train(): the cache was dropped
+        group.transform.left.log_s.add_(0.2)  # an in-place change bumps the version: the cache cannot hide it
     changed = run(student, ids).logits
     assert not torch.equal(changed, first)
+    uncached = copy.deepcopy(student)  # copies never carry the cache
+    assert not next(iter(looped_quant_groups(uncached).values()))._cache
     group.promote()
-    assert not group._eval_cache
+    assert not group._cache
     state = {k: v.clone() for k, v in student.state_dict().items()}
     run(student, ids)
     student.load_state_dict(state)
-    assert not group._eval_cache
+    assert not group._cache
+
+
+def _grads(student, ids, checkpoint_loops=False, hook=True):
+    """Gradients of a trajectory-style loss on every trainable parameter (one forward + backward)."""
+    student.zero_grad(set_to_none=True)
+    student.checkpoint_loops = checkpoint_loops
+    handles = student._forward_pre_hooks
+    saved = dict(handles)
+    if not hook:
+        handles.clear()  # no per-forward cache: every loop recomputes transforms and weights
+    try:
+        out = student(ids, return_trajectory=True)
+        loss = out.logits.float().pow(2).mean() + sum(s.float().pow(2).mean() for s in out.loop_states)
+        loss.backward()
+    finally:
+        handles.update(saved)
+    return {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_forward_cache_gives_the_uncached_gradients(fixtures, arch):
+    teacher = load_looplm(fixtures / ARCHS[arch]).double()  # float64: summation order is not in the way
+    config = QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random", slt_budget=1)
+    student = prepare(teacher, config).train().double()
+    next(iter(looped_quant_groups(student).values())).promote()  # one per-loop group, the rest shared
+    ids = ids_for(teacher)
+    reference = _grads(student, ids, hook=False)
+    assert len(reference) > 10
+    for ckpt in (False, True):
+        cached = _grads(student, ids, checkpoint_loops=ckpt)
+        assert cached.keys() == reference.keys()
+        for name, grad in reference.items():
+            torch.testing.assert_close(cached[name], grad, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_transforms_are_built_once_per_forward_not_per_loop(fixtures, monkeypatch):
+    import loopq.quant.transforms as transforms
+
+    calls = []
+    original = transforms.orthogonal
+    monkeypatch.setattr(transforms, "orthogonal", lambda a: calls.append(1) or original(a))
+    teacher = load_looplm(fixtures / "ouro-tiny")
+    student = prepare(teacher, QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random")).train()
+    ids = ids_for(teacher)
+    counts = {}
+    for loops in (2, 4):
+        calls.clear()
+        student(ids, num_loops=loops).logits.sum().backward()
+        counts[loops] = len(calls)
+    # one Kronecker transform per group, two factors each, two orthogonal matrices (U, V) per factor
+    assert counts[2] == counts[4] == 4 * len(quant_groups(student))
+    # a second forward + backward with unchanged parameters (gradient accumulation) builds a fresh graph
+    student(ids).logits.sum().backward()
