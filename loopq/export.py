@@ -228,7 +228,14 @@ def footprint(model: LoopLM) -> dict[str, float]:
       one per loop, and CTA's shared U, V / per-loop a, b, eta (``params_*`` count their elements);
     * ``fp_modules``: every other tensor as loaded (embeddings, norms, heads, biases, ...);
     * ``bf16_model``: the teacher in BF16; ``quantized_layers`` (all tensors of the packed groups) against
-      ``quantized_layers_bf16`` (their teacher weights and biases in BF16).
+      ``quantized_layers_bf16`` (their teacher weights and biases in BF16);
+    * ``slt_weight_copies``: the packed weights and scales of the T - 1 extra loop slots of SLT-promoted groups
+      (paper App. C: selected groups use loop-dependent transforms *and* quantized weights), so that
+      ``quantized_layers_shared`` = the quantized layers as stored once for all loops, and
+      ``quantized_layers_shared_ratio`` its ratio to BF16; ``packed_shared_ratio``: int4 codes + fp16 scales alone
+      (4.5 / 16 = 0.281 without biases). A promoted group costs T times its packed weights, and every group keeps
+      its fp32 factors P1, P2 and 1/d (~(n1^2 + n2^2 + n) * 4 bytes per slot): both are visible on a 128-wide,
+      2-layer model and negligible at 2048 wide and 24-48 layers.
     """
     groups = [g for _, g in _packed_groups(model)]
     quant = _quant_tensors(model)
@@ -251,6 +258,13 @@ def footprint(model: LoopLM) -> dict[str, float]:
     report["quantized_layers"] = sum(_nbytes(t) for g in groups for t in g.buffers())
     report["quantized_layers_bf16"] = 2 * (layer_params + layer_biases)
     report["quantized_layers_ratio"] = report["quantized_layers"] / report["quantized_layers_bf16"]
+    report["slt_weight_copies"] = sum(
+        _nbytes(t) * (t.shape[0] - 1) // t.shape[0] for g in groups for t in (g.weight, g.weight_scale)
+    )
+    report["quantized_layers_shared"] = report["quantized_layers"] - report["slt_weight_copies"]
+    report["quantized_layers_shared_ratio"] = report["quantized_layers_shared"] / report["quantized_layers_bf16"]
+    shared_packed = report["packed_weights"] + report["weight_scales"] - report["slt_weight_copies"]
+    report["packed_shared_ratio"] = shared_packed / report["quantized_layers_bf16"]
     shared = sum(t.numel() for t, loop in quant if not loop)
     loop_dependent = sum(t.numel() for t, loop in quant if loop)
     total_params = teacher_params + shared + loop_dependent
@@ -291,6 +305,8 @@ def format_footprint(report: dict[str, float]) -> str:
         f"({100 * report['relative']:+.1f}%)",
         f"{'quantized layers':<30}{report['quantized_layers'] * mb:>12.3f} MB   BF16 "
         f"{report['quantized_layers_bf16'] * mb:.3f} MB ({report['quantized_layers_ratio']:.3f}x)",
+        f"{'  of which SLT loop copies':<30}{report['slt_weight_copies'] * mb:>12.3f} MB   shared part "
+        f"{report['quantized_layers_shared'] * mb:.3f} MB ({report['quantized_layers_shared_ratio']:.3f}x BF16)",
         f"params: total {report['params_total']:,}  shared {report['params_shared']:,} "
         f"({100 * report['shared_ratio']:.3f}%)  loop-dependent {report['params_loop_dependent']:,} "
         f"({100 * report['loop_dependent_ratio']:.4f}%)",

@@ -35,7 +35,8 @@ from loopq.export import (
 )
 from loopq.models import load_looplm
 from loopq.models.ouro import OuroLM
-from loopq.quant import QuantConfig, prepare, quant_groups
+from loopq.paths import ASSETS
+from loopq.quant import QuantConfig, looped_quant_groups, prepare, quant_groups
 from loopq.quant.packed import PackedLinearGroup
 
 from .conftest import make_student, use_kernel_numerics
@@ -181,6 +182,36 @@ def test_promoted_group_stores_one_weight_per_loop(exported):
     promoted = exported.model.get_submodule(exported.meta["promoted"][0])
     loops = exported.meta["calibrated_loops"]
     assert promoted.weight.numel() == loops * promoted.spec.in_features * sum(promoted.spec.splits) // 2
+    # the T - 1 extra slots of promoted groups, by hand: int4 codes (1/2 byte) + one fp16 scale per 32 inputs
+    extra = sum(
+        (loops - 1) * sum(g.spec.splits) * (g.spec.in_features // 2 + 2 * g.spec.in_features // 32)
+        for g in groups
+        if g.weight.shape[0] > 1
+    )
+    assert extra > 0 and report["slt_weight_copies"] == extra
+    assert report["quantized_layers_shared"] + extra == report["quantized_layers"]
+    assert report["quantized_layers_shared_ratio"] < report["quantized_layers_ratio"]
+
+
+def test_embedded_teacher_footprint_breakdown():
+    """The tiny teacher (hidden 128, MLP 384) with two promoted groups: the packed weights of its quantized layers
+    take 4.5 / 16 of BF16 (int4 + an fp16 scale per 32); its fp32 transforms and the SLT copies (3 extra loop
+    slots of 2 of its 8 groups) are reported on top, not hidden in that ratio."""
+    teacher = load_looplm(ASSETS / "tiny-ouro")
+    student = prepare(teacher, QuantConfig(transform_init="rotation", slt_budget=2))
+    for group in list(looped_quant_groups(student).values())[:2]:
+        group.promote()
+    report = footprint(convert(student))
+    assert report["packed_shared_ratio"] == pytest.approx(4.5 / 16, abs=1e-12)
+    transforms = sum(
+        t.numel() * t.element_size()
+        for g in convert(student).modules()
+        if isinstance(g, PackedLinearGroup)
+        for t in (g.left, g.right, g.inv_d, g.act_clip)
+    )
+    stored = report["packed_weights"] + report["weight_scales"] + transforms
+    assert report["quantized_layers"] == stored
+    assert 0.30 < report["quantized_layers_shared_ratio"] < 0.35 < report["quantized_layers_ratio"]
 
 
 # ------------------------------------------------------------------------------------------------ bad input
