@@ -7,6 +7,10 @@ each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ perplexity per
 ``limit`` examples per task). LoopQ students are calibrated by ``python -m loopq.fit`` with the calibration
 config (default ``configs/tiny.yaml``) in a subprocess each, under ``<out>/runs/``.
 ``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
+``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
+calibration samples (Fig. 6); ``loops``: FP, RTN and a calibrated student evaluated at T ... 2T loops (Fig. 5).
+Sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their swept field to each JSON, which
+is what ``python -m loopq.report --sweeps`` plots. Every function skips rows whose JSON exists (re-runs resume).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from pathlib import Path
 
 from jsonargparse import CLI
 
+from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.evaluate import evaluate
+from loopq.models.io import atomic_write
 from loopq.paths import REPO_ROOT
 
 BITS = {"w4a4": 4, "w4a8": 8}
@@ -94,8 +100,89 @@ def _eval(path: Path, **kwargs: object) -> Path:
     return path
 
 
+def _calibrated(model: str, root: Path, slug: str, config: str, a_bits: int, extra: list[str]) -> Path:
+    """The student of row ``slug``: calibrated now, unless its result JSON says the row is finished."""
+    run = root / "runs" / slug
+    return run / "student" if (root / f"{slug}.json").is_file() else calibrate(model, run, config, a_bits, extra)
+
+
+def _tag(path: Path, **fields: object) -> Path:
+    """Add the swept ``fields`` to a result JSON (atomically)."""
+    data = json.loads(path.read_text())
+    if any(data.get(k) != v for k, v in fields.items()):
+        data.update(fields)
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
+    return path
+
+
+def slt_budget(
+    model: str,
+    out: str,
+    budgets: list[int] | None = None,
+    config: str = "configs/tiny.yaml",
+    bits: str = "w4a4",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+) -> list[Path]:
+    """Fig. 4: LoopQ calibrated with each SLT budget (default 0, 2, 4, 8 promoted groups)."""
+    root, written = Path(out), []
+    for budget in budgets or [0, 2, 4, 8]:
+        slug = f"slt-{budget}"
+        student = _calibrated(model, root, slug, config, BITS[bits], ["--model.quant.slt_budget", str(budget)])
+        path = _eval(
+            root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
+        )
+        written.append(_tag(path, slt_budget=budget))
+    return written
+
+
+def num_samples(
+    model: str,
+    out: str,
+    sizes: list[int] | None = None,
+    config: str = "configs/tiny.yaml",
+    bits: str = "w4a4",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+) -> list[Path]:
+    """Fig. 6: LoopQ calibrated on 32 ... 1024 samples (same steps and batch: smaller sets are revisited more)."""
+    root, written = Path(out), []
+    for size in sizes or [32, 64, 128, 256, 512, 1024]:
+        slug = f"samples-{size}"
+        student = _calibrated(model, root, slug, config, BITS[bits], ["--data.num_samples", str(size)])
+        path = _eval(
+            root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
+        )
+        written.append(_tag(path, num_samples=size))
+    return written
+
+
+def loops(
+    model: str,
+    out: str,
+    student: str,
+    max_loops: int | None = None,
+    bits: str = "w4a4",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+) -> list[Path]:
+    """Fig. 5: FP, RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops, T = calibrated.
+
+    Loops beyond the calibrated count reuse the last loop's parameters (LAS clips, promoted transforms, CTA)."""
+    calibrated = json.loads((Path(student) / STUDENT_CONFIG).read_text())["calibrated_loops"]
+    root, written = Path(out), []
+    for n in range(calibrated, (max_loops or 2 * calibrated) + 1):
+        common = {"limit": limit, "tasks": tasks or [], "num_loops": n}
+        written.append(_eval(root / f"fp-loops{n}.json", model=model, method="FP", **common))
+        written.append(_eval(root / f"rtn-{bits}-loops{n}.json", model=model, method="RTN", bits=bits, **common))
+        written.append(
+            _eval(root / f"loopq-{bits}-loops{n}.json", student=student, method="LoopQ", bits=bits, **common)
+        )
+    return written
+
+
 def main(argv: list[str] | None = None) -> None:
-    CLI([table1, ablations], args=argv, as_positional=False)
+    CLI([table1, ablations, slt_budget, num_samples, loops], args=argv, as_positional=False)
 
 
 if __name__ == "__main__":
