@@ -1,9 +1,56 @@
-"""Test-only callbacks used through the CLI (``class_path: tests.helpers...``)."""
+"""Test helpers: the ``loopq.fit`` subprocess driver, student comparisons, and test-only callbacks used through the
+CLI (``class_path: tests.helpers...``)."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import lightning as L
+import torch
+from safetensors.torch import load_file
+
+from loopq.calib.student_io import CONFIG, WEIGHTS
+from loopq.paths import REPO_ROOT
+
+#: the tiny calibration recipe every end-to-end test starts from
+FIT_CONFIGS = ("--config", "configs/tiny.yaml", "--config", "tests/configs/fit-test.yaml")
+
+
+def run_fit(
+    root: Path,
+    *args: str,
+    configs: Sequence[str] = FIT_CONFIGS,
+    procs: int = 1,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run ``python -m loopq.fit <configs> --trainer.default_root_dir <root> <args>`` from the repository root, under
+    ``torchrun`` (``torch.distributed.run``) when ``procs > 1``; ``env`` adds variables. With ``check``, a failed run
+    raises an AssertionError that shows the end of its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+    cmd = [*(launcher if procs > 1 else [sys.executable]), "-m", "loopq.fit", *configs]
+    cmd += ["--trainer.default_root_dir", str(root), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd[:8])} ... failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return out
+
+
+def read_student(root: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The weights and metadata of the student a run wrote to ``<root>/student``."""
+    return load_file(str(root / "student" / WEIGHTS)), json.loads((root / "student" / CONFIG).read_text())
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    """Same keys, and every tensor of ``b`` within ``atol`` of ``a`` (``atol=0``: bit-identical)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=atol, rtol=0, msg=key)
 
 
 class KillAtStep(L.Callback):

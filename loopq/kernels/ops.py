@@ -64,8 +64,7 @@ def gemm_w4a4(
     backend: str | None = None,
 ) -> Tensor:
     """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``."""
-    _check_matrix("a_packed", a_packed, (torch.uint8,))
-    backend = _check_gemm("a_packed", a_packed, 2 * a_packed.shape[1], a_scales, w_packed, w_scales, out_dtype, backend)
+    backend = _check_gemm("a_packed", a_packed, 4, a_scales, w_packed, w_scales, out_dtype, backend)
     return _GEMM_W4A4[backend](a_packed, a_scales, w_packed, w_scales, out_dtype)
 
 
@@ -78,8 +77,7 @@ def gemm_w4a8(
     backend: str | None = None,
 ) -> Tensor:
     """``out [M, N] = dequant(a) dequant(w)^T`` from int8 activations ``[M, K]`` and packed int4 weights."""
-    _check_matrix("a_int8", a_int8, (torch.int8,))
-    backend = _check_gemm("a_int8", a_int8, a_int8.shape[1], a_scales, w_packed, w_scales, out_dtype, backend)
+    backend = _check_gemm("a_int8", a_int8, 8, a_scales, w_packed, w_scales, out_dtype, backend)
     return _GEMM_W4A8[backend](a_int8, a_scales, w_packed, w_scales, out_dtype)
 
 
@@ -119,14 +117,17 @@ def _transform_factors(
 def _check_gemm(
     a_name: str,
     a: Tensor,
-    k: int,
+    a_bits: int,
     a_scales: Tensor,
     w_packed: Tensor,
     w_scales: Tensor,
     out_dtype: torch.dtype,
     backend: str | None,
 ) -> str:
-    """Shapes/dtypes/devices of the GEMM operands; returns the resolved backend."""
+    """Shapes/dtypes/devices of the GEMM operands (activations: packed int4 uint8 ``[M, K/2]`` for ``a_bits=4``,
+    int8 ``[M, K]`` for ``a_bits=8``); returns the resolved backend."""
+    _check_matrix(a_name, a, (torch.uint8,) if a_bits == 4 else (torch.int8,))
+    k = a.shape[1] * 8 // a_bits
     _check_matrix("w_packed", w_packed, (torch.uint8,))
     _check_matrix("a_scales", a_scales, FLOAT_DTYPES)
     _check_matrix("w_scales", w_scales, FLOAT_DTYPES)

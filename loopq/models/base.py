@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+ConfigT = TypeVar("ConfigT")
 
 
 class LoopLMError(ValueError):
@@ -104,6 +106,19 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
     return y * weight if weight is not None else y
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm with a weight, as :func:`rms_norm`: Ouro and Parcae pass their config's eps; ``eps=None`` is
+    ``torch.nn.RMSNorm``'s default (machine epsilon of the fp32 compute dtype), which LoopFormer uses."""
+
+    def __init__(self, dim: int, eps: float | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
     """Causal SDPA on ``[B, H, S, Dh]``; grouped-query K/V heads are repeated to match the query heads."""
     if k.shape[1] != q.shape[1]:
@@ -111,6 +126,26 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def config_from_native(config_class: type[ConfigT], native: Mapping[str, Any]) -> ConfigT:
+    """The config dataclass from a native ``config.json`` dict: its fields by name; every other key is kept verbatim
+    in the dataclass's ``extra`` field, so that :func:`config_to_native` writes it back."""
+    known = {f.name for f in fields(config_class)} - {"extra"}  # type: ignore[arg-type]
+    kwargs = {k: v for k, v in native.items() if k in known}
+    extra = {k: v for k, v in native.items() if k not in known}
+    try:
+        return config_class(**kwargs, extra=extra)
+    except TypeError as err:
+        arch = config_class.__name__.removesuffix("Config")
+        raise LoopLMError(f"config.json: invalid {arch} config ({err})") from err
+
+
+def config_to_native(config: Any, tags: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`config_from_native`: the kept keys, the fields, then the architecture's marker ``tags``."""
+    data = asdict(config)
+    extra = data.pop("extra")
+    return {**extra, **data, **tags}
 
 
 class LoopLM(nn.Module):
@@ -123,6 +158,10 @@ class LoopLM(nn.Module):
     norm_feeds: ClassVar[dict[str, str]] = {}
     #: weights file name of the native format
     weights_name: ClassVar[str] = "model.safetensors"
+    #: the config dataclass (native ``config.json`` keys as fields, all other keys kept in its ``extra`` field)
+    config_class: ClassVar[type[Any]]
+    #: keys that mark a native ``config.json`` as this architecture's; written on save, checked by :meth:`matches`
+    config_tags: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -172,7 +211,7 @@ class LoopLM(nn.Module):
         **kwargs: Any,
     ) -> LoopLMOutput:
         """Run ``num_loops`` loops (default: the trained count) over ``input_ids`` ``[B, S]``."""
-        num_loops = self.resolve_num_loops(num_loops)
+        num_loops = self.resolve_num_loops(num_loops, **kwargs)
         if input_ids.dim() != 2:
             raise LoopLMError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         h, ctx = self.embed(input_ids, num_loops, **kwargs)
@@ -197,7 +236,9 @@ class LoopLM(nn.Module):
         )
         return self.finalize(out, ctx)
 
-    def resolve_num_loops(self, num_loops: int | None) -> int:
+    def resolve_num_loops(self, num_loops: int | None, **kwargs: Any) -> int:
+        """The loop count of a forward call: ``num_loops``, else the trained count. ``kwargs`` are the forward's
+        architecture arguments, for architectures where they fix the count (LoopFormer's ``steps``)."""
         n = self.default_num_loops if num_loops is None else num_loops
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise LoopLMError(f"num_loops must be an integer >= 1, got {num_loops!r}")
@@ -238,15 +279,15 @@ class LoopLM(nn.Module):
     # ----------------------------------------------------------------- native checkpoint format
     @classmethod
     def matches(cls, config: Mapping[str, Any]) -> bool:
-        """Whether a native ``config.json`` belongs to this architecture."""
-        raise NotImplementedError
+        """Whether a native ``config.json`` belongs to this architecture (default: it carries ``config_tags``)."""
+        return bool(cls.config_tags) and all(config.get(k) == v for k, v in cls.config_tags.items())
 
     @classmethod
     def config_from_dict(cls, config: Mapping[str, Any]) -> Any:
-        raise NotImplementedError
+        return config_from_native(cls.config_class, config)
 
     def config_to_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+        return config_to_native(self.config, self.config_tags)
 
     @classmethod
     def from_config(cls, config: Any | Mapping[str, Any], seed: int | None = None) -> LoopLM:
@@ -261,14 +302,18 @@ class LoopLM(nn.Module):
         return model
 
     def reset_parameters(self) -> None:
-        """Default init: N(0, 0.02) matrices and embeddings, unit norms, zero biases."""
+        """Default init: N(0, :meth:`init_std`) matrices and embeddings, unit norms, zero biases."""
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
+                nn.init.normal_(p, std=self.init_std(name))
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
             else:
                 nn.init.ones_(p)
+
+    def init_std(self, name: str) -> float:
+        """Std of the normal init of the matrix or embedding parameter ``name`` (default 0.02)."""
+        return 0.02
 
     def export_native(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """Architecture-specific renames after group segments are dropped (e.g. a ``gpt.`` prefix)."""

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, causal_attention, rms_norm
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, causal_attention, rms_norm
 
 #: size of the sinusoidal time embedding (``TimestepEmbedder.frequency_embedding_size``, fixed upstream)
 FREQUENCY_EMBEDDING_SIZE = 256
@@ -161,17 +161,6 @@ class LoopFormerBlock(nn.Module):
         return h + gate_mlp * self.mlp(rms_norm(h, None, None) * (1 + scale_mlp), t)
 
 
-class RMSNorm(nn.Module):
-    """``torch.nn.RMSNorm(dim)`` with eps=None: eps is the finfo eps of the (fp32) compute dtype."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, None)
-
-
 class SharedStack(nn.Module):
     """Upstream ``SharedBlock``: the blocks applied once per loop (kept for the ``transformer.h.blocks`` names)."""
 
@@ -195,6 +184,8 @@ class LoopFormerLM(LoopLM):
     """LoopFormer looped LM; ``forward(ids, steps=[...])`` runs one loop per step (default: uniform)."""
 
     arch = "loopformer"
+    config_class = LoopFormerConfig
+    config_tags: ClassVar[dict[str, str]] = {"model_type": "loopformer"}
     fp_module_patterns = (
         "transformer.wte",
         "transformer.wpe",
@@ -225,20 +216,13 @@ class LoopFormerLM(LoopLM):
     def loop_layers(self) -> nn.ModuleList:
         return self.transformer.h.blocks
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        num_loops: int | None = None,
-        return_trajectory: bool = False,
-        return_layer_states: bool = False,
-        steps: Sequence[float] | Tensor | None = None,
-        **kwargs: Any,
-    ) -> LoopLMOutput:
-        """As :meth:`LoopLM.forward`; a given ``steps`` schedule sets the loop count to ``len(steps)``."""
+    def resolve_num_loops(
+        self, num_loops: int | None, steps: Sequence[float] | Tensor | None = None, **kwargs: Any
+    ) -> int:
+        """As :meth:`LoopLM.resolve_num_loops`; a given ``steps`` schedule sets the loop count to ``len(steps)``."""
         if steps is not None:
-            steps = step_schedule(steps, num_loops)
-            num_loops = len(steps)
-        return super().forward(input_ids, num_loops, return_trajectory, return_layer_states, steps=steps, **kwargs)
+            num_loops = len(step_schedule(steps, num_loops))
+        return super().resolve_num_loops(num_loops)
 
     def embed(
         self, input_ids: Tensor, num_loops: int, steps: Sequence[float] | Tensor | None = None
@@ -267,22 +251,6 @@ class LoopFormerLM(LoopLM):
         return self.lm_head(self.transformer.norm_f(h))
 
     # ------------------------------------------------------------------ native format
-    @classmethod
-    def matches(cls, config: Mapping[str, Any]) -> bool:
-        return config.get("model_type") == "loopformer"
-
-    @classmethod
-    def config_from_dict(cls, config: Mapping[str, Any]) -> LoopFormerConfig:
-        known = {f.name for f in fields(LoopFormerConfig)} - {"extra"}
-        kwargs = {k: v for k, v in config.items() if k in known}
-        extra = {k: v for k, v in config.items() if k not in known}
-        return LoopFormerConfig(**kwargs, extra=extra)
-
-    def config_to_dict(self) -> dict[str, Any]:
-        data = asdict(self.config)
-        extra = data.pop("extra")
-        return {**extra, **data, "model_type": "loopformer"}
-
     def export_native(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         state.pop("lm_head.weight", None)  # tied: the published file stores it once, as transformer.wte.weight
         return {NATIVE_PREFIX + key: value for key, value in state.items()}
@@ -296,19 +264,10 @@ class LoopFormerLM(LoopLM):
             state[name] = value
         return tie_head(state, source)
 
-    def reset_parameters(self) -> None:
-        """Upstream's effective init: N(0, 0.02) matrices (adaLN included), zero biases, unit norm weights,
-        and N(0, 0.02 / sqrt(2 n_layer)) residual projections ``c_proj``."""
-        proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, std=proj_std)
-            elif p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)
+    def init_std(self, name: str) -> float:
+        """Upstream's effective init: N(0, 0.02) matrices (adaLN included) and N(0, 0.02 / sqrt(2 n_layer)) residual
+        projections ``c_proj`` (biases zero and norm weights one, as in :meth:`LoopLM.reset_parameters`)."""
+        return 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
 
 
 def tie_head(state: dict[str, Tensor], source: str) -> dict[str, Tensor]:

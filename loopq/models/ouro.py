@@ -17,14 +17,14 @@ threshold.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, causal_attention, rms_norm
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, RMSNorm, causal_attention
 
 EXIT_MODES = ("last", "expected", "threshold")
 
@@ -103,16 +103,6 @@ class OuroMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up, t)[0]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 class OuroDecoderLayer(nn.Module):
     def __init__(self, c: OuroConfig) -> None:
         super().__init__()
@@ -161,6 +151,8 @@ class OuroLM(LoopLM):
     """Ouro looped LM with the upstream exit-gate readouts (``exit_mode`` = last | expected | threshold)."""
 
     arch = "ouro"
+    config_class = OuroConfig
+    config_tags: ClassVar[dict[str, str]] = {"model_type": "ouro"}
     fp_module_patterns = ("model.embed_tokens", "lm_head", "model.early_exit_gate", "*norm*")
     norm_feeds: ClassVar[dict[str, str]] = {
         "input_layernorm": "self_attn.qkv_proj",
@@ -218,25 +210,6 @@ class OuroLM(LoopLM):
         return out
 
     # ------------------------------------------------------------------ native format
-    @classmethod
-    def matches(cls, config: Mapping[str, Any]) -> bool:
-        return config.get("model_type") == "ouro"
-
-    @classmethod
-    def config_from_dict(cls, config: Mapping[str, Any]) -> OuroConfig:
-        known = {f.name for f in fields(OuroConfig)} - {"extra"}
-        kwargs = {k: v for k, v in config.items() if k in known}
-        extra = {k: v for k, v in config.items() if k not in known}
-        try:
-            return OuroConfig(**kwargs, extra=extra)
-        except TypeError as err:
-            raise LoopLMError(f"config.json: invalid Ouro config ({err})") from err
-
-    def config_to_dict(self) -> dict[str, Any]:
-        data = asdict(self.config)
-        extra = data.pop("extra")
-        return {**extra, **data, "model_type": "ouro"}
-
     def export_native(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -248,15 +221,8 @@ class OuroLM(LoopLM):
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
 
-    def reset_parameters(self) -> None:
-        std = self.config.initializer_range
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)
+    def init_std(self, name: str) -> float:
+        return self.config.initializer_range
 
 
 def exit_distribution(gate_logits: Tensor) -> Tensor:

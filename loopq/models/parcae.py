@@ -51,14 +51,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, causal_attention, rms_norm
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, causal_attention
 
 #: upstream ``CausalSelfAttention.ve_gate_channels``: the gate reads the first 32 channels of the block input
 VE_GATE_CHANNELS = 32
@@ -241,16 +241,6 @@ class BlockSpec:
     ve_key: str | None  # value embedding mixed into this block's values (needs a gate too)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 def rope_table(head_dim: int, length: int, base: float, condense_ratio: float) -> Tensor:
     """Upstream ``precompute_freqs_cis``: fp32 ``[1, length, 1, head_dim/2, 2]`` of (cos, sin) per interleaved pair."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -400,6 +390,8 @@ class ParcaeLM(LoopLM):
     """Parcae looped LM: prelude -> R x (diagonal injection + shared core blocks) -> C -> coda -> head."""
 
     arch = "parcae"
+    config_class = ParcaeConfig
+    config_tags: ClassVar[dict[str, str]] = {"_class_name": "ParcaeConfig"}
     fp_module_patterns = (
         "transformer.wte",
         "lm_head",
@@ -520,22 +512,8 @@ class ParcaeLM(LoopLM):
     # ------------------------------------------------------------------ native format
     @classmethod
     def matches(cls, config: Mapping[str, Any]) -> bool:
-        return config.get("_class_name") == "ParcaeConfig" or config.get("model_class_name") == "Parcae"
-
-    @classmethod
-    def config_from_dict(cls, config: Mapping[str, Any]) -> ParcaeConfig:
-        known = {f.name for f in fields(ParcaeConfig)} - {"extra"}
-        kwargs = {k: v for k, v in config.items() if k in known}
-        extra = {k: v for k, v in config.items() if k not in known}
-        try:
-            return ParcaeConfig(**kwargs, extra=extra)
-        except TypeError as err:
-            raise LoopLMError(f"config.json: invalid Parcae config ({err})") from err
-
-    def config_to_dict(self) -> dict[str, Any]:
-        data = asdict(self.config)
-        extra = data.pop("extra")
-        return {**extra, **data, "_class_name": "ParcaeConfig"}
+        """A config with ``_class_name: ParcaeConfig`` (``config_tags``) or ``model_class_name: Parcae``."""
+        return super().matches(config) or config.get("model_class_name") == "Parcae"
 
     def export_native(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         state[self.rope_key] = self.rope_table()

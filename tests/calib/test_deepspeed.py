@@ -13,56 +13,30 @@ up-front rounds with a warning).
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from loopq.calib.deepspeed import SHM_ENV, SIDECAR
-from loopq.calib.student_io import CONFIG, WEIGHTS, load_student
-from loopq.paths import REPO_ROOT
+from loopq.calib.student_io import load_student
+from tests.helpers import FIT_CONFIGS, assert_same_tensors, read_student, run_fit
 
 pytest.importorskip("deepspeed")
 
-PLAIN = ["--config", "configs/tiny.yaml", "--config", "tests/configs/fit-test.yaml"]
-DS = [*PLAIN, "--config", "tests/configs/fit-deepspeed.yaml"]
+DS = [*FIT_CONFIGS, "--config", "tests/configs/fit-deepspeed.yaml"]
 TWO = ["--trainer.devices", "2", "--data.batch_size", "1"]
-
-
-def run(root: Path, base: list[str], *extra: str, procs: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), SHM_ENV: "0"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
-    cmd = [*(launcher if procs > 1 else [sys.executable]), "-m", "loopq.fit", *base]
-    cmd += ["--trainer.default_root_dir", str(root), *(TWO if procs > 1 else []), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd[:8])} ... failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return out
-
-
-def student(root: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    return load_file(str(root / "student" / WEIGHTS)), json.loads((root / "student" / CONFIG).read_text())
-
-
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], atol=0, rtol=0, msg=key)
+run = partial(run_fit, configs=DS, env={SHM_ENV: "0"})  # every run skips the JIT-compiled shm all-reduce
 
 
 def test_zero2_single_process_matches_plain_trainer(tmp_path):
-    run(tmp_path / "plain", DS, "--trainer.strategy", "auto")
-    out = run(tmp_path / "zero2", DS)
+    run(tmp_path / "plain", "--trainer.strategy", "auto")
+    out = run(tmp_path / "zero2")
     assert "initializing deepspeed distributed" in out.stderr + out.stdout
     assert "shm_comm" not in out.stdout  # the JIT-compiled op was skipped
-    (wa, meta_a), (wb, meta_b) = student(tmp_path / "plain"), student(tmp_path / "zero2")
+    (wa, meta_a), (wb, meta_b) = read_student(tmp_path / "plain"), read_student(tmp_path / "zero2")
     assert meta_a["promoted"] == meta_b["promoted"] and len(meta_b["promoted"]) == 2
     assert meta_a["mu"] == meta_b["mu"]
-    assert_identical(wa, wb)
+    assert_same_tensors(wa, wb, atol=0)
     last = tmp_path / "zero2" / "checkpoints" / "last.ckpt"
     assert last.is_dir() and (last / "checkpoint").is_dir()
     assert json.loads((last / SIDECAR).read_text())["promoted"] == meta_b["promoted"]
@@ -70,24 +44,24 @@ def test_zero2_single_process_matches_plain_trainer(tmp_path):
 
 @pytest.mark.slow
 def test_zero3_two_processes_checkpoint_loops_resume(tmp_path):
-    zero3 = ["--trainer.strategy.init_args.stage", "3", "--model.checkpoint_loops", "true"]
-    run(tmp_path / "full", DS, *zero3, procs=2)
+    zero3 = [*TWO, "--trainer.strategy.init_args.stage", "3", "--model.checkpoint_loops", "true"]
+    run(tmp_path / "full", *zero3, procs=2)
     killer = json.dumps({"class_path": "tests.helpers.KillAtStep", "init_args": {"step": 5}})
-    crashed = run(tmp_path / "resumed", DS, *zero3, "--trainer.callbacks+", killer, procs=2, check=False)
+    crashed = run(tmp_path / "resumed", *zero3, "--trainer.callbacks+", killer, procs=2, check=False)
     last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
     assert crashed.returncode != 0 and last.is_dir() and not (tmp_path / "resumed" / "student").exists()
     assert len(list((last / "checkpoint").glob("zero_pp_rank_*_model_states.pt"))) == 2  # one shard per rank
-    run(tmp_path / "resumed", DS, *zero3, "--ckpt_path", "last", procs=2)
-    (wa, meta_a), (wb, meta_b) = student(tmp_path / "full"), student(tmp_path / "resumed")
+    run(tmp_path / "resumed", *zero3, "--ckpt_path", "last", procs=2)
+    (wa, meta_a), (wb, meta_b) = read_student(tmp_path / "full"), read_student(tmp_path / "resumed")
     assert meta_a["promoted"] == meta_b["promoted"] and meta_a["mu"] == meta_b["mu"]
-    assert_identical(wa, wb)
+    assert_same_tensors(wa, wb, atol=0)
     rebuilt, _ = load_student(tmp_path / "full" / "student")  # gathered, complete parameters
     assert all(p.numel() > 0 for p in rebuilt.parameters())
 
 
 def test_progressive_selection_switches_to_upfront_under_deepspeed(tmp_path):
     strategy = json.dumps({"class_path": "loopq.calib.deepspeed.LoopQDeepSpeedStrategy", "init_args": {"stage": 2}})
-    out = run(tmp_path, PLAIN, "--trainer.strategy", strategy, "--trainer.max_steps", "2")  # progressive config
+    out = run(tmp_path, "--trainer.strategy", strategy, "--trainer.max_steps", "2", configs=FIT_CONFIGS)  # progressive
     assert "all SLT rounds run up front" in out.stderr
     assert out.stdout.count("[loopq] step 0: SLT promoted") == 2  # the whole budget before the first step
-    assert len(student(tmp_path)[1]["promoted"]) == 2
+    assert len(read_student(tmp_path)[1]["promoted"]) == 2

@@ -22,66 +22,39 @@ What is compared, and why these tolerances:
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from loopq.calib.student_io import CONFIG, WEIGHTS
-from loopq.paths import REPO_ROOT
+from tests.helpers import assert_same_tensors, read_student, run_fit
 
-BASE = ["--config", "configs/tiny.yaml", "--config", "tests/configs/fit-test.yaml"]
 DDP = ["--trainer.devices", "2", "--trainer.strategy", "ddp_find_unused_parameters_true", "--data.batch_size", "1"]
 RANK_DUMP = json.dumps({"class_path": "tests.helpers.SaveRankStudent"})
 
 
-def run(root: Path, *extra: str, procs: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
-    cmd = [*(launcher if procs > 1 else [sys.executable]), "-m", "loopq.fit", *BASE]
-    cmd += ["--trainer.default_root_dir", str(root), *(DDP if procs > 1 else []), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd[:6])} ... failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return out
-
-
-def student(root: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    return load_file(str(root / "student" / WEIGHTS)), json.loads((root / "student" / CONFIG).read_text())
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], atol=atol, rtol=0, msg=key)
-
-
 def test_two_processes_match_one_process(tmp_path):
     fp64 = ["--trainer.precision", "64-true"]
-    run(tmp_path / "one", *fp64)
-    run(tmp_path / "two", *fp64, "--trainer.callbacks+", RANK_DUMP, procs=2)
-    (w1, meta1), (w2, meta2) = student(tmp_path / "one"), student(tmp_path / "two")
+    run_fit(tmp_path / "one", *fp64)
+    run_fit(tmp_path / "two", *DDP, *fp64, "--trainer.callbacks+", RANK_DUMP, procs=2)
+    (w1, meta1), (w2, meta2) = read_student(tmp_path / "one"), read_student(tmp_path / "two")
     assert meta1["promoted"] == meta2["promoted"] and len(meta1["promoted"]) == 2  # the same SLT selections
     assert meta2["mu"] == pytest.approx(meta1["mu"], abs=1e-9)
     assert next(iter(w1.values())).dtype == torch.float64
-    assert_same(w1, w2, atol=1e-9)
+    assert_same_tensors(w1, w2, atol=1e-9)
     rank0, rank1 = (load_file(str(tmp_path / "two" / f"rank{r}.safetensors")) for r in (0, 1))
-    assert_same(rank0, rank1, atol=0)  # DDP kept the replicas bit-identical
-    assert_same(rank0, w2, atol=0)  # what rank 0 wrote is its replica
+    assert_same_tensors(rank0, rank1, atol=0)  # DDP kept the replicas bit-identical
+    assert_same_tensors(rank0, w2, atol=0)  # what rank 0 wrote is its replica
 
 
 @pytest.mark.slow
 def test_ddp_resume_after_kill_is_exact(tmp_path):
-    run(tmp_path / "full", procs=2)
+    run_fit(tmp_path / "full", *DDP, procs=2)
     killer = json.dumps({"class_path": "tests.helpers.KillAtStep", "init_args": {"step": 4}})
-    crashed = run(tmp_path / "resumed", "--trainer.callbacks+", killer, procs=2, check=False)
+    crashed = run_fit(tmp_path / "resumed", *DDP, "--trainer.callbacks+", killer, procs=2, check=False)
     assert crashed.returncode != 0 and (tmp_path / "resumed" / "checkpoints" / "last.ckpt").is_file()
     assert not (tmp_path / "resumed" / "student").exists()
-    run(tmp_path / "resumed", "--ckpt_path", "last", procs=2)
-    (wa, meta_a), (wb, meta_b) = student(tmp_path / "full"), student(tmp_path / "resumed")
+    run_fit(tmp_path / "resumed", *DDP, "--ckpt_path", "last", procs=2)
+    (wa, meta_a), (wb, meta_b) = read_student(tmp_path / "full"), read_student(tmp_path / "resumed")
     assert meta_a["promoted"] == meta_b["promoted"] and meta_a["mu"] == meta_b["mu"]
-    assert_same(wa, wb, atol=0)
+    assert_same_tensors(wa, wb, atol=0)

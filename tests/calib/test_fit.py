@@ -1,35 +1,18 @@
 """End-to-end calibration through the real CLI: runs, logs every term, resumes after a real kill, bad input."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from loopq.calib.student_io import WEIGHTS, load_student
-from loopq.paths import ASSETS, REPO_ROOT
-
-TEACHER = ASSETS / "tiny-ouro"
-BASE = ["--config", "configs/tiny.yaml", "--config", "tests/configs/fit-test.yaml"]
-
-
-def fit(root: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    cmd = [sys.executable, "-m", "loopq.fit", *BASE, "--trainer.default_root_dir", str(root), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
-    if check and out.returncode != 0:
-        raise AssertionError(f"fit failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return out
+from loopq.calib.student_io import load_student
+from tests.helpers import assert_same_tensors, read_student, run_fit
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
-    fit(root)
+    run_fit(root)
     return root
 
 
@@ -48,22 +31,17 @@ def test_fit_writes_student_logs_and_selections(uninterrupted):
 
 def test_resume_after_kill_matches_uninterrupted_run(uninterrupted, tmp_path):
     killer = json.dumps({"class_path": "tests.helpers.KillAtStep", "init_args": {"step": 5}})
-    crashed = fit(tmp_path, "--trainer.callbacks+", killer, check=False)
+    crashed = run_fit(tmp_path, "--trainer.callbacks+", killer, check=False)
     assert crashed.returncode == -9, crashed.stderr[-2000:]  # SIGKILL: nothing ran after step 4
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file() and not (tmp_path / "student").exists()
-    fit(tmp_path, "--ckpt_path", "last")
-    a = load_file(str(uninterrupted / "student" / WEIGHTS))
-    b = load_file(str(tmp_path / "student" / WEIGHTS))
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0, msg=key)
-    meta_a = json.loads((uninterrupted / "student" / "loopq_quant.json").read_text())
-    meta_b = json.loads((tmp_path / "student" / "loopq_quant.json").read_text())
+    run_fit(tmp_path, "--ckpt_path", "last")
+    (a, meta_a), (b, meta_b) = read_student(uninterrupted), read_student(tmp_path)
+    assert_same_tensors(a, b, atol=1e-6)
     assert meta_a["promoted"] == meta_b["promoted"] and meta_a["mu"] == pytest.approx(meta_b["mu"])
 
 
 def test_unknown_config_key_is_one_line(tmp_path):
-    out = fit(tmp_path, "--model.lamda", "0.1", check=False)
+    out = run_fit(tmp_path, "--model.lamda", "0.1", check=False)
     assert out.returncode != 0 and "lamda" in out.stderr
 
 
@@ -71,13 +49,13 @@ def test_teacher_of_another_kind_is_named(tmp_path):
     bad = tmp_path / "not-a-model"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    out = fit(tmp_path, "--model.teacher", str(bad), check=False)
+    out = run_fit(tmp_path, "--model.teacher", str(bad), check=False)
     assert out.returncode != 0 and "unknown architecture" in out.stderr
 
 
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path):
     poison = json.dumps({"class_path": "tests.helpers.PoisonAtStep", "init_args": {"step": 4}})
-    out = fit(tmp_path, "--trainer.callbacks+", poison, check=False)
+    out = run_fit(tmp_path, "--trainer.callbacks+", poison, check=False)
     assert out.returncode != 0 and "loss is not finite at step 4" in out.stderr
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 3  # written before the failure, intact, and free of NaN
@@ -88,5 +66,5 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
 def test_calibration_text_shorter_than_a_sample_is_named(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short to make even one calibration sample.")
-    out = fit(tmp_path, "--data.sources", f"[{short}]", check=False)
+    out = run_fit(tmp_path, "--data.sources", f"[{short}]", check=False)
     assert out.returncode != 0 and "shorter than one sample of seq_len=32" in out.stderr
