@@ -168,17 +168,42 @@ def loops(
 ) -> list[Path]:
     """Fig. 5: FP, RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops, T = calibrated.
 
-    Loops beyond the calibrated count reuse the last loop's parameters (LAS clips, promoted transforms, CTA)."""
+    Loops beyond the calibrated count reuse the last loop's parameters (LAS clips, promoted transforms, CTA).
+    WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
+    loop (the output after n loops does not depend on later loops), written as one JSON per n with
+    ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately."""
     calibrated = json.loads((Path(student) / STUDENT_CONFIG).read_text())["calibrated_loops"]
+    top = max_loops or 2 * calibrated
     root, written = Path(out), []
-    for n in range(calibrated, (max_loops or 2 * calibrated) + 1):
-        common = {"limit": limit, "tasks": tasks or [], "num_loops": n}
-        written.append(_eval(root / f"fp-loops{n}.json", model=model, method="FP", **common))
-        written.append(_eval(root / f"rtn-{bits}-loops{n}.json", model=model, method="RTN", bits=bits, **common))
-        written.append(
-            _eval(root / f"loopq-{bits}-loops{n}.json", student=student, method="LoopQ", bits=bits, **common)
-        )
+    rows = {
+        "fp": {"model": model, "method": "FP"},
+        f"rtn-{bits}": {"model": model, "method": "RTN", "bits": bits},
+        f"loopq-{bits}": {"student": student, "method": "LoopQ", "bits": bits},
+    }
+    for slug, row in rows.items():
+        if tasks:
+            for n in range(calibrated, top + 1):
+                written.append(_eval(root / f"{slug}-loops{n}.json", limit=limit, tasks=tasks, num_loops=n, **row))
+            continue
+        source = _eval(root / f"{slug}-loops{top}.json", limit=limit, tasks=[], num_loops=top, **row)
+        written += [per_loop_result(source, n) for n in range(calibrated, top)] + [source]
     return written
+
+
+def per_loop_result(source: Path, n: int) -> Path:
+    """The result at ``n`` loops read off the per-loop perplexities of a longer WikiText-2 evaluation."""
+    data = json.loads(source.read_text())
+    ppl = data["wikitext2_per_loop_ppl"][n - 1]
+    derived = {
+        **data,
+        "num_loops": n,
+        "wikitext2_ppl": ppl,
+        "wikitext2_per_loop_ppl": data["wikitext2_per_loop_ppl"][:n],
+    }
+    derived["per_loop_of"] = str(source)
+    path = source.with_name(source.name.replace(f"loops{data['num_loops']}", f"loops{n}"))
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(derived, indent=2)))
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,11 +49,36 @@ def test_num_samples_sweep_sets_the_data_size(recorded, tmp_path):
     assert [json.loads(p.read_text())["num_samples"] for p in paths] == [32, 1024]
 
 
-def test_loop_sweep_evaluates_fp_rtn_and_student_from_t_to_2t(recorded, tmp_path):
+def test_loop_sweep_evaluates_fp_rtn_and_student_once_at_2t(recorded, tmp_path, monkeypatch):
     student = tmp_path / "student"
     student.mkdir()
     (student / "loopq_quant.json").write_text(json.dumps({"calibrated_loops": 3}))
+
+    def evaluate(out, **kwargs):
+        recorded["evaluate"].append(kwargs)
+        per_loop = [100.0 * 0.9**i for i in range(kwargs["num_loops"])]
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "wikitext2_ppl": per_loop[-1],
+                    "wikitext2_per_loop_ppl": per_loop,
+                    "num_loops": kwargs["num_loops"],
+                    "method": kwargs["method"],
+                }
+            )
+        )
+
+    monkeypatch.setattr(experiments, "evaluate", evaluate)
     paths = experiments.loops("teacher", str(tmp_path / "loops"), student=str(student))
-    assert [c["num_loops"] for c in recorded["evaluate"]] == [3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 6]
-    assert [c["method"] for c in recorded["evaluate"][:3]] == ["FP", "RTN", "LoopQ"]
+    assert [(c["method"], c["num_loops"]) for c in recorded["evaluate"]] == [("FP", 6), ("RTN", 6), ("LoopQ", 6)]
     assert len(paths) == 12 and not recorded["calibrate"]
+    by_name = {p.name: json.loads(p.read_text()) for p in paths}
+    for n in range(3, 7):
+        row = by_name[f"rtn-w4a4-loops{n}.json"]
+        assert row["num_loops"] == n and row["wikitext2_ppl"] == pytest.approx(100.0 * 0.9 ** (n - 1))
+        assert len(row["wikitext2_per_loop_ppl"]) == n
+    # with lm-eval tasks every loop count is its own evaluation
+    recorded["evaluate"].clear()
+    experiments.loops("teacher", str(tmp_path / "tasks"), student=str(student), tasks=["lambada_openai"])
+    assert [c["num_loops"] for c in recorded["evaluate"]] == [3, 4, 5, 6] * 3
