@@ -17,6 +17,7 @@ Groups outside the loop (Parcae's prelude/coda) have a single slot and receive `
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,15 @@ from loopq.quant.primitives import clip_logit, clip_ratio, fake_quant, quantize_
 from loopq.quant.transforms import KroneckerTransform, fold_weight
 
 FULL_CLIP = 1.0 - 1e-4  # the initial learnable clip ratio: no clipping
+
+
+class SlotTensors(NamedTuple):
+    """The input-independent tensors of one parameter slot, computed once per forward."""
+
+    mats: tuple[Tensor, Tensor, Tensor, Tensor] | None  # P1, P2, P1^-1, P2^-1
+    weight: Tensor  # transformed, fake-quantized [sum(out), in], fp32
+    inv_d: Tensor | None  # e^{-log d}
+    act_clip: Tensor  # c_t for every activation slot
 
 
 class QuantLinearGroup(nn.Module):
@@ -56,7 +66,7 @@ class QuantLinearGroup(nn.Module):
         self.act_clip_promoted = False
         #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`)
         self.kernel_numerics = False
-        self._cache: dict[int, tuple[tuple[Tensor, ...] | None, Tensor]] = {}
+        self._cache: dict[int, SlotTensors] = {}
         self._cache_state: tuple | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -78,8 +88,8 @@ class QuantLinearGroup(nn.Module):
         return self.loop_transforms[slot] if self.loop_transforms is not None else self.transform
 
     def act_clip_ratio(self, slot: int) -> Tensor:
-        logits = self.act_clip
-        return clip_ratio(logits[min(slot, logits.numel() - 1)])
+        """c_t of ``slot`` (one entry per loop with LAS, else one); the same op as the forward (bit-identical)."""
+        return clip_ratio(self.act_clip)[min(slot, self.act_clip.numel() - 1)]
 
     def weight_clip_ratio(self, slot: int) -> Tensor:
         logits = self.loop_weight_clip[slot : slot + 1] if self.loop_weight_clip is not None else self.weight_clip
@@ -88,7 +98,7 @@ class QuantLinearGroup(nn.Module):
     def transform_matrices(self, tr: KroneckerTransform, slot: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(P1, P2, P1^-1, P2^-1) of ``slot``; in probe mode P_t = P + Delta_t with a zero Delta_t whose gradient
         is phi_t (so the inverse is taken numerically)."""
-        return self._slot_tensors(slot)[0]  # type: ignore[return-value]
+        return self._slot_tensors(slot).mats  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ forward
     def effective_weight_fp(self, slot: int) -> Tensor:
@@ -102,7 +112,7 @@ class QuantLinearGroup(nn.Module):
 
     def effective_weight(self, slot: int) -> Tensor:
         """The transformed, fake-quantized, concatenated weight ``[sum(out), in]`` (fp32) for ``slot``."""
-        return self._slot_tensors(slot)[1]
+        return self._slot_tensors(slot).weight
 
     # ------------------------------------------------------------------ per-forward cache
     # The transform matrices and the fake-quantized weight depend on the parameters and the slot only, not on
@@ -119,8 +129,8 @@ class QuantLinearGroup(nn.Module):
         versions = tuple(p._version for p in self.parameters())
         return self.training, torch.is_grad_enabled(), probe, versions
 
-    def _slot_tensors(self, slot: int) -> tuple[tuple[Tensor, ...] | None, Tensor]:
-        """((P1, P2, P1^-1, P2^-1) or None, fake-quantized weight) of ``slot``, from the cache when valid."""
+    def _slot_tensors(self, slot: int) -> SlotTensors:
+        """Everything of ``slot`` that does not depend on the input, from the cache when valid."""
         key = self._param_slot(slot)
         state = self._state_key()
         if self._cache_state != state:
@@ -133,12 +143,11 @@ class QuantLinearGroup(nn.Module):
             self._cache[key] = value
         return value
 
-    def _compute_slot(
-        self, slot: int, base: dict[int, tuple[Tensor, ...]] | None
-    ) -> tuple[tuple[Tensor, ...] | None, Tensor]:
+    def _compute_slot(self, slot: int, base: dict[int, tuple[Tensor, ...]] | None) -> SlotTensors:
         tr = self.transform_for(slot)
-        mats = None
+        mats = inv_d = None
         if tr is not None:
+            inv_d = None if tr.log_d is None else (-tr.log_d).exp()
             if self.probe is None:
                 mats = tr.matrices()
             else:
@@ -149,7 +158,7 @@ class QuantLinearGroup(nn.Module):
         if mats is not None:
             weight = tr.weight(weight, mats[2], mats[3])  # type: ignore[union-attr]
         weight = fake_quant(weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
-        return mats, weight
+        return SlotTensors(mats, weight, inv_d, clip_ratio(self.act_clip))
 
     def begin_forward(self) -> None:
         """Compute every distinct slot's transform matrices and quantized weight for the coming model forward."""
@@ -182,11 +191,12 @@ class QuantLinearGroup(nn.Module):
 
     def quantized_input(self, x: Tensor, slot: int) -> Tensor:
         """x P_t quantized with the loop's activation clipping."""
-        tr = self.transform_for(slot)
+        tr, cached = self.transform_for(slot), self._slot_tensors(slot)
         if tr is not None:
-            p1, p2, _, _ = self.transform_matrices(tr, slot)
-            x = tr.activation(x, p1, p2)
-        return fake_quant(x, self.a_bits, self.group_size, self.act_clip_ratio(slot))
+            p1, p2, _, _ = cached.mats  # type: ignore[misc]
+            x = tr.activation(x, p1, p2, cached.inv_d)
+        clip = cached.act_clip[min(slot, cached.act_clip.numel() - 1)]
+        return fake_quant(x, self.a_bits, self.group_size, clip)
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)

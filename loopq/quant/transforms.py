@@ -91,11 +91,11 @@ class KroneckerTransform(nn.Module):
         (p1, p1_inv), (p2, p2_inv) = self.left.matrix_and_inverse(), self.right.matrix_and_inverse()
         return p1, p2, p1_inv, p2_inv
 
-    def activation(self, x: Tensor, p1: Tensor, p2: Tensor) -> Tensor:
-        """x' = (x / d) (P1 (x) P2), computed in fp32 and cast back."""
+    def activation(self, x: Tensor, p1: Tensor, p2: Tensor, inv_d: Tensor | None = None) -> Tensor:
+        """x' = (x / d) (P1 (x) P2), computed in fp32 and cast back (``inv_d``: e^{-log d} if already computed)."""
         x32 = x.float()
         if self.log_d is not None:
-            x32 = x32 * (-self.log_d).exp()
+            x32 = x32 * ((-self.log_d).exp() if inv_d is None else inv_d)
         return kron_apply(x32, p1, p2).to(x.dtype)
 
     def weight(self, w: Tensor, p1_inv: Tensor, p2_inv: Tensor) -> Tensor:
