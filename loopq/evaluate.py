@@ -1,14 +1,20 @@
-"""Evaluate one model - FP teacher, plain RTN, a calibrated fake-quant student, or an exported int model - on the
-paper's metrics, and write a results JSON:
+"""Evaluate one model - FP teacher, a training-free baseline, a calibrated fake-quant student, or an exported int
+model - on the paper's metrics, and write a results JSON:
 
     python -m loopq.evaluate --model loopq/assets/tiny-ouro --method FP --out results/fp.json
     python -m loopq.evaluate --model loopq/assets/tiny-ouro --method RTN --bits w4a4 --out results/rtn.json
+    python -m loopq.evaluate --model loopq/assets/tiny-ouro --method QuaRot --bits w4a4 --out results/quarot.json
     python -m loopq.evaluate --student runs/tiny/student --method LoopQ --out results/loopq.json
     python -m loopq.evaluate --exported runs/tiny/exported --method LoopQ-int --out results/int.json
 
 Numbers: WikiText-2 perplexity under the standard PTQ protocol (GPTQ windows of ``ppl_seq_len`` tokens, per loop
 as well) and, unless ``--tasks '[]'``, the lm-eval tasks (default: the ``loopq_paper`` group; ``--limit`` caps
 the examples per task - the sizes are recorded in the JSON).
+
+With ``--model``, ``--method`` Symmetric (or RTN...), SmoothQuant or QuaRot builds that training-free baseline from
+the teacher (:data:`STATIC_METHODS`, :func:`loopq.quant.prepare.prepare_static`) on ``calib_samples`` windows of
+``calib_seq_len`` tokens of the calibration text (drawn as ``python -m loopq.fit`` draws them); other labels evaluate
+the teacher itself (FP), except the trained methods' names: SpinQuant, FlatQuant and LoopQ are ``--student``s.
 """
 
 from __future__ import annotations
@@ -21,24 +27,41 @@ from typing import Any
 import torch
 from jsonargparse import CLI
 
+from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import resolve_model_dir
-from loopq.quant import QuantConfig, prepare
+from loopq.quant import QuantConfig
+from loopq.quant.config import METHODS
+from loopq.quant.prepare import prepare_static
 
 BITS = {"w4a4": (4, 4), "w4a8": (4, 8), "w3a3": (3, 3), "w8a8": (8, 8)}
+#: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
+STATIC_METHODS = {"symmetric": "rtn", "rtn": "rtn", "smoothquant": "smoothquant", "quarot": "quarot"}
 
 
-def rtn_config(bits: str, group_size: int = 32) -> QuantConfig:
-    """Plain symmetric round-to-nearest at ``bits`` (``w4a4``, ``w4a8``, ...)."""
+def static_method(label: str) -> str | None:
+    """The training-free ``quant.method`` a ``--method`` label names (``RTN...`` labels are RTN), else None."""
+    key = label.lower()
+    return "rtn" if key.startswith("rtn") else STATIC_METHODS.get(key)
+
+
+def static_config(method: str, bits: str, group_size: int = 32) -> QuantConfig:
+    """The config of a training-free baseline at ``bits`` (``w4a4``, ``w4a8``, ...)."""
     if bits not in BITS:
         raise ValueError(f"--bits {bits!r}: use one of {sorted(BITS)}")
-    return QuantConfig.rtn(*BITS[bits], group_size=group_size)
+    return QuantConfig.of_method(method, *BITS[bits], group_size=group_size)
 
 
 def build(
-    model: str | None, student: str | None, exported: str | None, method: str, bits: str
+    model: str | None,
+    student: str | None,
+    exported: str | None,
+    method: str,
+    bits: str,
+    calib_samples: int = 32,
+    calib_seq_len: int = 128,
 ) -> tuple[LoopLM, str, str]:
     """The model to evaluate, the directory its tokenizer lives in, and its actual bit widths."""
     if student:
@@ -52,11 +75,16 @@ def build(
         quant = json.loads((Path(exported) / "loopq_export.json").read_text())["quant"]
         return load_quantized(exported), exported, f"w{quant['w_bits']}a{quant['a_bits']}"
     if model is None:
-        raise ValueError("pass --model (FP/RTN), --student or --exported")
+        raise ValueError("pass --model (FP or a training-free baseline), --student or --exported")
+    if method.lower() in METHODS and METHODS[method.lower()].trained:
+        raise ValueError(f"--method {method} is calibrated by python -m loopq.fit; evaluate its --student directory")
     teacher = load_looplm(model)
-    if method.upper().startswith("RTN") or method.lower() == "symmetric":
-        return prepare(teacher, rtn_config(bits)).eval(), str(resolve_model_dir(model)), bits
-    return teacher, str(resolve_model_dir(model)), "fp"
+    model_dir = str(resolve_model_dir(model))
+    baseline = static_method(method)
+    if baseline is None:
+        return teacher, model_dir, "fp"
+    ids = calibration_samples(model_dir, calib_samples, calib_seq_len)
+    return prepare_static(teacher, static_config(baseline, bits), ids), model_dir, bits
 
 
 def evaluate(
@@ -72,10 +100,14 @@ def evaluate(
     batch_size: int = 8,
     out: str | None = None,
     variant: str | None = None,
+    calib_samples: int = 32,
+    calib_seq_len: int = 128,
 ) -> dict[str, Any]:
-    """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``."""
+    """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``.
+
+    ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``."""
     start = time.time()
-    net, tok_dir, bits = build(model, student, exported, method, bits)
+    net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len)
     tokenizer = load_tokenizer(tok_dir)
     ppl = perplexity(net, torch.tensor(wikitext2_stream(tokenizer)), ppl_seq_len, batch_size, num_loops, per_loop=True)
     result: dict[str, Any] = {
@@ -88,6 +120,8 @@ def evaluate(
         "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
         "wikitext2_windows": ppl.num_windows,
     }
+    if model and static_method(method) not in (None, "rtn"):
+        result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
     task_list = ["loopq_paper"] if tasks is None else tasks
     if task_list:
         result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)

@@ -2,10 +2,13 @@
 
     python -m loopq.experiments table1 --model loopq/assets/tiny-ouro --out results/tiny-ouro --limit 200
 
-``table1``: FP, plain symmetric RTN and LoopQ at W4A4 and W4A8 (the paper's Table 1 rows that exist so far),
-each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ perplexity per loop + the lm-eval tasks with
-``limit`` examples per task). LoopQ students are calibrated by ``python -m loopq.fit`` with the calibration
-config (default ``configs/tiny.yaml``) in a subprocess each, under ``<out>/runs/``.
+``table1``: the paper's Table 1 rows - FP, then every method of :data:`TABLE1` (Symmetric, SmoothQuant, QuaRot,
+SpinQuant, FlatQuant, LoopQ) at W4A4 and W4A8 - each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ
+perplexity per loop + the lm-eval tasks with ``limit`` examples per task). The training-free baselines are built
+from the teacher inside the evaluation; the trained ones (SpinQuant, FlatQuant, LoopQ) are calibrated by
+``python -m loopq.fit`` with their calibration config (LoopQ: ``config``, default ``configs/tiny.yaml``; the
+baselines: ``configs/baselines/*-tiny.yaml``) in a subprocess each, under ``<out>/runs/``. A row whose result JSON
+exists is neither recalibrated nor re-evaluated.
 ``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
 ``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
 calibration samples (Fig. 6); ``loops``: FP, RTN and a calibrated student evaluated at T ... 2T loops (Fig. 5).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from jsonargparse import CLI
@@ -28,6 +32,26 @@ from loopq.models.io import atomic_write
 from loopq.paths import REPO_ROOT
 
 BITS = {"w4a4": 4, "w4a8": 8}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One quantized method of Table 1: its label (``method`` in the JSON), file stem, and how it is calibrated
+    (``calibration``: the ``table1`` argument naming its ``loopq.fit`` config; None: training-free)."""
+
+    label: str
+    slug: str
+    calibration: str | None = None
+
+
+TABLE1 = (
+    Row("Symmetric", "rtn"),
+    Row("SmoothQuant", "smoothquant"),
+    Row("QuaRot", "quarot"),
+    Row("SpinQuant", "spinquant", calibration="spinquant_config"),
+    Row("FlatQuant", "flatquant", calibration="flatquant_config"),
+    Row("LoopQ", "loopq", calibration="config"),
+)
 ABLATIONS = {
     "LoopQ w/o LAS": ["--model.quant.las", "false"],
     "LoopQ w/o SLT": ["--model.quant.slt_budget", "0"],
@@ -58,21 +82,29 @@ def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[s
 
 
 def table1(
-    model: str, out: str, config: str = "configs/tiny.yaml", limit: int | None = 200, tasks: list[str] | None = None
+    model: str,
+    out: str,
+    config: str = "configs/tiny.yaml",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+    spinquant_config: str = "configs/baselines/spinquant-tiny.yaml",
+    flatquant_config: str = "configs/baselines/flatquant-tiny.yaml",
 ) -> list[Path]:
-    """FP, RTN and LoopQ at W4A4 and W4A8 on ``model``; one result JSON each in ``out``."""
+    """FP and every :data:`TABLE1` method at W4A4 and W4A8 on ``model``; one result JSON each in ``out``."""
     root = Path(out)
+    configs = {"config": config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
     written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks)]
     for bits, a_bits in BITS.items():
-        written.append(_eval(root / f"rtn-{bits}.json", model=model, method="RTN", bits=bits, limit=limit, tasks=tasks))
-        run = root / "runs" / f"loopq-{bits}"
-        done = (root / f"loopq-{bits}.json").is_file()  # a finished row is not recalibrated on a re-run
-        student = run / "student" if done else calibrate(model, run, config, a_bits, [])
-        written.append(
-            _eval(
-                root / f"loopq-{bits}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks
-            )
-        )
+        for row in TABLE1:
+            path = root / f"{row.slug}-{bits}.json"
+            common = {"method": row.label, "bits": bits, "limit": limit, "tasks": tasks}
+            if row.calibration is None:
+                written.append(_eval(path, model=model, **common))
+                continue
+            run = root / "runs" / f"{row.slug}-{bits}"
+            done = path.is_file()  # a finished row is not recalibrated on a re-run
+            student = run / "student" if done else calibrate(model, run, configs[row.calibration], a_bits, [])
+            written.append(_eval(path, student=str(student), **common))
     return written
 
 

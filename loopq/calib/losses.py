@@ -14,6 +14,15 @@ Conventions (the paper leaves them open; stated here):
   scale with the hidden width; the KL is averaged over tokens;
 * the top-k KL renormalises the teacher over its top-k tokens and scores the student's full-vocabulary
   log-probabilities on them: sum_k p_k (log p_k - log q_k) >= 0.
+
+FlatQuant's layer-wise objective (:func:`layerwise_loss`, Sun et al., 2025) is the baselines' alternative: every
+decoder layer's quantized output against the FP layer output, both given the FP layer input,
+
+    L = sum_calls d(f~_l(H_{t,l-1}; t), H_{t,l}),
+
+where a shared layer is one call per loop (t = 0..T-1) and layers outside the loop are one call each. Because the
+inputs are the teacher's, the sum decouples over layers: optimising it jointly is FlatQuant's layer-by-layer
+recipe (up to the shared learning-rate schedule and gradient-norm clipping), and a shared layer sees all its loops.
 """
 
 from __future__ import annotations
@@ -103,3 +112,16 @@ def loopq_loss(
     transition = transition_term(adapted_states or [], teacher_states).to(kl.device)
     loss = kl + lam * (loopwise + to_final + transition)
     return {"loss": loss, "kl": kl, "loopwise": loopwise, "to_final": to_final, "transition": transition}
+
+
+def layerwise_loss(
+    student_outputs: Sequence[Tensor], teacher_outputs: Sequence[Tensor], loops: Sequence[int | None]
+) -> dict[str, Tensor]:
+    """FlatQuant's layer-wise MSE summed over layer calls (``loss``), and its part per loop for logging
+    (``loop{t}``; ``outside`` for layers outside the loop)."""
+    per_call = [state_distance(s, t) for s, t in zip(student_outputs, teacher_outputs, strict=True)]
+    terms: dict[str, Tensor] = {"loss": torch.stack(per_call).sum()}
+    for distance, t in zip(per_call, loops, strict=True):
+        key = "outside" if t is None else f"loop{t}"
+        terms[key] = terms[key] + distance.detach() if key in terms else distance.detach()
+    return terms

@@ -6,6 +6,12 @@ over the true recurrence (its own quantized states feed the next loop), and eval
 (``callbacks/``): mu_t updates, sharing-gap reselection (which promotes groups through :meth:`promote`), and
 per-loop diagnostics.
 
+``objective`` selects the loss: ``trajectory`` (LoopQ's Eq. 6 over the true recurrence; with ``lam: 0`` the plain
+logit KL that SpinQuant trains on) or ``layerwise`` (FlatQuant's recipe: every decoder layer's quantized output
+against the FP output given the FP input, a shared layer once per loop; see :func:`~loopq.calib.losses.layerwise_loss`).
+The training-free baselines (``quant.method`` rtn, smoothquant, quarot) are rejected here: build them with
+:func:`loopq.quant.prepare.prepare_static`.
+
 Optimisation follows FlatQuant / paper Table 5: AdamW, transforms and adapters at ``lr``, clipping ratios at
 ``clip_lr_mult * lr``, cosine schedule, gradient clipping 1.0 (set on the Trainer).
 """
@@ -21,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
-from loopq.calib.losses import loopq_loss
+from loopq.calib.losses import layerwise_loss, loopq_loss
 from loopq.calib.student_io import save_student
 from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
@@ -29,6 +35,9 @@ from loopq.models import LoopLM, load_looplm
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.quant import QuantConfig, QuantLinearGroup, init_clipping_from_data, prepare, quant_groups
 from loopq.quant.accounting import parameter_report
+from loopq.quant.config import METHODS, QuantConfigError
+
+OBJECTIVES = ("trajectory", "layerwise")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -53,9 +62,17 @@ class LoopQCalibration(L.LightningModule):
         checkpoint_loops: bool = False,
         target_cache_dir: str | None = None,
         output_dir: str | None = None,
+        objective: str = "trajectory",
     ) -> None:
         super().__init__()
         quant = quant or QuantConfig()
+        if objective not in OBJECTIVES:
+            raise ValueError(f"model.objective={objective!r}: use one of {OBJECTIVES}")
+        if not METHODS[quant.method].trained:
+            raise QuantConfigError(
+                f"quant.method={quant.method!r} is training-free: build it with loopq.quant.prepare.prepare_static "
+                "(python -m loopq.evaluate --method ...), not python -m loopq.fit"
+            )
         self.save_hyperparameters(ignore=["quant"])
         self.hparams["quant"] = quant.to_dict()  # plain types only: checkpoints load with weights_only=True
         self.quant_config = quant
@@ -130,13 +147,29 @@ class LoopQCalibration(L.LightningModule):
         return quant_groups(self.student)[name]
 
     def on_fit_start(self) -> None:
-        self.ensure_targets()
+        if self.hparams.objective == "trajectory":  # the layer-wise objective runs the teacher live instead
+            self.ensure_targets()
         report = parameter_report(self.student)
         for logger in self.loggers:
             logger.log_metrics({f"params/{k}": float(v) for k, v in report.as_dict().items()}, step=self.global_step)
 
     # ------------------------------------------------------------------ the step
     def compute_loss(self, batch: list[Tensor]) -> dict[str, Tensor]:
+        """The loss terms of ``objective`` for one batch (``loss`` is the one optimised)."""
+        if self.hparams.objective == "layerwise":
+            return self.layerwise_loss(batch)
+        return self.trajectory_loss(batch)
+
+    def layerwise_loss(self, batch: list[Tensor]) -> dict[str, Tensor]:
+        """Teacher-forced decoder layers: the FP teacher's recorded layer calls, each re-run by the student."""
+        _, ids = batch
+        with torch.no_grad():
+            _, calls, ctx = self.teacher.trace_layers(ids, num_loops=self.num_loops)
+        outputs = [self.student.run_layer(c.name, c.inputs, c.t, ctx) for c in calls]
+        self.last = {}
+        return layerwise_loss(outputs, [c.output for c in calls], [c.t for c in calls])
+
+    def trajectory_loss(self, batch: list[Tensor]) -> dict[str, Tensor]:
         """Student forward over the recurrence + Eq. 6 against the cached teacher targets."""
         idx, ids = batch
         values, indices, teacher_states = self.ensure_targets().batch(idx, ids.device)

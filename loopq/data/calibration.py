@@ -117,3 +117,16 @@ class CalibrationDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.hparams.num_workers,
         )
+
+
+def calibration_samples(
+    tokenizer: str, num_samples: int, seq_len: int, seed: int = 0, sources: list[str] | None = None
+) -> Tensor:
+    """``[num_samples, seq_len]`` calibration windows drawn as :class:`CalibrationDataModule` draws them (for the
+    training-free baselines, which need one calibration batch and no Trainer)."""
+    dm = CalibrationDataModule(
+        tokenizer, sources, num_samples=num_samples, seq_len=seq_len, holdout_samples=0, seed=seed
+    )
+    dm.setup()
+    assert dm.samples is not None
+    return dm.samples

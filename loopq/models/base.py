@@ -43,6 +43,17 @@ class LoopLMError(ValueError):
 
 
 @dataclass
+class LayerCall:
+    """One decoder-layer call of a forward: ``output = model.run_layer(name, inputs, t, ctx)`` (``t`` is None
+    outside the loop). A shared layer is called once per loop, so it appears once per loop."""
+
+    name: str
+    t: int | None
+    inputs: Tensor
+    output: Tensor
+
+
+@dataclass
 class LoopLMOutput:
     """What a looped forward returns.
 
@@ -259,7 +270,53 @@ class LoopLM(nn.Module):
                 per_layer.append(h)
         return self.end_loop(h, t, ctx), per_layer
 
+    # ----------------------------------------------------------------- single layers (layer-wise calibration)
+    def decoder_layers(self) -> dict[str, nn.Module]:
+        """Every decoder layer ``layer(h, t, ctx) -> h`` by module name, in call order: the shared stack, plus
+        the layers outside the loop where an architecture has them (Parcae's prelude and coda)."""
+        prefix = self.loop_layers_prefix
+        return {f"{prefix}.{i}": layer for i, layer in enumerate(self.loop_layers)}
+
+    def run_layer(self, name: str, h: Tensor, t: int | None, ctx: dict[str, Any]) -> Tensor:
+        """Decoder layer ``name`` on a given input ``h`` in loop ``t`` with a forward's context ``ctx`` (RoPE
+        tables, LoopFormer's loop conditioning, Parcae's value embeddings; see :meth:`trace_layers`)."""
+        return self.get_submodule(name)(h, t, ctx)
+
+    def trace_layers(
+        self, input_ids: Tensor, num_loops: int | None = None, **kwargs: Any
+    ) -> tuple[LoopLMOutput, list[LayerCall], dict[str, Any]]:
+        """A forward that records every decoder-layer call (name, loop, input, output) in order, and its context.
+
+        ``run_layer(c.name, c.inputs, c.t, ctx)`` recomputes ``c.output``: with a quantized copy of the model in
+        place of ``self`` it is the teacher-forced layer of FlatQuant-style layer-wise calibration.
+        """
+        calls: list[LayerCall] = []
+        context: dict[str, Any] = {}
+
+        def recorder(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+                h, t, ctx = args
+                calls.append(LayerCall(name, t, h, output))
+                context["ctx"] = ctx
+
+            return hook
+
+        handles = [layer.register_forward_hook(recorder(name)) for name, layer in self.decoder_layers().items()]
+        try:
+            out = self(input_ids, num_loops, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return out, calls, context["ctx"]
+
     # ----------------------------------------------------------------- quantization metadata
+    def feeding_norm(self, group_name: str) -> nn.Module | None:
+        """The RMSNorm whose output is group ``group_name``'s input (from ``norm_feeds``), or None."""
+        for norm, group in self.norm_feeds.items():
+            if group_name == group or group_name.endswith("." + group):
+                return self.get_submodule(group_name[: len(group_name) - len(group)] + norm)
+        return None
+
     def linear_groups(self) -> dict[str, LinearGroup]:
         """Every transform-weight group by module name (looped and non-looped)."""
         return {name: m for name, m in self.named_modules() if isinstance(m, LinearGroup)}

@@ -432,6 +432,12 @@ class ParcaeLM(LoopLM):
     def loop_layers(self) -> nn.ModuleList:
         return self.transformer.core_block
 
+    def decoder_layers(self) -> dict[str, nn.Module]:
+        """Prelude, core (the shared stack) and coda blocks, in call order."""
+        parts = {"prelude": self.transformer.prelude, "core_block": self.transformer.core_block}
+        parts["coda"] = self.transformer.coda
+        return {f"transformer.{part}.{i}": block for part, blocks in parts.items() for i, block in enumerate(blocks)}
+
     def rope_table(self) -> Tensor:
         """The full fp32 ``freqs_cis`` table upstream registers as a buffer (and publishes in checkpoints)."""
         c, rope = self.config, self.config.rope_settings

@@ -1,13 +1,53 @@
-"""``QuantConfig``: one small dataclass describing a LoopQ student (and, with switches off, its baselines)."""
+"""``QuantConfig``: one small dataclass describing a LoopQ student or one of the paper's baselines.
+
+``method`` names what the student is (paper §5, "Baselines"); every baseline is a *static* configuration of the same
+framework - one shared quantizer per group for all loops, no LAS, SLT or CTA:
+
+===============  ==============================================================================  ===========
+method           group transform (x' = (x / d) (P1 (x) P2), W' = (W * d) (P1 (x) P2)^-T)         calibrated
+===============  ==============================================================================  ===========
+``rtn``          none ("Symmetric": plain round-to-nearest)                                       no
+``smoothquant``  identity factors, d = SmoothQuant's migration scales from calibration data      no (data)
+``quarot``       randomized Hadamard factors, d = gamma of the feeding RMSNorm                    no (data)
+``spinquant``    Cayley-parameterised rotations started at QuaRot's, d = gamma; learned clips     logit KL
+``flatquant``    learnable Kronecker factors + diagonal + clips (as LoopQ)                        layer-wise
+``loopq``        learnable Kronecker factors + diagonal + clips, LAS, SLT, CTA                    Eq. 6
+===============  ==============================================================================  ===========
+
+:data:`METHODS` fixes the switches each baseline implies; a config that contradicts them is rejected naming the key
+(build baselines with the constructors, e.g. :meth:`QuantConfig.quarot`). The transforms themselves are set up by
+:mod:`loopq.quant.baselines`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from loopq.quant.primitives import SUPPORTED_BITS
 
 TRANSFORM_INITS = ("identity", "rotation", "random")
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a quantization method fixes in the config, and whether ``python -m loopq.fit`` calibrates it."""
+
+    settings: Mapping[str, Any]
+    trained: bool
+
+
+_STATIC = {"las": False, "slt_budget": 0, "cta": False}  # one configuration shared by all loops
+_NO_CLIP = {"learn_weight_clip": False, "learn_act_clip": False}
+METHODS: dict[str, Method] = {
+    "loopq": Method({}, trained=True),
+    "rtn": Method({"transforms": False, **_NO_CLIP, **_STATIC}, trained=False),
+    "smoothquant": Method({"transforms": True, "diag_scale": True, **_NO_CLIP, **_STATIC}, trained=False),
+    "quarot": Method({"transforms": True, "diag_scale": True, **_STATIC}, trained=False),
+    "spinquant": Method({"transforms": True, "diag_scale": True, **_STATIC}, trained=True),
+    "flatquant": Method({"transforms": True, **_STATIC}, trained=True),
+}
 
 
 class QuantConfigError(ValueError):
@@ -20,8 +60,11 @@ class QuantConfig:
 
     Bit widths of 16 mean "not quantized". ``group_size = -1`` is per-channel (weights) / per-token
     (activations). ``num_loops`` is the calibrated loop count (default: the model's trained count).
+    ``transform_init`` applies to the learnable transforms (``loopq``, ``flatquant``); ``smooth_alpha`` is
+    SmoothQuant's migration strength.
     """
 
+    method: str = "loopq"
     w_bits: int = 4
     a_bits: int = 4
     group_size: int = 32
@@ -36,8 +79,19 @@ class QuantConfig:
     cta_rank: int = 8
     num_loops: int | None = None
     seed: int = 0
+    smooth_alpha: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuantConfigError(f"quant.method={self.method!r} is not a method; use one of {sorted(METHODS)}")
+        for key, want in METHODS[self.method].settings.items():
+            if getattr(self, key) != want:
+                raise QuantConfigError(
+                    f"quant.{key}={getattr(self, key)!r} contradicts quant.method={self.method!r}; set quant.{key}: "
+                    f"{want!r} (or build it with QuantConfig.{self.method}())"
+                )
+        if not 0.0 <= self.smooth_alpha <= 1.0:
+            raise QuantConfigError(f"quant.smooth_alpha={self.smooth_alpha} must be in [0, 1]")
         for key in ("w_bits", "a_bits"):
             if getattr(self, key) not in SUPPORTED_BITS:
                 raise QuantConfigError(
@@ -53,19 +107,39 @@ class QuantConfig:
             raise QuantConfigError(f"quant.num_loops={self.num_loops} must be >= 1")
 
     @classmethod
+    def of_method(
+        cls, method: str, w_bits: int = 4, a_bits: int = 4, group_size: int = 32, **kwargs: Any
+    ) -> QuantConfig:
+        """The config of ``method`` (its fixed switches from :data:`METHODS`) at the given bit widths."""
+        if method not in METHODS:
+            raise QuantConfigError(f"quant.method={method!r} is not a method; use one of {sorted(METHODS)}")
+        settings = {**METHODS[method].settings, **kwargs}
+        return cls(method=method, w_bits=w_bits, a_bits=a_bits, group_size=group_size, **settings)
+
+    @classmethod
     def rtn(cls, w_bits: int = 4, a_bits: int = 4, group_size: int = 32) -> QuantConfig:
         """Plain symmetric round-to-nearest (the paper's "Symmetric" baseline): every LoopQ component off."""
-        return cls(
-            w_bits=w_bits,
-            a_bits=a_bits,
-            group_size=group_size,
-            transforms=False,
-            learn_weight_clip=False,
-            learn_act_clip=False,
-            las=False,
-            slt_budget=0,
-            cta=False,
-        )
+        return cls.of_method("rtn", w_bits, a_bits, group_size)
+
+    @classmethod
+    def smoothquant(cls, w_bits: int = 4, a_bits: int = 4, group_size: int = 32, alpha: float = 0.5) -> QuantConfig:
+        """SmoothQuant (Xiao et al., 2023): per-channel migration scales, no clipping, nothing trained."""
+        return cls.of_method("smoothquant", w_bits, a_bits, group_size, smooth_alpha=alpha)
+
+    @classmethod
+    def quarot(cls, w_bits: int = 4, a_bits: int = 4, group_size: int = 32) -> QuantConfig:
+        """QuaRot-RTN (Ashkboos et al., 2024): randomized Hadamard rotations, MSE-searched clips, nothing trained."""
+        return cls.of_method("quarot", w_bits, a_bits, group_size)
+
+    @classmethod
+    def spinquant(cls, w_bits: int = 4, a_bits: int = 4, group_size: int = 32) -> QuantConfig:
+        """SpinQuant (Liu et al., 2025): learned rotations (Cayley) from QuaRot's start, learned clipping."""
+        return cls.of_method("spinquant", w_bits, a_bits, group_size)
+
+    @classmethod
+    def flatquant(cls, w_bits: int = 4, a_bits: int = 4, group_size: int = 32) -> QuantConfig:
+        """FlatQuant (Sun et al., 2025): learnable Kronecker transforms, diagonal and clipping, no loop awareness."""
+        return cls.of_method("flatquant", w_bits, a_bits, group_size)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

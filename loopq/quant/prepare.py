@@ -5,21 +5,30 @@ The student is a copy of the teacher in which every quantizable transform-weight
 teacher's own parameters are frozen and *shared* (not copied) with the student by default: only quantization
 parameters (transforms, clipping ratios, adapters) are trainable. The student keeps the teacher's forward
 signature and outputs (logits, loop_states, ...).
+
+``config.method`` picks how each group's transform starts (:data:`GROUP_SETUPS`: LoopQ's and FlatQuant's learnable
+init, or a baseline's fixed factors from :mod:`loopq.quant.baselines`). The training-free baselines (RTN,
+SmoothQuant, QuaRot) are finished by :func:`prepare_static`, which adds their data-dependent part and freezes them.
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from loopq.models.base import LoopLM
-from loopq.quant.config import QuantConfig, QuantConfigError
+from loopq.quant import baselines
+from loopq.quant.config import METHODS, QuantConfig, QuantConfigError
 from loopq.quant.cta import TransitionAdapters
 from loopq.quant.modules import QuantLinearGroup, begin_forward
 from loopq.quant.primitives import best_clip_ratio, clip_logit, fake_quant, to_groups
+
+#: (group, weight of the RMSNorm feeding it or None, config, generator) -> sets up the group's transform in place
+GroupSetup = Callable[[QuantLinearGroup, Tensor | None, QuantConfig, torch.Generator], None]
 
 
 def is_fp_module(model: LoopLM, name: str) -> bool:
@@ -54,7 +63,8 @@ def prepare(model: LoopLM, config: QuantConfig, share_weights: bool = True) -> L
         if is_fp_module(student, name):
             continue
         qgroup = QuantLinearGroup(group, config, num_loops, looped=name in looped)
-        init_transform(qgroup, config.transform_init, gen)
+        norm = model.feeding_norm(name)
+        GROUP_SETUPS[config.method](qgroup, None if norm is None else norm.weight, config, gen)
         qgroup.to(device=group_device(group))
         student.set_submodule(name, qgroup)
     if config.cta and num_loops >= 2:
@@ -82,6 +92,60 @@ def init_transform(group: QuantLinearGroup, how: str, gen: torch.Generator) -> N
                 factor.u.copy_(torch.randn(factor.u.shape, generator=gen))
         else:
             tr.randomize_(gen)
+
+
+def learnable_init(
+    group: QuantLinearGroup, norm_weight: Tensor | None, config: QuantConfig, gen: torch.Generator
+) -> None:
+    """LoopQ's and FlatQuant's learnable factors, started as ``config.transform_init`` says."""
+    init_transform(group, config.transform_init, gen)
+
+
+GROUP_SETUPS: dict[str, GroupSetup] = {
+    "loopq": learnable_init,
+    "flatquant": learnable_init,
+    "rtn": learnable_init,  # no transform: nothing to do
+    "smoothquant": baselines.smoothquant_group,
+    "quarot": baselines.quarot_group,
+    "spinquant": baselines.spinquant_group,
+}
+
+
+def _no_data(teacher: LoopLM, student: LoopLM, input_ids: Tensor, config: QuantConfig) -> None:
+    """RTN: nothing depends on data."""
+
+
+def _smooth(teacher: LoopLM, student: LoopLM, input_ids: Tensor, config: QuantConfig) -> None:
+    baselines.smooth_(quant_groups(student), teacher, input_ids, config.smooth_alpha)
+
+
+def _search_clips(teacher: LoopLM, student: LoopLM, input_ids: Tensor, config: QuantConfig) -> None:
+    init_clipping_from_data(student, input_ids)
+
+
+#: the data-dependent part of the training-free baselines: (teacher, student, calibration ids, config) -> None
+STATIC_INITS: dict[str, Callable[[LoopLM, LoopLM, Tensor, QuantConfig], None]] = {
+    "rtn": _no_data,
+    "smoothquant": _smooth,
+    "quarot": _search_clips,
+}
+
+
+def prepare_static(model: LoopLM, config: QuantConfig, input_ids: Tensor) -> LoopLM:
+    """A training-free baseline student (RTN, SmoothQuant, QuaRot), calibrated on ``input_ids`` and frozen.
+
+    SmoothQuant reads the FP teacher's activation maxima; QuaRot searches its clipping ratios on the student's own
+    rotated activations (weights per row, activations per group); RTN uses no data.
+    """
+    if config.method not in STATIC_INITS:
+        trained = sorted(m for m, spec in METHODS.items() if spec.trained)
+        raise QuantConfigError(
+            f"quant.method={config.method!r} is calibrated by training (python -m loopq.fit); prepare_static builds "
+            f"{sorted(STATIC_INITS)} (trained: {trained})"
+        )
+    student = prepare(model, config)
+    STATIC_INITS[config.method](model, student, input_ids, config)
+    return student.requires_grad_(False).eval()
 
 
 def quant_groups(student: nn.Module) -> dict[str, QuantLinearGroup]:

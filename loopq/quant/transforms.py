@@ -11,6 +11,11 @@ so that x' W'^T = x W^T exactly: with quantization off the student equals the te
 Invertibility is preserved by construction: each factor is P_i = U_i diag(exp(s_i)) V_i^T with U_i, V_i
 orthogonal (matrix exponentials of skew-symmetric parameters), so det P_i != 0 for every parameter value and
 P_i^{-1} = V_i diag(exp(-s_i)) U_i^T in closed form. The diagonal scale is d = exp(log_d) > 0.
+
+A factor is any module with ``matrix()``, ``inverse()`` and ``matrix_and_inverse()``: besides the learnable
+:class:`FactorMatrix`, the baselines use a frozen :class:`FixedFactor` (SmoothQuant's identity, QuaRot's randomized
+Hadamard) and a :class:`CayleyFactor` (SpinQuant's learned rotation). The fake-quant group, the float64 fold and
+the exporter read factors only through these three methods.
 """
 
 from __future__ import annotations
@@ -73,6 +78,53 @@ class FactorMatrix(nn.Module):
             for p in (self.u, self.v):
                 p.copy_(torch.randn(p.shape, generator=generator) * scale)
             self.log_s.copy_(torch.randn(self.log_s.shape, generator=generator) * scale)
+
+
+class FixedFactor(nn.Module):
+    """A frozen orthogonal factor R (a buffer, rebuilt by ``prepare`` from the config's seed), R^{-1} = R^T."""
+
+    def __init__(self, matrix: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("r", matrix.detach().clone())
+
+    def matrix(self) -> Tensor:
+        return self.r
+
+    def inverse(self) -> Tensor:
+        return self.r.transpose(0, 1)
+
+    def matrix_and_inverse(self) -> tuple[Tensor, Tensor]:
+        return self.r, self.r.transpose(0, 1)
+
+
+def cayley(skew: Tensor) -> Tensor:
+    """The Cayley transform (I - A)^{-1} (I + A) of a skew-symmetric A: orthogonal, identity at A = 0."""
+    eye = torch.eye(skew.shape[0], dtype=skew.dtype, device=skew.device)
+    return torch.linalg.solve(eye - skew, eye + skew)
+
+
+class CayleyFactor(nn.Module):
+    """A learned rotation R = R0 Cayley(M - M^T) (SpinQuant, Liu et al., 2025), R^{-1} = R^T.
+
+    R0 is a frozen orthogonal start (QuaRot's randomized Hadamard), reached at M = 0; every M gives an orthogonal R
+    (I - A is invertible for skew A), so plain AdamW on M stays on the rotations. SpinQuant itself optimises R with
+    Cayley SGD on the Stiefel manifold; this parameterisation reaches the same set with the framework's optimizer.
+    """
+
+    def __init__(self, base: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("base", base.detach().clone())
+        self.skew = nn.Parameter(torch.zeros_like(self.base))
+
+    def matrix(self) -> Tensor:
+        return self.matrix_and_inverse()[0]
+
+    def inverse(self) -> Tensor:
+        return self.matrix_and_inverse()[1]
+
+    def matrix_and_inverse(self) -> tuple[Tensor, Tensor]:
+        r = self.base @ cayley(self.skew - self.skew.transpose(0, 1))
+        return r, r.transpose(0, 1)
 
 
 class KroneckerTransform(nn.Module):

@@ -12,6 +12,7 @@ from loopq.fit import TRAINER_DEFAULTS, LoopQCLI
 from loopq.paths import REPO_ROOT
 
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+BASELINE_CONFIGS = sorted((REPO_ROOT / "configs" / "baselines").glob("*.yaml"))
 
 
 class ParseOnly(LoopQCLI):
@@ -44,6 +45,24 @@ def test_config_parses_with_paper_hyperparameters(path: Path):
     budgets = {"ouro1.4b": 4, "ouro2.6b": 8, "loopformer3x8": 1, "parcae370m": 1}
     if path.stem in budgets:
         assert quant.slt_budget == budgets[path.stem]
+
+
+def test_there_are_configs_for_the_trained_baselines():
+    assert {p.stem for p in BASELINE_CONFIGS} == {"spinquant-tiny", "flatquant-tiny"}
+
+
+@pytest.mark.parametrize("path", BASELINE_CONFIGS, ids=lambda p: p.stem)
+def test_baseline_config_parses_as_a_static_configuration(path: Path):
+    """One configuration for all loops (no LAS/SLT/CTA), the tiny budget of configs/tiny.yaml, the method's loss."""
+    config = parse("--config", str(path))
+    quant, tiny = config.model.quant, parse("--config", str(REPO_ROOT / "configs" / "tiny.yaml"))
+    method = path.stem.removesuffix("-tiny")
+    assert quant.method == method and (quant.las, quant.slt_budget, quant.cta) == (False, 0, False)
+    assert (quant.w_bits, quant.a_bits, quant.group_size) == (4, 4, 32)
+    assert config.data == tiny.data and config.trainer.max_steps == tiny.trainer.max_steps
+    assert config.model.teacher == tiny.model.teacher and config.trainer.gradient_clip_val == 1.0
+    objective, lam = {"spinquant": ("trajectory", 0.0), "flatquant": ("layerwise", 0.0)}[method]
+    assert (config.model.objective, config.model.lam) == (objective, lam)
 
 
 def test_pretrain_config_parses():

@@ -1,0 +1,64 @@
+"""``loopq.experiments table1``: every Table 1 row, how each is calibrated, and the resume behaviour (with the
+evaluation and the calibration subprocess replaced by recorders)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loopq import experiments
+
+LABELS = ["Symmetric", "SmoothQuant", "QuaRot", "SpinQuant", "FlatQuant", "LoopQ"]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    calls: dict[str, list] = {"evaluate": [], "calibrate": []}
+
+    def fake_evaluate(out, **kwargs):
+        calls["evaluate"].append(kwargs)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"method": kwargs["method"], "wikitext2_ppl": 1.0}))
+
+    def fake_calibrate(model, run_dir, config, a_bits, extra):
+        calls["calibrate"].append((Path(run_dir).name, config, a_bits))
+        return Path(run_dir) / "student"
+
+    monkeypatch.setattr(experiments, "evaluate", fake_evaluate)
+    monkeypatch.setattr(experiments, "calibrate", fake_calibrate)
+    return calls
+
+
+def test_table1_has_every_method_at_both_bit_widths(recorded, tmp_path):
+    written = experiments.table1("teacher-dir", str(tmp_path), config="loopq.yaml", tasks=[])
+    assert [p.name for p in written] == ["fp.json"] + [
+        f"{slug}-{bits}.json"
+        for bits in ("w4a4", "w4a8")
+        for slug in ("rtn", "smoothquant", "quarot", "spinquant", "flatquant", "loopq")
+    ]
+    labels = [c["method"] for c in recorded["evaluate"]]
+    assert labels == ["FP", *LABELS, *LABELS]
+    by_label = {(c["method"], c.get("bits")): c for c in recorded["evaluate"]}
+    for label in ("Symmetric", "SmoothQuant", "QuaRot"):  # training-free: built from the teacher
+        assert by_label[(label, "w4a4")]["model"] == "teacher-dir" and "student" not in by_label[(label, "w4a4")]
+    assert by_label[("SpinQuant", "w4a8")]["student"] == str(tmp_path / "runs" / "spinquant-w4a8" / "student")
+    assert recorded["calibrate"] == [
+        (f"{slug}-{bits}", config, a_bits)
+        for bits, a_bits in (("w4a4", 4), ("w4a8", 8))
+        for slug, config in (
+            ("spinquant", "configs/baselines/spinquant-tiny.yaml"),
+            ("flatquant", "configs/baselines/flatquant-tiny.yaml"),
+            ("loopq", "loopq.yaml"),
+        )
+    ]
+
+
+def test_finished_rows_are_neither_recalibrated_nor_reevaluated(recorded, tmp_path):
+    for name in ("fp.json", "quarot-w4a4.json", "spinquant-w4a4.json"):
+        (tmp_path / name).write_text(json.dumps({"method": "kept", "wikitext2_ppl": 2.0}))
+    experiments.table1("teacher-dir", str(tmp_path), tasks=[])
+    evaluated = {(c["method"], c.get("bits")) for c in recorded["evaluate"]}
+    assert ("FP", None) not in evaluated and ("QuaRot", "w4a4") not in evaluated
+    assert ("SpinQuant", "w4a4") not in evaluated and ("SpinQuant", "w4a8") in evaluated
+    assert "spinquant-w4a4" not in [run for run, _, _ in recorded["calibrate"]]
+    assert json.loads((tmp_path / "quarot-w4a4.json").read_text())["method"] == "kept"
