@@ -8,8 +8,8 @@ model - on the paper's metrics, and write a results JSON:
     python -m loopq.evaluate --exported runs/tiny/exported --method LoopQ-int --out results/int.json
 
 Numbers: WikiText-2 perplexity under the standard PTQ protocol (GPTQ windows of ``ppl_seq_len`` tokens, per loop
-as well) and, unless ``--tasks '[]'``, the lm-eval tasks (default: the ``loopq_paper`` group; ``--limit`` caps
-the examples per task - the sizes are recorded in the JSON).
+as well; ``--ppl_windows`` keeps only the first N windows) and, unless ``--tasks '[]'``, the lm-eval tasks
+(default: the ``loopq_paper`` group; ``--limit`` caps the examples per task - the sizes are recorded in the JSON).
 
 With ``--model``, ``--method`` Symmetric (or RTN...), SmoothQuant or QuaRot builds that training-free baseline from
 the teacher (:data:`STATIC_METHODS`, :func:`loopq.quant.prepare.prepare_static`) on ``calib_samples`` windows of
@@ -31,7 +31,7 @@ from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import resolve_model_dir
+from loopq.models.io import atomic_write, resolve_model_dir
 from loopq.quant import QuantConfig
 from loopq.quant.config import METHODS
 from loopq.quant.prepare import prepare_static
@@ -97,6 +97,7 @@ def evaluate(
     limit: int | None = None,
     num_loops: int | None = None,
     ppl_seq_len: int = 256,
+    ppl_windows: int | None = None,
     batch_size: int = 8,
     out: str | None = None,
     variant: str | None = None,
@@ -106,10 +107,15 @@ def evaluate(
     """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``.
 
     ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``."""
+    if ppl_windows is not None and ppl_windows < 1:
+        raise ValueError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
     start = time.time()
     net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len)
     tokenizer = load_tokenizer(tok_dir)
-    ppl = perplexity(net, torch.tensor(wikitext2_stream(tokenizer)), ppl_seq_len, batch_size, num_loops, per_loop=True)
+    stream = torch.tensor(wikitext2_stream(tokenizer))
+    if ppl_windows is not None:
+        stream = stream[: ppl_windows * ppl_seq_len]
+    ppl = perplexity(net, stream, ppl_seq_len, batch_size, num_loops, per_loop=True)
     result: dict[str, Any] = {
         "method": method,
         "bits": bits,
@@ -127,8 +133,7 @@ def evaluate(
         result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)
     result["seconds"] = round(time.time() - start, 1)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     return result
 
 
@@ -142,7 +147,10 @@ def run_lm_eval(
     from loopq.eval.tasks import paper_metrics, task_manager
 
     lm = LoopQLM.from_model(net, tokenizer, num_loops=num_loops, batch_size=batch_size)
-    res = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=task_manager(), log_samples=False)
+    # bootstrap_iters=0: no bootstrapped stderr (not recorded here; 100k resamples per metric cost minutes on full sets)
+    res = simple_evaluate(
+        model=lm, tasks=tasks, limit=limit, task_manager=task_manager(), log_samples=False, bootstrap_iters=0
+    )
     sizes = {name: n.get("effective", n.get("original")) for name, n in res.get("n-samples", {}).items()}
     return {"paper_metrics": paper_metrics(res["results"]), "limit": limit, "n_samples": sizes}
 

@@ -143,7 +143,7 @@ def _copy_teacher_files(student: LoopLM, teacher: str | None, out: Path) -> None
         return
     for name in ("config.json", *TOKENIZER_FILES):
         if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
+            atomic_write(out / name, lambda p, name=name: shutil.copyfile(source / name, p))
 
 
 def _packed_groups(model: nn.Module) -> Iterator[tuple[str, PackedLinearGroup]]:

@@ -47,7 +47,12 @@ class LoopQCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> LoopQCalibration:
-    cli = LoopQCLI(
+    return calibrate(build_cli(args))
+
+
+def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCLI) -> LoopQCLI:
+    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass."""
+    return cli_class(
         LoopQCalibration,
         CalibrationDataModule,
         run=False,
@@ -57,6 +62,10 @@ def main(args: list[str] | None = None) -> LoopQCalibration:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": False},
     )
+
+
+def calibrate(cli: LoopQCLI) -> LoopQCalibration:
+    """Run the calibration a built CLI describes (resuming from ``--ckpt_path``); returns the calibrated module."""
     cli.after_instantiate()
     # Resolved before fit and set on the trainer, so that setup hooks already see it: DeepSpeed restores after
     # building its engine, and the promoted SLT groups must exist before that (see loopq.calib.deepspeed).

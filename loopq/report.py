@@ -51,6 +51,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from loopq.eval.tasks import PAPER_METRICS
+from loopq.models.io import atomic_write
 
 PTQ_COLUMN = "WT2-PTQ"
 COLUMNS: list[str] = [*PAPER_METRICS, PTQ_COLUMN]
@@ -443,7 +444,7 @@ def runs_table(runs: Sequence[Run]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------- figures
 def save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     return path
 
 
@@ -691,7 +692,7 @@ def build_report(
     if notes:
         md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
     report = out / "report.md"
-    report.write_text("\n".join(md) + "\n")
+    atomic_write(report, lambda tmp: tmp.write_text("\n".join(md) + "\n"))  # last: figures exist when it does
     return report
 
 

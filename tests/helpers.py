@@ -64,6 +64,21 @@ class KillAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillOnceAtStep(KillAtStep):
+    """:class:`KillAtStep` unless ``marker`` exists (it is created right before the kill): a re-run of the same config
+    gets past the step."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        super().__init__(step)
+        self.marker = marker
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not os.path.exists(self.marker):
+            if trainer.global_step == self.step:
+                open(self.marker, "w").close()
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
 class PoisonAtStep(L.Callback):
     """Write NaN into the student's first trainable parameter right before step ``step``: the loss goes NaN."""
 

@@ -188,7 +188,8 @@ class LoopQLM(TemplateLM):
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
         starts = range(0, len(order), self.batch_size)
-        for start in tqdm(starts, desc="loopq scoring", unit="batch", disable=not progress):
+        # disable=None: the bar is drawn on terminals only (in a log file it would be one line of \r updates)
+        for start in tqdm(starts, desc="loopq scoring", unit="batch", disable=None if progress else True):
             batch = order[start : start + self.batch_size]
             logp = self.log_probs(self._pad([inputs[i][:-1] for i in batch]))
             for row, i in enumerate(batch):

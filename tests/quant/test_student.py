@@ -1,6 +1,7 @@
 """The fake-quant student on all three architectures: function preservation, LAS, SLT promotion, CTA, counts."""
 
 import copy
+
 import pytest
 import torch
 

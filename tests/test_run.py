@@ -1,0 +1,165 @@
+"""``python -m loopq.run`` end to end on the committed tiny teacher with a tiny budget (3 calibration steps, 4
+WikiText-2 windows, 2 LAMBADA examples): every stage's files, the printed report path and numbers, re-runs that
+skip what is done, a resume after a real kill, and one-line errors. Runs that calibrate are subprocesses (as a user
+runs them); runs that only evaluate or fail early run in this process (``main``) to save the start-up time."""
+
+import io
+import json
+import os
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from loopq.paths import REPO_ROOT
+from loopq.run import PipelineError, UntitledBarFilter, main
+
+TINY = [
+    "--config",
+    "configs/tiny.yaml",
+    "--config",
+    "tests/configs/fit-test.yaml",
+    "--trainer.max_steps",
+    "3",
+    "--trainer.enable_progress_bar",
+    "true",
+    "--limit",
+    "2",
+    "--tasks",
+    "loopq_lambada",
+    "--ppl_windows",
+    "4",
+]
+STAGES = 6
+
+
+def pipeline(root: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-m", "loopq.run", *TINY, "--trainer.default_root_dir", str(root), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
+    if check and out.returncode != 0:
+        raise AssertionError(f"loopq.run failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    return out
+
+
+def printed(stdout: str) -> tuple[Path, dict[str, float]]:
+    """The report path and the FP / RTN / LoopQ perplexities of the closing lines."""
+    report = re.search(r"^\[loopq\] done in \S+; report: (.+)$", stdout, re.M)
+    numbers = re.search(r"^\[loopq\] WikiText-2 perplexity .*: FP (\S+) \| RTN (\S+) \| LoopQ (\S+)$", stdout, re.M)
+    assert report and numbers, stdout[-2000:]
+    return Path(report.group(1)), dict(zip(("fp", "rtn-w4a4", "loopq-w4a4"), map(float, numbers.groups()), strict=True))
+
+
+def outputs(root: Path) -> list[Path]:
+    results = [root / "results" / f"{name}.json" for name in ("fp", "rtn-w4a4", "loopq-w4a4")]
+    student = [root / "student" / name for name in ("loopq_student.safetensors", "loopq_quant.json")]
+    exported = [root / "exported" / name for name in ("model.safetensors", "loopq_export.json")]
+    return [*student, *exported, *results, root / "report" / "report.md", root / "pipeline.json"]
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline") / "tiny"
+    return root, pipeline(root)
+
+
+def test_every_stage_writes_its_files_and_the_end_names_the_report(first):
+    root, out = first
+    for path in outputs(root):
+        assert path.is_file(), path
+    for i in range(1, STAGES + 1):
+        assert f"[loopq] [{i}/{STAGES}] " in out.stdout
+    assert "calibrate: step 3/3 (100%)" in out.stdout  # the line progress of a non-terminal run
+    report, ppl = printed(out.stdout)
+    assert report == root / "report" / "report.md"
+    for name, value in ppl.items():
+        result = json.loads((root / "results" / f"{name}.json").read_text())
+        assert value == round(result["wikitext2_ppl"], 2)
+        assert result["wikitext2_windows"] == 4 and result["lm_eval"]["limit"] == 2
+    table = report.read_text()
+    assert "| LoopQ |" in table and "| RTN |" in table and "*FP*" in table
+
+
+def test_a_second_run_skips_every_stage_and_rewrites_nothing(first, capsys, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    root, before = first
+    stamps = {path: path.stat().st_mtime_ns for path in outputs(root)}
+    assert main([*TINY, "--trainer.default_root_dir", str(root)]) == root / "report" / "report.md"
+    out = capsys.readouterr().out
+    assert out.count("up to date, skipped") == STAGES
+    assert {path: path.stat().st_mtime_ns for path in outputs(root)} == stamps
+    assert printed(out) == printed(before.stdout)
+
+
+def test_a_changed_eval_setting_reruns_the_evaluations_but_not_the_calibration(first, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    root = tmp_path / "tiny"
+    shutil.copytree(first[0], root)
+    student = root / "student" / "loopq_student.safetensors"
+    stamp = student.stat().st_mtime_ns
+    main([*TINY, "--trainer.default_root_dir", str(root), "--ppl_windows", "3"])
+    assert capsys.readouterr().out.count("up to date, skipped") == 2  # calibrate, export
+    assert student.stat().st_mtime_ns == stamp
+    assert json.loads((root / "results" / "loopq-w4a4.json").read_text())["wikitext2_windows"] == 3
+
+
+def test_a_calibration_killed_midway_resumes_from_its_checkpoint(tmp_path):
+    marker = tmp_path / "killed-once"
+    killer = {"class_path": "tests.helpers.KillOnceAtStep", "init_args": {"step": 4, "marker": str(marker)}}
+    args = ["--trainer.max_steps", "5", "--trainer.callbacks+", json.dumps(killer), "--tasks", "--ppl_windows", "1"]
+    root = tmp_path / "run"
+    crashed = pipeline(root, *args, check=False)
+    assert crashed.returncode == -9 and marker.is_file() and not (root / "student").exists()
+    out = pipeline(root, *args)
+    assert f"resuming the calibration from {root / 'checkpoints' / 'last.ckpt'}" in out.stdout
+    manifest = json.loads((root / "pipeline.json").read_text())["stages"]
+    assert manifest["calibrate"]["summary"]["steps"] == 5 and (root / "report" / "report.md").is_file()
+
+
+def test_a_student_of_another_config_is_not_reused(first, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    root = first[0]
+    with pytest.raises(PipelineError, match=r"model\.quant\.a_bits differ.*--force"):
+        main([*TINY, "--trainer.default_root_dir", str(root), "--model.quant.a_bits", "8"])
+
+
+def test_bad_input_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    with pytest.raises(PipelineError, match=r"--config configs/missing\.yaml: no such file"):
+        main(["--config", "configs/missing.yaml"])
+    with pytest.raises(PipelineError, match=r"--model\.teacher .*: no such model directory"):
+        main([*TINY, "--trainer.default_root_dir", str(tmp_path), "--model.teacher", str(tmp_path / "nope")])
+
+
+def test_errors_end_the_command_with_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    argv = [*TINY, "--trainer.default_root_dir", str(tmp_path), "--model.teacher", str(tmp_path / "nope")]
+    monkeypatch.setattr(sys, "argv", ["python -m loopq.run", *argv])
+    with pytest.raises(SystemExit) as exit_info, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is already imported
+        runpy.run_module("loopq.run", run_name="__main__")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --model.teacher")
+
+
+def test_untitled_progress_bars_are_dropped_and_everything_else_kept():
+    sink = io.StringIO()
+    stream = UntitledBarFilter(sink)
+    for text in ["\r  0%|          | 0/2 [00:00<?, ?it/s]", "\r100%|##########| 2/2 [00:00<00:00]", "", "\n"]:
+        stream.write(text)
+    stream.write("\rTokenizing inputs:  50%|#####     | 1/2")
+    stream.write("\n")
+    stream.write("a warning\n")
+    assert sink.getvalue() == "\rTokenizing inputs:  50%|#####     | 1/2\na warning\n"
+
+
+def test_help_names_the_pipeline_options_and_points_to_fit(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--limit" in out and "--force" in out and "python -m loopq.fit --help" in out
