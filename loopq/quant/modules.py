@@ -165,6 +165,8 @@ class QuantLinearGroup(nn.Module):
         self._cache, self._cache_state = {}, None
         if self.kernel_numerics or self._cacheable():
             return  # the eval cache fills lazily and survives forwards
+        if _distributed() or any(hasattr(p, "ds_id") for p in self.parameters()):
+            return  # DeepSpeed ZeRO-3 gathers a module's parameters only inside its own forward: compute per call
         base: dict[int, tuple[Tensor, ...]] = {}
         if self.probe is not None and self.transform is not None:
             base[id(self.transform)] = (self.transform.left.matrix(), self.transform.right.matrix())
@@ -173,7 +175,7 @@ class QuantLinearGroup(nn.Module):
         self._cache_state = self._state_key()
 
     def _cacheable(self) -> bool:
-        return not self.training and not torch.is_grad_enabled() and self.probe is None
+        return not self.training and not torch.is_grad_enabled() and self.probe is None and not _distributed()
 
     def train(self, mode: bool = True) -> QuantLinearGroup:
         self._cache, self._cache_state = {}, None
@@ -291,6 +293,16 @@ class QuantLinearGroup(nn.Module):
     def stop_probe(self) -> None:
         self.probe = None
         self._cache, self._cache_state = {}, None
+
+
+def _distributed() -> bool:
+    """Multi-process runs compute per call, as before the cache: a 2-process DDP run differed from 1 process by
+    4e-4 in mu_t with the cache on (float64 test); not yet understood, so the cache is single-process only."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
 
 
 def begin_forward(model: nn.Module, args: object) -> None:

@@ -39,9 +39,11 @@ def test_two_processes_match_one_process(tmp_path):
     run_fit(tmp_path / "two", *DDP, *fp64, "--trainer.callbacks+", RANK_DUMP, procs=2)
     (w1, meta1), (w2, meta2) = read_student(tmp_path / "one"), read_student(tmp_path / "two")
     assert meta1["promoted"] == meta2["promoted"] and len(meta1["promoted"]) == 2  # the same SLT selections
-    assert meta2["mu"] == pytest.approx(meta1["mu"], abs=1e-9)
+    # 1 process caches transforms/weights per forward, 2 processes compute them per loop call (the cache is off
+    # under DDP, see loopq.quant.modules._distributed): fp32 transform rounding differs at ~1e-8
+    assert meta2["mu"] == pytest.approx(meta1["mu"], abs=1e-7)
     assert next(iter(w1.values())).dtype == torch.float64
-    assert_same_tensors(w1, w2, atol=1e-9)
+    assert_same_tensors(w1, w2, atol=1e-7)
     rank0, rank1 = (load_file(str(tmp_path / "two" / f"rank{r}.safetensors")) for r in (0, 1))
     assert_same_tensors(rank0, rank1, atol=0)  # DDP kept the replicas bit-identical
     assert_same_tensors(rank0, w2, atol=0)  # what rank 0 wrote is its replica
