@@ -65,8 +65,8 @@ class SharingGapReselection(L.Callback):
         if not self.upfront or stage != "fit" or self.selected or trainer.ckpt_path:
             return  # resumed runs restore the selection from the checkpoint
         pl_module.to(trainer.strategy.root_device)
-        if hasattr(pl_module, "initialise_clipping"):
-            pl_module.initialise_clipping()  # score with the clipping training starts from
+        if hasattr(pl_module, "initialise_from_data"):
+            pl_module.initialise_from_data()  # score with the diagonals and clipping training starts from
         loader = trainer.datamodule.train_dataloader()
         batches = [b for _, b in zip(range(self.probe_batches), loader, strict=False)]
         while len(self.selected) < self._budget(pl_module):

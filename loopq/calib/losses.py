@@ -33,10 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from loopq.quant.primitives import at_least_fp32
+
 
 def teacher_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-k teacher logits (values, int64 indices) per token; k is capped at the vocabulary size."""
-    values, indices = logits.float().topk(min(k, logits.shape[-1]), dim=-1)
+    values, indices = at_least_fp32(logits).topk(min(k, logits.shape[-1]), dim=-1)
     return values, indices
 
 
@@ -44,15 +46,15 @@ def topk_kl(
     teacher_values: Tensor, teacher_indices: Tensor, student_logits: Tensor, temperature: float = 1.0
 ) -> Tensor:
     """KL(teacher || student) over the teacher's top-k tokens, averaged over tokens (scaled by T^2)."""
-    p_log = F.log_softmax(teacher_values.float() / temperature, dim=-1)
-    q_log = F.log_softmax(student_logits.float() / temperature, dim=-1).gather(-1, teacher_indices.long())
+    p_log = F.log_softmax(at_least_fp32(teacher_values) / temperature, dim=-1)
+    q_log = F.log_softmax(at_least_fp32(student_logits) / temperature, dim=-1).gather(-1, teacher_indices.long())
     kl = (p_log.exp() * (p_log - q_log)).sum(-1)
     return kl.mean() * temperature**2
 
 
 def state_distance(a: Tensor, b: Tensor) -> Tensor:
     """d(a, b): squared error averaged over tokens and features."""
-    return (a.float() - b.float()).pow(2).mean()
+    return (at_least_fp32(a) - at_least_fp32(b)).pow(2).mean()
 
 
 def trajectory_terms(student: Sequence[Tensor], teacher: Sequence[Tensor], mu: Tensor) -> tuple[Tensor, Tensor]:

@@ -33,7 +33,14 @@ from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
-from loopq.quant import QuantConfig, QuantLinearGroup, init_clipping_from_data, prepare, quant_groups
+from loopq.quant import (
+    QuantConfig,
+    QuantLinearGroup,
+    init_clipping_from_data,
+    init_diagonal_from_data,
+    prepare,
+    quant_groups,
+)
 from loopq.quant.accounting import parameter_report
 from loopq.quant.config import METHODS, QuantConfigError
 
@@ -85,7 +92,7 @@ class LoopQCalibration(L.LightningModule):
         self.promoted: list[str] = []
         self.targets: TeacherTargets | None = None
         self.last: dict[str, Any] = {}
-        self._clip_initialised = False
+        self._data_initialised = False
 
     # ------------------------------------------------------------------ teacher is frozen, never trained/saved twice
     def train(self, mode: bool = True) -> LoopQCalibration:
@@ -116,7 +123,7 @@ class LoopQCalibration(L.LightningModule):
         return self.targets
 
     def setup(self, stage: str) -> None:
-        """Fresh runs initialise LAS clipping from per-loop statistics (resumed runs load it instead).
+        """Fresh runs initialise the diagonals and LAS clipping from data (resumed runs load them instead).
 
         Resuming from a DeepSpeed checkpoint directory re-promotes its SLT groups here, before the engine and its
         optimizer are built (DeepSpeed restores checkpoints only after that; other strategies restore earlier and
@@ -128,20 +135,26 @@ class LoopQCalibration(L.LightningModule):
         for name in (state or {}).get("promoted", []):
             if name not in self.promoted:
                 self.promote(name)
-        self.initialise_clipping()
+        self.initialise_from_data()
 
-    def initialise_clipping(self) -> None:
-        """LAS clipping from the first global batch, once per fresh run (a resumed run loads the calibrated one).
+    def initialise_from_data(self) -> None:
+        """Data-dependent start, once per fresh run, from the first global batch (a resumed run loads its state).
 
-        Also called by up-front SLT rounds (which run in a callback's ``setup``, before this module's) so that they
-        score the groups with initialised clipping, as progressive rounds do.
+        First the learnable diagonals (``quant.diag_init: smooth``: SmoothQuant-style scales from the teacher's
+        activations, FlatQuant's default), then LAS clipping on the activations those transforms produce. Also
+        called by up-front SLT rounds (which run in a callback's ``setup``, before this module's) so that they
+        score the groups from the start training has, as progressive rounds do.
         """
-        if self._clip_initialised or not self.hparams.init_clipping or self.trainer.ckpt_path:
+        if self._data_initialised or self.trainer.ckpt_path:
             return
         dm = self.trainer.datamodule
         global_batch = dm.hparams.batch_size * self.trainer.world_size  # data.batch_size is per process
-        init_clipping_from_data(self.student, dm.samples[:global_batch].to(self.device))
-        self._clip_initialised = True
+        ids = dm.samples[:global_batch].to(self.device)
+        if self.quant_config.diag_init == "smooth":
+            init_diagonal_from_data(self.teacher, self.student, ids, self.quant_config.diag_alpha)
+        if self.hparams.init_clipping:
+            init_clipping_from_data(self.student, ids)
+        self._data_initialised = True
 
     def student_group(self, name: str) -> QuantLinearGroup:
         return quant_groups(self.student)[name]

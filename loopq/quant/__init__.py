@@ -4,6 +4,7 @@ from loopq.quant.config import QuantConfig, QuantConfigError
 from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.prepare import (
     init_clipping_from_data,
+    init_diagonal_from_data,
     looped_quant_groups,
     prepare,
     quant_groups,
@@ -15,6 +16,7 @@ __all__ = [
     "QuantConfigError",
     "QuantLinearGroup",
     "init_clipping_from_data",
+    "init_diagonal_from_data",
     "looped_quant_groups",
     "prepare",
     "quant_groups",

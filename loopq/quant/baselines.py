@@ -79,15 +79,24 @@ def input_absmax(model: LoopLM, input_ids: Tensor, names: list[str]) -> dict[str
 
 
 @torch.no_grad()
-def smooth_(groups: dict[str, QuantLinearGroup], teacher: LoopLM, input_ids: Tensor, alpha: float) -> None:
-    """Set every group's diagonal to SmoothQuant's scales from the FP ``teacher``'s activations on ``input_ids``."""
+def smooth_(
+    groups: dict[str, QuantLinearGroup], teacher: LoopLM, input_ids: Tensor, alpha: float, median_floor: float = 0.0
+) -> None:
+    """Set every group's diagonal to SmoothQuant's scales from the FP ``teacher``'s activations on ``input_ids``.
+
+    ``median_floor`` > 0 raises each channel's activation maximum to at least that fraction of the group's median
+    first (0: upstream SmoothQuant). A channel silent on the calibration batch otherwise gets d ~ 1e-5, and any
+    later input on it is multiplied by ~1e5 - harmless for a diagonal alone, ruinous once a learned transform mixes
+    that channel into the others.
+    """
     act = input_absmax(teacher, input_ids, list(groups))
     for name, group in groups.items():
-        scales = smooth_scales(act[name].to(group.transform.log_d.device), weight_absmax(group), alpha)
-        group.transform.log_d.copy_(scales.log())
+        a = act[name].to(group.transform.log_d.device)
+        if median_floor > 0:
+            a = a.clamp_min(median_floor * float(a.median()))
+        group.transform.log_d.copy_(smooth_scales(a, weight_absmax(group), alpha).log())
 
 
-# ---------------------------------------------------------------------------------------------- group set-ups
 def _freeze_diagonal(transform: KroneckerTransform, norm_weight: Tensor | None) -> None:
     """d = |gamma| of the feeding RMSNorm (1 when the group is not norm-fed), frozen.
 

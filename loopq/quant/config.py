@@ -28,6 +28,7 @@ from typing import Any
 from loopq.quant.primitives import SUPPORTED_BITS
 
 TRANSFORM_INITS = ("identity", "rotation", "random")
+DIAG_INITS = ("ones", "smooth")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ class QuantConfig:
     Bit widths of 16 mean "not quantized". ``group_size = -1`` is per-channel (weights) / per-token
     (activations). ``num_loops`` is the calibrated loop count (default: the model's trained count).
     ``transform_init`` applies to the learnable transforms (``loopq``, ``flatquant``); ``smooth_alpha`` is
-    SmoothQuant's migration strength.
+    SmoothQuant's migration strength. ``diag_init`` starts a learnable diagonal d at ones or, as FlatQuant does by
+    default (its ``--diag_init sq_style --diag_alpha 0.3``), at SmoothQuant's scales with strength ``diag_alpha``
+    from the teacher's activation maxima on the first calibration batch (all loops pooled: d is shared by them).
     """
 
     method: str = "loopq"
@@ -80,6 +83,8 @@ class QuantConfig:
     num_loops: int | None = None
     seed: int = 0
     smooth_alpha: float = 0.5
+    diag_init: str = "smooth"
+    diag_alpha: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -90,8 +95,11 @@ class QuantConfig:
                     f"quant.{key}={getattr(self, key)!r} contradicts quant.method={self.method!r}; set quant.{key}: "
                     f"{want!r} (or build it with QuantConfig.{self.method}())"
                 )
-        if not 0.0 <= self.smooth_alpha <= 1.0:
-            raise QuantConfigError(f"quant.smooth_alpha={self.smooth_alpha} must be in [0, 1]")
+        for key in ("smooth_alpha", "diag_alpha"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise QuantConfigError(f"quant.{key}={getattr(self, key)} must be in [0, 1]")
+        if self.diag_init not in DIAG_INITS:
+            raise QuantConfigError(f"quant.diag_init={self.diag_init!r}: use one of {DIAG_INITS}")
         for key in ("w_bits", "a_bits"):
             if getattr(self, key) not in SUPPORTED_BITS:
                 raise QuantConfigError(

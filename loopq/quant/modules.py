@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from loopq.models.base import LinearGroup
 from loopq.quant.config import QuantConfig
-from loopq.quant.primitives import clip_logit, clip_ratio, fake_quant, quantize_codes
+from loopq.quant.primitives import at_least_fp32, clip_logit, clip_ratio, fake_quant, quantize_codes
 from loopq.quant.transforms import KroneckerTransform, fold_weight
 
 FULL_CLIP = 1.0 - 1e-4  # the initial learnable clip ratio: no clipping
@@ -104,7 +104,7 @@ class QuantLinearGroup(nn.Module):
     def effective_weight_fp(self, slot: int) -> Tensor:
         """The transformed (not yet quantized) concatenated weight ``[sum(out), in]`` in fp32 for ``slot``."""
         tr = self.transform_for(slot)
-        weight = torch.cat([w.float() for w in self.weights()])
+        weight = torch.cat([at_least_fp32(w) for w in self.weights()])
         if tr is not None:
             _, _, p1_inv, p2_inv = self.transform_matrices(tr, slot)
             weight = tr.weight(weight, p1_inv, p2_inv)
@@ -154,7 +154,7 @@ class QuantLinearGroup(nn.Module):
                 p1, p2 = base[id(tr)] if base is not None and id(tr) in base else (tr.left.matrix(), tr.right.matrix())
                 p1, p2 = p1 + self.probe[0][slot], p2 + self.probe[1][slot]
                 mats = (p1, p2, torch.linalg.inv(p1), torch.linalg.inv(p2))
-        weight = torch.cat([w.float() for w in self.weights()])
+        weight = torch.cat([at_least_fp32(w) for w in self.weights()])
         if mats is not None:
             weight = tr.weight(weight, mats[2], mats[3])  # type: ignore[union-attr]
         weight = fake_quant(weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
@@ -165,7 +165,7 @@ class QuantLinearGroup(nn.Module):
         self._cache, self._cache_state = {}, None
         if self.kernel_numerics or self._cacheable():
             return  # the eval cache fills lazily and survives forwards
-        if _distributed() or any(hasattr(p, "ds_id") for p in self.parameters()):
+        if any(hasattr(p, "ds_id") for p in self.parameters()):
             return  # DeepSpeed ZeRO-3 gathers a module's parameters only inside its own forward: compute per call
         base: dict[int, tuple[Tensor, ...]] = {}
         if self.probe is not None and self.transform is not None:
@@ -175,7 +175,7 @@ class QuantLinearGroup(nn.Module):
         self._cache_state = self._state_key()
 
     def _cacheable(self) -> bool:
-        return not self.training and not torch.is_grad_enabled() and self.probe is None and not _distributed()
+        return not self.training and not torch.is_grad_enabled() and self.probe is None
 
     def train(self, mode: bool = True) -> QuantLinearGroup:
         self._cache, self._cache_state = {}, None
@@ -293,16 +293,6 @@ class QuantLinearGroup(nn.Module):
     def stop_probe(self) -> None:
         self.probe = None
         self._cache, self._cache_state = {}, None
-
-
-def _distributed() -> bool:
-    """Multi-process runs compute per call, as before the cache: a 2-process DDP run differed from 1 process by
-    4e-4 in mu_t with the cache on (float64 test); not yet understood, so the cache is single-process only."""
-    return (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )
 
 
 def begin_forward(model: nn.Module, args: object) -> None:

@@ -163,6 +163,28 @@ def quant_parameters(student: nn.Module) -> list[nn.Parameter]:
     return [p for p in student.parameters() if p.requires_grad]
 
 
+DIAG_MEDIAN_FLOOR = 0.1
+
+
+def init_diagonal_from_data(teacher: LoopLM, student: LoopLM, input_ids: Tensor, alpha: float) -> list[str]:
+    """Start every *learnable* diagonal d at SmoothQuant's scales max|X_j|^alpha / max|W_j|^(1-alpha).
+
+    FlatQuant's default initialisation of its per-channel scaling (``diag_init=sq_style``, alpha 0.3): the
+    activation maxima are the FP ``teacher``'s on ``input_ids`` over all loops (d is one diagonal shared by every
+    loop; the loop-dependent part is LAS's). Channels silent on the batch are floored at a tenth of their group's
+    median maximum (:data:`DIAG_MEDIAN_FLOOR`) so unseen inputs on them are not blown up by the transform.
+    Frozen diagonals (QuaRot/SpinQuant's gamma) are left alone. Returns the names of the groups it set.
+    """
+    groups = {
+        name: g
+        for name, g in quant_groups(student).items()
+        if g.transform is not None and g.transform.log_d is not None and g.transform.log_d.requires_grad
+    }
+    if groups:
+        baselines.smooth_(groups, teacher, input_ids, alpha, median_floor=DIAG_MEDIAN_FLOOR)
+    return list(groups)
+
+
 @torch.no_grad()
 def init_clipping_from_data(student: LoopLM, input_ids: Tensor, max_tokens: int = 4096) -> dict[str, list[float]]:
     """Initialise every activation clip c_{t,l} from loop t's own activations, and weight clips per row.

@@ -26,6 +26,13 @@ SUPPORTED_BITS = (3, 4, 8, 16)
 SCALE_EPS = 1e-8
 
 
+def at_least_fp32(x: Tensor) -> Tensor:
+    """``x`` in float32, or in its own dtype if that is wider: half/bfloat16 inputs are transformed in fp32 (mixed
+    precision), float64 runs stay float64 throughout (a cast to fp32 there puts ~1e-7 noise - e.g. from a
+    different batch split across processes - onto 4-bit rounding boundaries)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def qrange(bits: int) -> tuple[int, int]:
     """(q_min, q_max) of signed symmetric ``bits``-bit integers."""
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1

@@ -26,6 +26,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from loopq.quant.primitives import at_least_fp32
+
 
 def kron_factors(n: int) -> tuple[int, int]:
     """The factor pair (n1, n2), n1 * n2 = n, n1 <= n2, with n1 closest to sqrt(n)."""
@@ -144,15 +146,15 @@ class KroneckerTransform(nn.Module):
         return p1, p2, p1_inv, p2_inv
 
     def activation(self, x: Tensor, p1: Tensor, p2: Tensor, inv_d: Tensor | None = None) -> Tensor:
-        """x' = (x / d) (P1 (x) P2), computed in fp32 and cast back (``inv_d``: e^{-log d} if already computed)."""
-        x32 = x.float()
+        """x' = (x / d) (P1 (x) P2), computed in (at least) fp32 and cast back (``inv_d``: e^{-log d} if computed)."""
+        x32 = at_least_fp32(x)
         if self.log_d is not None:
             x32 = x32 * ((-self.log_d).exp() if inv_d is None else inv_d)
         return kron_apply(x32, p1, p2).to(x.dtype)
 
     def weight(self, w: Tensor, p1_inv: Tensor, p2_inv: Tensor) -> Tensor:
-        """W' = (W * d) (P1 (x) P2)^{-T} for rows of ``w [out, n]`` (fp32)."""
-        w32 = w.float()
+        """W' = (W * d) (P1 (x) P2)^{-T} for rows of ``w [out, n]`` (at least fp32)."""
+        w32 = at_least_fp32(w)
         if self.log_d is not None:
             w32 = w32 * self.log_d.exp()
         return kron_apply(w32, p1_inv.transpose(0, 1), p2_inv.transpose(0, 1))

@@ -1,12 +1,14 @@
 """The baselines as configs of the framework: function preservation on all three architectures, SmoothQuant's scales,
 QuaRot's fixed rotations and gamma fold, SpinQuant's Cayley factors, config errors, and the student round trip."""
 
+import json
+
 import pytest
 import torch
 
 from loopq.calib.student_io import FORMAT, load_student, write_student
 from loopq.models import load_looplm
-from loopq.quant import QuantConfig, QuantConfigError, prepare, quant_groups
+from loopq.quant import QuantConfig, QuantConfigError, init_diagonal_from_data, prepare, quant_groups
 from loopq.quant.baselines import input_absmax, smooth_scales, weight_absmax
 from loopq.quant.config import METHODS
 from loopq.quant.prepare import GROUP_SETUPS, prepare_static
@@ -259,3 +261,56 @@ def test_prepare_static_rejects_trained_methods(fixtures):
     teacher = load_looplm(fixtures / "ouro-tiny")
     with pytest.raises(QuantConfigError, match=r"quant.method='spinquant' is calibrated by training"):
         prepare_static(teacher, QuantConfig.spinquant(), ids_for(teacher))
+
+
+# ------------------------------------------------------------------------------- FlatQuant's diagonal start
+@pytest.mark.parametrize("method", ["loopq", "flatquant"])
+def test_smooth_diagonal_start_preserves_function_and_follows_smoothquant(teacher, method):
+    """``quant.diag_init: smooth`` (FlatQuant's sq_style): d_j = a_j^alpha / w_j^(1 - alpha) from the teacher's
+    maxima over all loops, a_j floored at a tenth of the group's median; with quantization off the student still
+    equals the teacher, also on inputs other than the calibration batch (Parcae's ReLU^2 MLP has channels silent
+    on it: unfloored, d = 1e-5 there breaks this by 0.2 in the logits)."""
+    ids = ids_for(teacher, seed=5)
+    student = prepare(teacher, QuantConfig.of_method(method, 16, 16, diag_alpha=0.3))
+    groups = quant_groups(student)
+    assert set(init_diagonal_from_data(teacher, student, ids, 0.3)) == set(groups)
+    act = input_absmax(teacher, ids, list(groups))
+    for name, group in groups.items():
+        a, w = act[name].clamp_min(0.1 * act[name].median()), weight_absmax(group)
+        torch.testing.assert_close(group.transform.log_d.exp(), (a**0.3 / w**0.7).clamp_min(1e-5), rtol=1e-5, atol=0)
+    ref, out = run(teacher, ids_for(teacher)), run(student, ids_for(teacher))
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_smooth_diagonal_start_leaves_frozen_diagonals(fixtures):
+    """SpinQuant's diagonal is QuaRot's frozen gamma fold: the data-dependent start must not touch it."""
+    teacher = load_looplm(fixtures / "ouro-tiny")
+    student = prepare(teacher, QuantConfig.spinquant())
+    before = {n: g.transform.log_d.clone() for n, g in quant_groups(student).items()}
+    assert init_diagonal_from_data(teacher, student, ids_for(teacher), 0.3) == []
+    assert all(torch.equal(g.transform.log_d, before[n]) for n, g in quant_groups(student).items())
+
+
+def test_smooth_diagonal_divides_the_stress_teachers_outlier_channels():
+    """On the stress teacher (four residual channels x32) the start divides exactly those channels most: they are
+    the largest d of the groups fed by a norm."""
+    from loopq.paths import REPO_ROOT
+
+    stress = REPO_ROOT / "loopq/assets/tiny-ouro-outliers"
+    teacher = load_looplm(stress)
+    channels = sorted(json.loads((stress / "testbed.json").read_text())["outliers"]["channels"])
+    student = prepare(teacher, QuantConfig())
+    ids = ids_for(teacher, length=64, batch=4)
+    init_diagonal_from_data(teacher, student, ids, 0.3)
+    fed_by_norm = [n for n in quant_groups(student) if teacher.feeding_norm(n) is not None]
+    assert fed_by_norm
+    for name in fed_by_norm:
+        d = quant_groups(student)[name].transform.log_d.exp()
+        assert sorted(d.topk(len(channels)).indices.tolist()) == channels, name
+
+
+def test_diag_init_is_validated_by_key():
+    with pytest.raises(QuantConfigError, match=r"quant\.diag_init='sq_style': use one of \('ones', 'smooth'\)"):
+        QuantConfig(diag_init="sq_style")
+    with pytest.raises(QuantConfigError, match=r"quant\.diag_alpha=-0\.1 must be in \[0, 1\]"):
+        QuantConfig(diag_alpha=-0.1)
