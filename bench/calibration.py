@@ -15,6 +15,14 @@ LAS, CTA rank 8, its SLT budget promoted so the step is the end-of-calibration o
     during the step - also memory above what existed before it (parameters, teacher, cached targets excluded).
 
     OMP_NUM_THREADS=1 python bench/calibration.py [--iters 10] [--batch 4] [--seq 128 256 512] [--loops 4]
+    OMP_NUM_THREADS=1 python bench/calibration.py --width 2048 [--layers 1]   # Ouro-1.4B's layer shapes
+
+``--width H`` replaces the tiny teacher by a randomly initialised Ouro teacher with a production layer shape
+(hidden H, MLP 2.75 H, H / 128 heads; Ouro-1.4B and 2.6B: H = 2048, MLP 5632, 16 heads) and ``--layers`` layers,
+the tiny tokenizer's 2048-token vocabulary and the same calibration batch. At the tiny teacher's hidden 128 every
+per-loop activation op is dispatch-bound (a few microseconds of work behind ~10 us of overhead); at a real width the
+GEMMs dominate, which is what the step-time ratio of a real calibration is made of. Weight values do not change the
+cost of a step, so random weights measure it as well as trained ones.
 
 (a) runs for each ``--seq`` (tokens per step = batch x seq: the per-op overhead of the fake-quant chain on
 small tensors weighs less as the step grows); (b) uses the first ``--seq``. Student and teacher steps are
@@ -25,10 +33,13 @@ timed alternately (one of each per iteration) so a change of machine load hits b
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,10 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loopq.calib.module import LoopQCalibration, load_teacher
 from loopq.calib.targets import compute_targets
 from loopq.data.calibration import CalibrationDataModule
+from loopq.models.io import read_config, save_native
+from loopq.models.ouro import OuroLM
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups
 
-TEACHER = str(ASSETS / "tiny-ouro")
+TEACHER = str(ASSETS / "tiny-ouro")  # also the tokenizer of every run (--width teachers share its vocabulary)
 QUANT = {"w_bits": 4, "a_bits": 4, "group_size": 32, "las": True, "slt_budget": 2, "cta": True, "cta_rank": 8}
 
 
@@ -58,7 +71,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--loops", type=int, default=None, help="T (default: the teacher's trained loop count)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--width", type=int, default=None, help="hidden size of a random Ouro teacher (e.g. 2048)")
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers of the --width teacher")
+    parser.add_argument("--no-memory", action="store_true", help="skip (b)")
     return parser.parse_args(argv)
+
+
+def synthetic_teacher(width: int, layers: int, directory: Path) -> str:
+    """A random Ouro teacher with the tiny teacher's config but hidden ``width``, MLP 2.75x, heads of 128."""
+    config = {
+        **read_config(Path(TEACHER)),
+        "hidden_size": width,
+        "intermediate_size": int(2.75 * width),
+        "num_attention_heads": max(1, width // 128),
+        "num_key_value_heads": max(1, width // 128),
+        "num_hidden_layers": layers,
+    }
+    model = OuroLM.from_config(config, seed=0)
+    save_native(model, directory)
+    return str(directory)
 
 
 def calibration_batch(batch: int, seq: int) -> torch.Tensor:
@@ -67,10 +98,10 @@ def calibration_batch(batch: int, seq: int) -> torch.Tensor:
     return dm.samples
 
 
-def build(samples: torch.Tensor, loops: int, checkpoint_loops: bool, device: str) -> LoopQCalibration:
+def build(teacher: str, samples: torch.Tensor, loops: int, checkpoint_loops: bool, device: str) -> LoopQCalibration:
     """The calibration module at ``loops`` loops: clipping initialised, SLT budget promoted, targets cached."""
     module = LoopQCalibration(
-        TEACHER, QuantConfig(**QUANT, num_loops=loops), topk=1000, checkpoint_loops=checkpoint_loops
+        teacher, QuantConfig(**QUANT, num_loops=loops), topk=1000, checkpoint_loops=checkpoint_loops
     )
     module.to(device)
     init_clipping_from_data(module.student, samples.to(device))
@@ -146,9 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
     device = args.device
-    loops = args.loops or load_teacher(TEACHER).default_num_loops
+    teacher = TEACHER
+    if args.width:
+        scratch = Path(tempfile.mkdtemp(prefix="loopq-bench-"))
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        teacher = synthetic_teacher(args.width, args.layers, scratch)
+        shape = read_config(Path(teacher))
+        print(
+            f"random Ouro teacher: hidden {shape['hidden_size']}, MLP {shape['intermediate_size']}, "
+            f"{shape['num_attention_heads']} heads, {shape['num_hidden_layers']} layer(s), vocab {shape['vocab_size']}"
+        )
+    loops = args.loops or load_teacher(teacher).default_num_loops
     print(
-        f"tiny teacher {TEACHER}, batch {args.batch} x {args.seq} tokens, device {device}, "
+        f"teacher {teacher}, batch {args.batch} x {args.seq} tokens, device {device}, "
         f"threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
     )
     print(f"\n(a) step time at T = {loops} loops (median of {args.iters}; student and FP steps alternate)")
@@ -157,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = calibration_batch(args.batch, seq)
         ids = samples.to(device)
         batch = [torch.arange(len(samples), device=device), ids]
-        plain, ckpt = build(samples, loops, False, device), build(samples, loops, True, device)
+        plain, ckpt = build(teacher, samples, loops, False, device), build(teacher, samples, loops, True, device)
         for p in plain.teacher.parameters():
             p.requires_grad_(True)
         opts = [torch.optim.AdamW(m.param_groups(), weight_decay=0.0) for m in (plain, ckpt)]
@@ -172,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{t_student / t_teacher:5.2f}x                   {t_ckpt * 1e3:7.1f} ms ({t_ckpt / t_teacher2:.2f}x)"
         )
         del plain, ckpt, opts
+    if args.no_memory:
+        return 0
     samples = calibration_batch(args.batch, args.seq[0])
     ids = samples.to(device)
     batch = [torch.arange(len(samples), device=device), ids]
@@ -181,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks: dict[tuple[bool, int], int] = {}
     for ckpt in (False, True):
         for n in (loops, 2 * loops):
-            module = build(samples, n, ckpt, device)
+            module = build(teacher, samples, n, ckpt, device)
             opt = torch.optim.AdamW(module.param_groups(), weight_decay=0.0)
             step = student_step(module, batch, opt)
             step()  # AdamW state exists before the measured step
