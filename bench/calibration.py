@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=None, help="hidden size of a random Ouro teacher (e.g. 2048)")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the --width teacher")
     parser.add_argument("--no-memory", action="store_true", help="skip (b)")
+    parser.add_argument("--compile", action="store_true", help="also time model.compile_quantizers: true")
     return parser.parse_args(argv)
 
 
@@ -98,10 +99,16 @@ def calibration_batch(batch: int, seq: int) -> torch.Tensor:
     return dm.samples
 
 
-def build(teacher: str, samples: torch.Tensor, loops: int, checkpoint_loops: bool, device: str) -> LoopQCalibration:
+def build(
+    teacher: str, samples: torch.Tensor, loops: int, checkpoint_loops: bool, device: str, compile_: bool = False
+) -> LoopQCalibration:
     """The calibration module at ``loops`` loops: clipping initialised, SLT budget promoted, targets cached."""
     module = LoopQCalibration(
-        teacher, QuantConfig(**QUANT, num_loops=loops), topk=1000, checkpoint_loops=checkpoint_loops
+        teacher,
+        QuantConfig(**QUANT, num_loops=loops),
+        topk=1000,
+        checkpoint_loops=checkpoint_loops,
+        compile_quantizers=compile_,
     )
     module.to(device)
     init_clipping_from_data(module.student, samples.to(device))
@@ -212,7 +219,21 @@ def main(argv: list[str] | None = None) -> int:
             f"    {args.batch * seq:11d}   {t_teacher * 1e3:7.1f} ms   {t_student * 1e3:7.1f} ms   "
             f"{t_student / t_teacher:5.2f}x                   {t_ckpt * 1e3:7.1f} ms ({t_ckpt / t_teacher2:.2f}x)"
         )
-        del plain, ckpt, opts
+        del ckpt, opts
+        if args.compile:
+            fused = build(teacher, samples, loops, False, device, compile_=True)
+            opt = torch.optim.AdamW(fused.param_groups(), weight_decay=0.0)
+            step = student_step(fused, batch, opt)
+            start = time.perf_counter()
+            step()  # compiles every distinct shape
+            compile_s = time.perf_counter() - start
+            t_fused, t_teacher3 = timed_pair(step, teacher_step(plain, ids, loops), args.iters, args.warmup, device)
+            print(
+                f"    compile_quantizers: LoopQ step {t_fused * 1e3:7.1f} ms vs FP {t_teacher3 * 1e3:7.1f} ms = "
+                f"{t_fused / t_teacher3:.2f}x (first step incl. compilation {compile_s:.0f} s)"
+            )
+            del fused, opt
+        del plain
     if args.no_memory:
         return 0
     samples = calibration_batch(args.batch, args.seq[0])

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from loopq.models.base import LinearGroup
 from loopq.quant.config import QuantConfig
-from loopq.quant.primitives import at_least_fp32, clip_logit, clip_ratio, fake_quant, quantize_codes
+from loopq.quant.fused import quantizers
+from loopq.quant.primitives import at_least_fp32, clip_logit, clip_ratio, quantize_codes
 from loopq.quant.transforms import KroneckerTransform, fold_weight
 
 FULL_CLIP = 1.0 - 1e-4  # the initial learnable clip ratio: no clipping
@@ -66,6 +67,8 @@ class QuantLinearGroup(nn.Module):
         self.act_clip_promoted = False
         #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`)
         self.kernel_numerics = False
+        #: run the per-call quantizer chains as torch.compile-d functions (``model.compile_quantizers``)
+        self.compiled = False
         self._cache: dict[int, SlotTensors] = {}
         self._cache_state: tuple | None = None
 
@@ -157,7 +160,7 @@ class QuantLinearGroup(nn.Module):
         weight = torch.cat([at_least_fp32(w) for w in self.weights()])
         if mats is not None:
             weight = tr.weight(weight, mats[2], mats[3])  # type: ignore[union-attr]
-        weight = fake_quant(weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+        weight = quantizers(self.compiled)[1](weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
         return SlotTensors(mats, weight, inv_d, clip_ratio(self.act_clip))
 
     def begin_forward(self) -> None:
@@ -193,12 +196,10 @@ class QuantLinearGroup(nn.Module):
 
     def quantized_input(self, x: Tensor, slot: int) -> Tensor:
         """x P_t quantized with the loop's activation clipping."""
-        tr, cached = self.transform_for(slot), self._slot_tensors(slot)
-        if tr is not None:
-            p1, p2, _, _ = cached.mats  # type: ignore[misc]
-            x = tr.activation(x, p1, p2, cached.inv_d)
+        cached = self._slot_tensors(slot)
+        p1, p2 = cached.mats[:2] if cached.mats is not None else (None, None)
         clip = cached.act_clip[min(slot, cached.act_clip.numel() - 1)]
-        return fake_quant(x, self.a_bits, self.group_size, clip)
+        return quantizers(self.compiled)[0](x, p1, p2, cached.inv_d, clip, self.a_bits, self.group_size)
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)

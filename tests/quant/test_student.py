@@ -272,3 +272,22 @@ def test_transforms_are_built_once_per_forward_not_per_loop(fixtures, monkeypatc
     assert counts[2] == counts[4] == 4 * len(quant_groups(student))
     # a second forward + backward with unchanged parameters (gradient accumulation) builds a fresh graph
     student(ids).logits.sum().backward()
+
+
+def test_compiled_quantizers_match_eager(fixtures):
+    """``model.compile_quantizers``: the torch.compile-d chains give the eager outputs and gradients (a fused
+    reduction may sum in another order: the gradients agree to fp32 rounding, not bit for bit)."""
+    teacher = load_looplm(fixtures / "ouro-tiny")
+    config = QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random", slt_budget=1)
+    student = prepare(teacher, config).train()
+    next(iter(looped_quant_groups(student).values())).promote()
+    ids = ids_for(teacher)
+    eager = _grads(student, ids)
+    eager_logits = student(ids).logits.detach()
+    for group in quant_groups(student).values():
+        group.compiled = True
+    compiled = _grads(student, ids, checkpoint_loops=True)  # also through the per-loop recomputation
+    torch.testing.assert_close(student(ids).logits.detach(), eager_logits, rtol=0, atol=1e-5)
+    assert compiled.keys() == eager.keys()
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
