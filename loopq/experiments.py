@@ -11,7 +11,7 @@ baselines: ``configs/baselines/*-tiny.yaml``) in a subprocess each, under ``<out
 exists is neither recalibrated nor re-evaluated.
 ``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
 ``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
-calibration samples (Fig. 6); ``loops``: FP, RTN and a calibrated student evaluated at T ... 2T loops (Fig. 5).
+calibration samples (Fig. 6); ``loops``: FP, Symmetric RTN and a calibrated student at T ... 2T loops (Fig. 5).
 Sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their swept field to each JSON, which
 is what ``python -m loopq.report --sweeps`` plots. Every function skips rows whose JSON exists (re-runs resume).
 """
@@ -198,9 +198,10 @@ def loops(
     limit: int | None = 200,
     tasks: list[str] | None = None,
 ) -> list[Path]:
-    """Fig. 5: FP, RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops, T = calibrated.
+    """Fig. 5: FP, Symmetric RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops.
 
-    Loops beyond the calibrated count reuse the last loop's parameters (LAS clips, promoted transforms, CTA).
+    T is the student's calibrated loop count; loops beyond it reuse the last loop's parameters (LAS clips,
+    promoted transforms, CTA).
     WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
     loop (the output after n loops does not depend on later loops), written as one JSON per n with
     ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately."""
@@ -209,7 +210,7 @@ def loops(
     root, written = Path(out), []
     rows = {
         "fp": {"model": model, "method": "FP"},
-        f"rtn-{bits}": {"model": model, "method": "RTN", "bits": bits},
+        f"rtn-{bits}": {"model": model, "method": "Symmetric", "bits": bits},
         f"loopq-{bits}": {"student": student, "method": "LoopQ", "bits": bits},
     }
     for slug, row in rows.items():

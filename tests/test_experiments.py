@@ -71,7 +71,7 @@ def test_loop_sweep_evaluates_fp_rtn_and_student_once_at_2t(recorded, tmp_path, 
 
     monkeypatch.setattr(experiments, "evaluate", evaluate)
     paths = experiments.loops("teacher", str(tmp_path / "loops"), student=str(student))
-    assert [(c["method"], c["num_loops"]) for c in recorded["evaluate"]] == [("FP", 6), ("RTN", 6), ("LoopQ", 6)]
+    assert [(c["method"], c["num_loops"]) for c in recorded["evaluate"]] == [("FP", 6), ("Symmetric", 6), ("LoopQ", 6)]
     assert len(paths) == 12 and not recorded["calibrate"]
     by_name = {p.name: json.loads(p.read_text()) for p in paths}
     for n in range(3, 7):
