@@ -6,8 +6,8 @@ each a separate pass over memory in eager mode. With ``model.compile_quantizers:
 ``torch.compile``-d functions (Inductor: fused C++ loops on CPU, Triton kernels on GPU). Measured on this CPU for a
 [512, 1024] activation, group 32: forward+backward 11.9 ms eager -> 2.6 ms compiled, the same outputs and gradients
 to 1e-6 (the fused reductions sum in another order). Compilation costs ~20-45 s per distinct shape on this machine
-(paid once per run, recompiled after promotion changes nothing: shapes do not change), so it is off by default and
-meant for real calibrations, not for the tiny CPU default.
+(paid once per run; SLT promotion changes no shape, so nothing recompiles), so it is off by default and meant for
+real calibrations, not for the tiny CPU default.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from loopq.quant.primitives import at_least_fp32, fake_quant
-from loopq.quant.transforms import kron_apply
+from loopq.quant.primitives import fake_quant
+from loopq.quant.transforms import transform_activation
 
 
 def transform_quantize(
@@ -32,12 +32,7 @@ def transform_quantize(
     group_size: int,
 ) -> Tensor:
     """Q_a((x / d)(P1 (x) P2)): the transform in (at least) fp32, cast back, then dynamic fake quantization."""
-    z = at_least_fp32(x)
-    if inv_d is not None:
-        z = z * inv_d
-    if p1 is not None and p2 is not None:
-        z = kron_apply(z, p1, p2)
-    return fake_quant(z.to(x.dtype), bits, group_size, clip)
+    return fake_quant(transform_activation(x, p1, p2, inv_d), bits, group_size, clip)
 
 
 #: distinct (shape, dtype, grad mode) variants a chain may be compiled for before Dynamo falls back to eager: a

@@ -49,6 +49,16 @@ def kron_apply(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
     return y.reshape(n1, -1, n2).transpose(0, 1).reshape(x.shape)
 
 
+def transform_activation(x: Tensor, p1: Tensor | None, p2: Tensor | None, inv_d: Tensor | None) -> Tensor:
+    """(x * inv_d)(P1 (x) P2) in (at least) fp32, cast back to x's dtype (activation side of Eq. 2-3)."""
+    z = at_least_fp32(x)
+    if inv_d is not None:
+        z = z * inv_d
+    if p1 is not None and p2 is not None:
+        z = kron_apply(z, p1, p2)
+    return z.to(x.dtype)
+
+
 def orthogonal(skew_param: Tensor) -> Tensor:
     """An orthogonal matrix exp(A - A^T) (identity at A = 0)."""
     return torch.linalg.matrix_exp(skew_param - skew_param.transpose(0, 1))
@@ -147,10 +157,9 @@ class KroneckerTransform(nn.Module):
 
     def activation(self, x: Tensor, p1: Tensor, p2: Tensor, inv_d: Tensor | None = None) -> Tensor:
         """x' = (x / d) (P1 (x) P2), computed in (at least) fp32 and cast back (``inv_d``: e^{-log d} if computed)."""
-        x32 = at_least_fp32(x)
-        if self.log_d is not None:
-            x32 = x32 * ((-self.log_d).exp() if inv_d is None else inv_d)
-        return kron_apply(x32, p1, p2).to(x.dtype)
+        if self.log_d is not None and inv_d is None:
+            inv_d = (-self.log_d).exp()
+        return transform_activation(x, p1, p2, inv_d)
 
     def weight(self, w: Tensor, p1_inv: Tensor, p2_inv: Tensor) -> Tensor:
         """W' = (W * d) (P1 (x) P2)^{-T} for rows of ``w [out, n]`` (at least fp32)."""
