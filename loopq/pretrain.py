@@ -3,7 +3,10 @@
     python -m loopq.pretrain --config configs/pretrain/tiny-ouro.yaml
 
 Data: the calibration prose, LAMBADA development text and WikiText-2 *valid* (never a test split), tokenized
-by a byte-level BPE trained on the same text. Objective (Ouro-style, every loop's exit is trained):
+by a byte-level BPE trained on the same text. With ``data.bos: true`` every training window starts with the
+BOS token (``<|endoftext|>``, id 0, as in Ouro's tokenizer) followed by ``seq_len`` tokens of the stream.
+
+Objective (Ouro-style, every loop's exit is trained):
 
     L = sum_t w_t CE(lm_head(H_t), y)  +  gate_weight * sum_{t<T-1} BCE(sigmoid(g_t), stop_t)
 
@@ -11,12 +14,19 @@ with w_t proportional to ``loop_weights`` (rising with t, so the model learns to
 gate taught to stop at loop t when loop t+1 no longer lowers the token's loss by ``gate_margin`` nats
 (targets from detached losses: the gate never shapes the LM). At the end the model is written in Ouro's native
 format (config.json + model.safetensors) with ``tokenizer.json`` to ``out_dir``.
+
+Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint(save_last=true)``, as in
+``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
+newest checkpoint (model, optimizer, LR schedule, step; the data order restarts its epoch). The record written
+next to the model names the command, seed, steps and the wall time summed over all resumed segments.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
-from loopq.data.tokenizer import train_bpe
+from loopq.data.tokenizer import eos_id, train_bpe
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
 
@@ -47,6 +57,7 @@ class PretrainDataModule(L.LightningDataModule):
         batch_size: int = 16,
         val_windows: int = 64,
         seed: int = 0,
+        bos: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -61,7 +72,11 @@ class PretrainDataModule(L.LightningDataModule):
         files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
         docs = read_training_text(files)
         self.tokenizer = train_bpe(docs, hp.vocab_size)
-        windows = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len + 1)
+        if hp.bos:  # [BOS] + seq_len stream tokens: the model always sees BOS at position 0 (attention sink)
+            body = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len)
+            windows = torch.cat([torch.full((len(body), 1), eos_id(self.tokenizer), dtype=body.dtype), body], 1)
+        else:
+            windows = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len + 1)
         order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(hp.seed))
         windows = windows[order]
         self.val, self.train = windows[: hp.val_windows], windows[hp.val_windows :]
@@ -133,6 +148,17 @@ class TeacherPretrainer(L.LightningModule):
             raise ValueError(f"model.loop_weights needs {total_ut_steps} entries (one per loop), got {len(weights)}")
         self.register_buffer("loop_weights", weights / weights.sum(), persistent=False)
         self._t0 = time.time()
+        self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["loopq_wall_seconds"] = self.wall_seconds()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._wall_before = float(checkpoint.get("loopq_wall_seconds", 0.0))
+
+    def wall_seconds(self) -> float:
+        """Training wall time summed over every segment of a resumed run."""
+        return self._wall_before + time.time() - self._t0
 
     def _losses(self, batch: list[Tensor], stage: str) -> Tensor:
         token_losses, gates = per_loop_token_losses(self.model, batch[0])
@@ -189,12 +215,14 @@ def export_teacher(module: TeacherPretrainer, data: PretrainDataModule) -> Path:
     data.tokenizer.save(str(out / "tokenizer.json"))
     metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
     record = {
-        "command": "python -m loopq.pretrain --config configs/pretrain/tiny-ouro.yaml",
+        "command": "python -m loopq.pretrain " + shlex.join(sys.argv[1:]),
         "model_hparams": dict(module.hparams),
         "data_hparams": dict(data.hparams),
         "steps": module.trainer.global_step,
         "train_tokens": module.trainer.global_step * data.hparams.batch_size * data.hparams.seq_len,
-        "wall_seconds": round(time.time() - module._t0, 1),
+        "wall_seconds": round(module.wall_seconds(), 1),
+        "seed": module.hparams.seed,
+        "torch": torch.__version__,
         "final_metrics": metrics,
     }
     (out / "training_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -204,6 +232,7 @@ def export_teacher(module: TeacherPretrainer, data: PretrainDataModule) -> Path:
 class PretrainCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
 
 
 def main(args: list[str] | None = None) -> None:
@@ -216,7 +245,7 @@ def main(args: list[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": False},
     )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
 
 
 if __name__ == "__main__":

@@ -61,3 +61,43 @@ def test_warmup_cosine_schedule():
     assert warmup_cosine(0, 10, 100, 0.1) == 0.1
     assert warmup_cosine(9, 10, 100, 0.1) == 1.0
     assert abs(warmup_cosine(100, 10, 100, 0.1) - 0.1) < 1e-9
+
+
+def test_bos_windows_start_with_bos_and_carry_seq_len_stream_tokens(data):
+    dm = PretrainDataModule(
+        sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=32, val_windows=4, bos=True
+    )
+    dm.setup()
+    windows = torch.cat([dm.train, dm.val])
+    assert windows.shape[1] == 33 and (windows[:, 0] == 0).all()  # <|endoftext|> = id 0 = Ouro's BOS
+    plain = PretrainDataModule(sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=32)
+    plain.setup()
+    assert (plain.train[:, 0] != 0).any()  # without the switch windows are plain stream cuts
+
+
+def test_pretraining_resumes_from_its_last_checkpoint(data, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(steps, ckpt_path=None):
+        dm = PretrainDataModule(
+            sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=16, batch_size=4, bos=True
+        )
+        module = TeacherPretrainer(
+            vocab_size=300, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+            total_ut_steps=2, warmup_steps=1, out_dir=str(tmp_path / "teacher"),
+        )  # fmt: skip
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True, save_top_k=1)
+        trainer = L.Trainer(
+            max_steps=steps, accelerator="cpu", logger=False, callbacks=[ckpt], enable_progress_bar=False,
+            limit_val_batches=0, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        return trainer, module
+
+    run(4)
+    first = json.loads((tmp_path / "teacher" / "training_record.json").read_text())
+    trainer, module = run(6, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    record = json.loads((tmp_path / "teacher" / "training_record.json").read_text())
+    assert trainer.global_step == 6 and record["steps"] == 6
+    assert record["wall_seconds"] >= first["wall_seconds"]  # wall time sums the resumed segments
+    assert module.lr_schedulers().last_epoch == 6  # the LR schedule continued, not restarted
