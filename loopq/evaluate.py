@@ -32,6 +32,7 @@ from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import atomic_write, resolve_model_dir
+from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import QuantConfig
 from loopq.quant.config import METHODS
 from loopq.quant.prepare import prepare_static
@@ -62,17 +63,18 @@ def build(
     bits: str,
     calib_samples: int = 32,
     calib_seq_len: int = 128,
+    teacher: str | None = None,
 ) -> tuple[LoopLM, str, str]:
     """The model to evaluate, the directory its tokenizer lives in, and its actual bit widths."""
     if student:
         from loopq.calib.student_io import load_student
 
-        built, meta = load_student(student)
+        built, meta = load_student(student, teacher_dir=teacher)
         return built, meta["teacher"], f"w{meta['quant']['w_bits']}a{meta['quant']['a_bits']}"
     if exported:
-        from loopq.export import load_quantized
+        from loopq.export import load_quantized, read_export_meta
 
-        quant = json.loads((Path(exported) / "loopq_export.json").read_text())["quant"]
+        quant = read_export_meta(Path(exported))["quant"]  # sealed: an edited description is refused
         return load_quantized(exported), exported, f"w{quant['w_bits']}a{quant['a_bits']}"
     if model is None:
         raise ValueError("pass --model (FP or a training-free baseline), --student or --exported")
@@ -103,14 +105,18 @@ def evaluate(
     variant: str | None = None,
     calib_samples: int = 32,
     calib_seq_len: int = 128,
+    teacher: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``.
 
-    ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``."""
+    ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``.
+    ``teacher``: the teacher directory of a ``student`` whose recorded path is gone (it must have the recorded
+    content hash). The JSON records the provenance: the teacher's content hash, and a student's or export's
+    calibration config."""
     if ppl_windows is not None and ppl_windows < 1:
         raise ValueError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
     start = time.time()
-    net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len)
+    net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len, teacher)
     tokenizer = load_tokenizer(tok_dir)
     stream = torch.tensor(wikitext2_stream(tokenizer))
     if ppl_windows is not None:
@@ -125,6 +131,7 @@ def evaluate(
         "wikitext2_ppl": ppl.ppl,
         "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
         "wikitext2_windows": ppl.num_windows,
+        "provenance": provenance_of(model, student, exported),
     }
     if model and static_method(method) not in (None, "rtn"):
         result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
@@ -135,6 +142,19 @@ def evaluate(
     if out:
         atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     return result
+
+
+def provenance_of(model: str | None, student: str | None, exported: str | None) -> dict[str, Any] | None:
+    """What the evaluated model was made from: a teacher's content hash, or the student's / export's record."""
+    if student:
+        from loopq.calib.student_io import read_meta
+
+        return read_meta(Path(student)).get("provenance")
+    if exported:
+        from loopq.export import read_export_meta
+
+        return read_export_meta(Path(exported)).get("provenance")
+    return record(teacher_fingerprint(resolve_model_dir(model))) if model else None
 
 
 def run_lm_eval(

@@ -12,7 +12,9 @@
   ``[S_w, N, K/32]``, ``.left``/``.right`` fp32 ``[S_t, n, n]``, ``.inv_d`` ``[S_t, K]``, ``.act_clip`` ``[S_a]``,
   ``.bias``) and the CTA adapters ``transition.{a,b,eta,u,v}``. Tied tensors are stored once; no pickle;
 * ``loopq_export.json`` - format version, arch, QuantConfig, each group's layout (slots, shapes), promoted groups,
-  calibrated loops, the CTA layout;
+  calibrated loops, the CTA layout, the student's provenance (teacher content hash, calibration config) and
+  ``meta_sha256``, a digest of everything else in the file: a hand-edited description (say a group's ``a_bits``)
+  would run with other bits than it is labelled with, so :func:`load_quantized` refuses it;
 * the teacher's ``config.json`` and tokenizer files.
 
 :func:`load_quantized` follows gpt-fast: build the architecture from ``config.json`` on the meta device, swap the
@@ -43,6 +45,7 @@ from loopq.calib.student_io import StudentFormatError, load_student
 from loopq.kernels import GROUP_SIZE
 from loopq.models.base import LoopLM, LoopLMError
 from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
+from loopq.provenance import json_digest
 from loopq.quant.config import QuantConfig
 from loopq.quant.cta import TransitionAdapters
 from loopq.quant.packed import ExportError, PackedGroupSpec, PackedLinearGroup
@@ -81,16 +84,17 @@ def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -
     model = convert(student)
     state = _unaliased_state(model)
     atomic_write(out / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": FORMAT}))
-    description = export_meta(model, meta.get("teacher"))
+    description = export_meta(model, meta.get("teacher"), meta.get("provenance"))
     atomic_write(out / META, lambda p: p.write_text(json.dumps(description, indent=2) + "\n"))
     _copy_teacher_files(student, meta.get("teacher"), out)
     return out
 
 
-def export_meta(model: LoopLM, teacher: str | None = None) -> dict[str, Any]:
-    """The JSON description of a converted model: everything :func:`load_quantized` needs besides the tensors."""
+def export_meta(model: LoopLM, teacher: str | None = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON description of a converted model: everything :func:`load_quantized` needs besides the tensors,
+    sealed by ``meta_sha256`` (see module docstring)."""
     groups = dict(_packed_groups(model))
-    return {
+    described = {
         "format": FORMAT,
         "arch": model.arch,
         "teacher": teacher,
@@ -100,7 +104,9 @@ def export_meta(model: LoopLM, teacher: str | None = None) -> dict[str, Any]:
         "kernel": {"w_bits": 4, "group_size": GROUP_SIZE},
         "groups": {name: g.spec.to_dict() for name, g in groups.items()},
         "transition": _transition_layout(model.transition),
+        "provenance": provenance,
     }
+    return {**described, "meta_sha256": json_digest(described)}
 
 
 def _transition_layout(tr: TransitionAdapters | None) -> dict[str, Any] | None:
@@ -158,6 +164,12 @@ def read_export_meta(directory: Path) -> dict[str, Any]:
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise ExportError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}; re-export with this version")
+    sealed = meta.pop("meta_sha256", None)
+    if sealed is not None and sealed != json_digest(meta):
+        raise ExportError(
+            f"{path}: edited after export (its content no longer matches meta_sha256), so its bits and layout may "
+            "not be what the tensors were made with; re-export with python -m loopq.export"
+        )
     return meta
 
 

@@ -4,6 +4,11 @@ A LightningCLI over :class:`~loopq.calib.module.LoopQCalibration` and
 :class:`~loopq.data.calibration.CalibrationDataModule`; the resolved config is saved next to the run's logs.
 ``--ckpt_path last`` resumes mid-calibration (optimizer, schedule, mu_t, SLT selection and data order); under
 DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``) and ``last`` finds them the same way.
+
+Provenance: every checkpoint and the student record the teacher's content hash and the resolved config
+(:mod:`loopq.provenance`). Resuming with another teacher (also one rebuilt in place) or another config (any key
+but the :data:`COSMETIC` ones) is refused, naming the differing keys; ``--allow_config_change`` resumes anyway and
+the student then records the new config.
 Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``trainer.strategy`` set to
 ``ddp_find_unused_parameters_true`` or a DeepSpeed config.
 """
@@ -14,13 +19,29 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration
 from loopq.data.calibration import CalibrationDataModule
+from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record
+
+#: options that do not change the calibrated student: a resume or a loopq.run re-run may differ in them
+COSMETIC = frozenset(
+    {
+        "config",
+        "ckpt_path",
+        "allow_config_change",
+        "trainer.default_root_dir",
+        "trainer.enable_progress_bar",
+        "trainer.enable_model_summary",
+        "trainer.log_every_n_steps",
+    }
+)
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "use_distributed_sampler": False,  # CalibrationSampler shards the global batch itself
@@ -32,6 +53,12 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 class LoopQCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume: 'last' or a .ckpt path")
+        parser.add_argument(
+            "--allow_config_change",
+            type=bool,
+            default=False,
+            help="resume even if the checkpoint was made with another config or teacher (the student records the new)",
+        )
         parser.link_arguments("model.teacher", "data.tokenizer")
 
     def after_instantiate(self) -> None:
@@ -70,8 +97,42 @@ def calibrate(cli: LoopQCLI) -> LoopQCalibration:
     # Resolved before fit and set on the trainer, so that setup hooks already see it: DeepSpeed restores after
     # building its engine, and the promoted SLT groups must exist before that (see loopq.calib.deepspeed).
     cli.trainer.ckpt_path = resolve_ckpt_path(cli.trainer, cli.config.ckpt_path)
+    cli.model.provenance = record(cli.model.teacher_sha256, fit_settings(cli.config))
+    if cli.trainer.ckpt_path and not cli.config.get("allow_config_change"):
+        check_resume(cli.trainer.ckpt_path, cli.model.provenance)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli.model
+
+
+def fit_settings(config: Any) -> dict[str, Any]:
+    """The resolved calibration config as flat dotted keys, without the :data:`COSMETIC` options."""
+    return {k: v for k, v in flatten(config.as_dict()).items() if k not in COSMETIC}
+
+
+def checkpoint_provenance(ckpt_path: str) -> dict[str, Any] | None:
+    """The provenance block a calibration checkpoint recorded (a file, or a DeepSpeed directory's sidecar)."""
+    if Path(ckpt_path).is_dir():
+        state = read_sidecar(ckpt_path) or {}
+    else:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("loopq") or {}
+    return state.get("provenance")
+
+
+def check_resume(ckpt_path: str, current: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint made from another teacher or config (see module docstring)."""
+    recorded = checkpoint_provenance(ckpt_path)
+    if recorded is None:
+        raise ProvenanceError(
+            f"{ckpt_path}: records no teacher/config (written by an older loopq.fit); resume it with "
+            "--allow_config_change if you know it matches, or start fresh without --ckpt_path"
+        )
+    check_same(
+        flat_record(recorded),
+        flat_record(current),
+        f"{ckpt_path} was calibrated",
+        "resume with the same teacher and config, pass --allow_config_change to continue anyway, or start a "
+        "fresh run (another --trainer.default_root_dir)",
+    )
 
 
 def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:

@@ -22,7 +22,8 @@ the modification times of the files it reads from earlier stages) and its summar
 whose inputs did not change is skipped, so an interrupted run continues where it stopped - a calibration from the
 newest ``checkpoints/last*.ckpt`` written since it first started (never from an earlier run's). A student is not
 recalibrated silently either: if the calibration config differs from the one that made it or started it (options
-in :data:`COSMETIC` aside), the run stops and names the keys; a student that ``python -m loopq.fit`` wrote is reused
+in :data:`loopq.fit.COSMETIC` aside) or the teacher's content differs (a teacher rebuilt in place), the run stops
+and names the keys; a student that ``python -m loopq.fit`` wrote is reused
 if its quant config is the one asked. ``--force`` reruns every stage from scratch (files are replaced, nothing is
 deleted). All files are written atomically.
 """
@@ -50,7 +51,7 @@ from callbacks.line_progress import LineProgress
 from loopq import fit
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.calib.student_io import StudentFormatError, load_student, read_meta
+from loopq.calib.student_io import StudentFormatError, check_student_teacher, load_student, read_meta
 from loopq.data.text import DataError
 from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, wikitext2_stream
@@ -59,23 +60,13 @@ from loopq.export import META as EXPORT_META
 from loopq.export import ExportError, export_student, footprint, load_quantized
 from loopq.models import LoopLMError
 from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
+from loopq.provenance import ProvenanceError, teacher_fingerprint
 from loopq.quant import QuantConfig
 from loopq.report import ReportInputError, build_report, load_result, load_run
 
 DEFAULT_LIMIT = 10
 EXPORT_CHECK_WINDOWS = 8
 MANIFEST = "pipeline.json"
-#: fit options that do not change the calibrated student: a re-run may differ in them
-COSMETIC = frozenset(
-    {
-        "config",
-        "ckpt_path",
-        "trainer.default_root_dir",
-        "trainer.enable_progress_bar",
-        "trainer.enable_model_summary",
-        "trainer.log_every_n_steps",
-    }
-)
 
 
 class PipelineError(ValueError):
@@ -83,7 +74,7 @@ class PipelineError(ValueError):
 
 
 #: failures that end the command with one line (``error: ...``) instead of a traceback
-ERRORS = (PipelineError, LoopLMError, StudentFormatError, ExportError, ReportInputError, DataError)
+ERRORS = (PipelineError, LoopLMError, StudentFormatError, ExportError, ReportInputError, DataError, ProvenanceError)
 
 
 @dataclass(frozen=True)
@@ -174,6 +165,8 @@ class Pipeline:
         self.report_dir = self.root / "report"
         self.report_path = self.report_dir / "report.md"
         self.quant = asked_quant(config)
+        #: content hash of the teacher: every stage's inputs include it, so a rebuilt teacher is never mixed in
+        self.teacher_sha256 = teacher_fingerprint(resolve_model_dir(self.teacher))
         self.bits = f"w{self.quant['w_bits']}a{self.quant['a_bits']}"
         self.manifest = Manifest(self.root / MANIFEST, fresh=options.force)
         self.started = time.monotonic()
@@ -192,7 +185,7 @@ class Pipeline:
         student_files = [self.student_dir / STUDENT_WEIGHTS, self.student_dir / STUDENT_CONFIG]
         everything = ("calibrate", *(stage.name for stage in evals))
         return [
-            Stage("calibrate", self.student_dir, student_files, self.calibrate, fit_settings(self.cli.config)),
+            Stage("calibrate", self.student_dir, student_files, self.calibrate, self.calibration_settings()),
             Stage("export", self.exported_dir, [self.exported_dir / EXPORT_META], self.export, after=("calibrate",)),
             *evals,
             Stage("report", self.report_path, [self.report_path], self.report, after=everything),
@@ -202,6 +195,7 @@ class Pipeline:
         """``model``: which model, method and bits (:func:`loopq.evaluate.evaluate`'s arguments)."""
         settings = {
             **model,
+            "teacher_sha256": self.teacher_sha256,
             "tasks": list(self.options.tasks),
             "limit": self.options.limit,
             "ppl_windows": self.options.ppl_windows,
@@ -209,6 +203,9 @@ class Pipeline:
         }
         out = self.result_paths()[model["method"]]
         return Stage(name, out, [out], lambda: self.evaluate(settings, out), settings, after)
+
+    def calibration_settings(self) -> dict[str, Any]:
+        return {**fit.fit_settings(self.cli.config), "teacher_sha256": self.teacher_sha256}
 
     def run(self) -> Path:
         stages = self.stages()
@@ -251,8 +248,11 @@ class Pipeline:
             self.adopt_student(settings)
 
     def adopt_student(self, settings: dict[str, Any]) -> None:
-        """A student ``python -m loopq.fit`` wrote (no record here) is reused if its quant config is the one asked."""
-        changed = differing_keys(read_meta(self.student_dir)["quant"], normalised(self.quant), prefix="model.quant.")
+        """A student ``python -m loopq.fit`` wrote (no record here) is reused if its quant config is the one asked
+        and it was calibrated on this teacher (same content hash)."""
+        meta = read_meta(self.student_dir)
+        check_student_teacher(self.student_dir, meta, resolve_model_dir(self.teacher))
+        changed = differing_keys(meta["quant"], normalised(self.quant), prefix="model.quant.")
         if changed:
             raise PipelineError(
                 f"{self.student_dir} holds a student with another quant config ({', '.join(changed)} differ); pass "
@@ -335,22 +335,6 @@ def clock(seconds: float) -> str:
 def normalised(value: Any) -> Any:
     """``value`` as JSON gives it back (tuples -> lists, paths -> strings), so it compares equal to a stored one."""
     return json.loads(json.dumps(value, default=str, sort_keys=True))
-
-
-def fit_settings(config: Any) -> dict[str, Any]:
-    """The resolved calibration config, flattened to dotted keys, without the options that do not change the
-    student (:data:`COSMETIC`)."""
-    flat: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict) and node:
-            for key, value in node.items():
-                walk(value, f"{prefix}{key}.")
-        elif prefix[:-1] not in COSMETIC:
-            flat[prefix[:-1]] = node
-
-    walk(config.as_dict(), "")
-    return normalised(flat)
 
 
 def asked_quant(config: Any) -> dict[str, Any]:

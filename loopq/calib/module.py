@@ -37,6 +37,7 @@ from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
+from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import (
     QuantConfig,
     QuantLinearGroup,
@@ -90,6 +91,9 @@ class LoopQCalibration(L.LightningModule):
         self.quant_config = quant
         self.teacher = load_teacher(teacher)
         self.teacher_dir = str(resolve_model_dir(teacher))
+        self.teacher_sha256 = teacher_fingerprint(self.teacher_dir)
+        #: teacher fingerprint + resolved config (loopq.fit sets the config), stored in checkpoints and the student
+        self.provenance: dict[str, Any] = record(self.teacher_sha256)
         self.student = prepare(self.teacher, quant)
         self.student.checkpoint_loops = checkpoint_loops
         for group in quant_groups(self.student).values():
@@ -118,7 +122,7 @@ class LoopQCalibration(L.LightningModule):
                 raise DataError(f"data.tokenizer produces id {int(samples.max())} >= the teacher's vocab {vocab}")
             self.targets = load_or_compute(
                 self.teacher,
-                self.teacher_dir,
+                self.teacher_sha256,
                 samples,
                 self.hparams.topk,
                 self.num_loops,
@@ -274,7 +278,12 @@ class LoopQCalibration(L.LightningModule):
         return super().load_state_dict(state_dict, strict=False, assign=assign)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["loopq"] = {"promoted": list(self.promoted), "teacher": self.teacher_dir, "mu": self.mu.tolist()}
+        checkpoint["loopq"] = {
+            "promoted": list(self.promoted),
+            "teacher": self.teacher_dir,
+            "mu": self.mu.tolist(),
+            "provenance": self.provenance,
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("loopq")

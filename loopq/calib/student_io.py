@@ -2,13 +2,17 @@
 
 A student directory holds ``loopq_student.safetensors`` (transforms, clipping logits, adapters - everything the
 teacher does not have) and ``loopq_quant.json`` (QuantConfig, teacher directory, promoted groups, calibrated loop
-count, final mu_t). :func:`load_student` rebuilds structure first (prepare + re-promotion) and then loads the
-tensors strictly - no pickle anywhere.
+count, final mu_t, and the provenance: the teacher's content hash and the resolved calibration config).
+:func:`load_student` rebuilds structure first (prepare + re-promotion) and then loads the tensors strictly - no
+pickle anywhere. The teacher it loads (the recorded path, the same path relative to the student directory when the
+run directory was moved, or one the caller passes) must have the recorded content hash: a student is never put on
+top of another teacher (a rebuilt one included) unless the caller says ``check_teacher=False``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import atomic_write
+from loopq.provenance import ProvenanceError, teacher_fingerprint
 from loopq.quant import QuantConfig, prepare, quant_groups
 
 WEIGHTS = "loopq_student.safetensors"
@@ -34,9 +39,12 @@ def quant_state(student: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_student(module: Any, directory: Path) -> Path:
     """Write the student of a :class:`~loopq.calib.module.LoopQCalibration` (atomically, file by file)."""
+    teacher = Path(module.teacher_dir).resolve()
     meta = {
         "format": FORMAT,
-        "teacher": str(Path(module.teacher_dir).resolve()),
+        "teacher": str(teacher),
+        "teacher_relative": os.path.relpath(teacher, Path(directory).resolve()),
+        "provenance": module.provenance,
         "arch": module.teacher.arch,
         "quant": module.quant_config.to_dict(),
         "promoted": list(module.promoted),
@@ -63,11 +71,53 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
-def load_student(directory: str | Path, teacher: LoopLM | None = None) -> tuple[LoopLM, dict[str, Any]]:
-    """Rebuild the fake-quant student saved in ``directory`` (teacher reloaded from the recorded path)."""
+def teacher_dir_of(directory: Path, meta: dict[str, Any]) -> Path:
+    """Where the student's teacher is: the recorded absolute path, else the recorded path relative to the student
+    directory (a moved run directory with its teacher beside it)."""
+    recorded = Path(meta["teacher"])
+    if recorded.is_dir():
+        return recorded
+    relative = meta.get("teacher_relative")
+    if relative is not None and (directory / relative).is_dir():
+        return (directory / relative).resolve()
+    raise StudentFormatError(
+        f"{directory / CONFIG}: its teacher {recorded} is not there (nor at {relative!r} relative to the student); "
+        "pass the teacher directory (--teacher)"
+    )
+
+
+def check_student_teacher(directory: Path, meta: dict[str, Any], teacher_dir: str | Path) -> None:
+    """The teacher must be the one the student was calibrated on (same content hash)."""
+    recorded = (meta.get("provenance") or {}).get("teacher_sha256")
+    if recorded is None:
+        return  # written before provenance was recorded: nothing to compare
+    actual = teacher_fingerprint(teacher_dir)
+    if actual != recorded:
+        raise ProvenanceError(
+            f"{directory / CONFIG}: calibrated on teacher {recorded[:12]} but {teacher_dir} is {actual[:12]} (rebuilt "
+            "or another model); recalibrate on this teacher, or pass the original teacher directory"
+        )
+
+
+def load_student(
+    directory: str | Path,
+    teacher: LoopLM | None = None,
+    teacher_dir: str | Path | None = None,
+    check_teacher: bool = True,
+) -> tuple[LoopLM, dict[str, Any]]:
+    """Rebuild the fake-quant student saved in ``directory``.
+
+    The teacher is ``teacher`` (an already loaded model: the caller vouches for it), else loaded from
+    ``teacher_dir``, else from where the student recorded it (:func:`teacher_dir_of`); a loaded teacher is checked
+    against the recorded content hash unless ``check_teacher`` is off. ``meta["teacher"]`` is the directory used."""
     directory = Path(directory)
     meta = read_meta(directory)
-    teacher = teacher if teacher is not None else load_looplm(meta["teacher"])
+    if teacher is None:
+        source = Path(teacher_dir) if teacher_dir is not None else teacher_dir_of(directory, meta)
+        if check_teacher:
+            check_student_teacher(directory, meta, source)
+        teacher = load_looplm(source)
+        meta = {**meta, "teacher": str(source.resolve())}
     config = QuantConfig.from_dict(meta["quant"])
     student = prepare(teacher, config)
     groups = quant_groups(student)

@@ -2,9 +2,10 @@
 
 Calibration revisits each sample many times; the frozen teacher's outputs never change, so they are computed
 once (``compute_targets``) and looked up by sample index. With a ``cache_dir`` they are written as one
-safetensors file (memory-mapped on load, so multi-GB trajectories of real models stay on disk) keyed by a hash
-of the teacher weights, the samples and the settings; rank 0 writes it atomically, the other ranks wait and
-read it.
+safetensors file (memory-mapped on load, so multi-GB trajectories of real models stay on disk) keyed by the
+teacher's content hash (:func:`loopq.provenance.teacher_fingerprint`: a teacher rebuilt in place gets new targets),
+the samples and the settings; rank 0 writes it atomically, the other ranks wait and read it. The file's metadata
+records the teacher hash, and a cache whose metadata names another teacher is refused.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from loopq.calib.losses import teacher_topk
 from loopq.models.base import LoopLM
 from loopq.models.io import atomic_write
+from loopq.provenance import ProvenanceError
 
 
 @dataclass
@@ -66,12 +69,9 @@ def compute_targets(
     return TeacherTargets(torch.cat(values), torch.cat(indices), torch.cat(states))
 
 
-def cache_key(teacher_dir: str, samples: Tensor, k: int, num_loops: int, dtype: torch.dtype) -> str:
-    """Hash of everything the targets depend on (teacher weights, samples, k, loops, storage dtype)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(teacher_dir).glob("*.safetensors")) + sorted(Path(teacher_dir).glob("config.json")):
-        stat = f.stat()
-        h.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+def cache_key(teacher_sha256: str, samples: Tensor, k: int, num_loops: int, dtype: torch.dtype) -> str:
+    """Hash of everything the targets depend on (teacher content, samples, k, loops, storage dtype)."""
+    h = hashlib.sha256(teacher_sha256.encode())
     h.update(samples.numpy().tobytes())
     h.update(f"{k}:{num_loops}:{dtype}".encode())
     return h.hexdigest()[:16]
@@ -79,7 +79,7 @@ def cache_key(teacher_dir: str, samples: Tensor, k: int, num_loops: int, dtype: 
 
 def load_or_compute(
     teacher: LoopLM,
-    teacher_dir: str,
+    teacher_sha256: str,
     samples: Tensor,
     k: int,
     num_loops: int,
@@ -95,9 +95,8 @@ def load_or_compute(
     """
     if cache_dir is None:
         return compute_targets(teacher, samples, k, num_loops)
-    path = (
-        Path(cache_dir) / f"teacher-targets-{cache_key(teacher_dir, samples, k, num_loops, torch.float16)}.safetensors"
-    )
+    key = cache_key(teacher_sha256, samples, k, num_loops, torch.float16)
+    path = Path(cache_dir) / f"teacher-targets-{key}.safetensors"
     missing = not path.is_file()
     if collective and callable(barrier):
         barrier()  # every rank has looked before rank 0 may write: they agree on `missing`
@@ -105,11 +104,18 @@ def load_or_compute(
         t = compute_targets(teacher, samples, k, num_loops)
         if rank == 0:
             tensors = {"values": t.values, "indices": t.indices, "states": t.states}
-            atomic_write(path, lambda p: save_file(tensors, str(p)))
+            meta = {"teacher_sha256": teacher_sha256}
+            atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
     if callable(barrier):
         barrier()
     if not path.is_file():
         raise FileNotFoundError(f"{path}: teacher targets missing after rank 0 wrote them; is cache_dir shared?")
+    with safe_open(str(path), "pt") as f:
+        recorded = (f.metadata() or {}).get("teacher_sha256")
+    if recorded is not None and recorded != teacher_sha256:
+        raise ProvenanceError(
+            f"{path}: teacher targets of teacher {recorded[:12]}, not of {teacher_sha256[:12]}; delete the file"
+        )
     loaded = load_file(str(path))
     return TeacherTargets(loaded["values"], loaded["indices"], loaded["states"])
 

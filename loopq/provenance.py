@@ -1,0 +1,119 @@
+"""Provenance: which teacher and which resolved config produced an artifact, recorded and compared.
+
+Every artifact a run writes (teacher-target cache, calibration checkpoint, student, export, result JSON) records
+
+* ``teacher_sha256`` - a content hash of the teacher directory's weights, config and tokenizer files
+  (:func:`teacher_fingerprint`): a teacher rebuilt in place, or copied elsewhere, is recognised by what it holds,
+  not by its path or modification time;
+* ``config`` - the resolved calibration config, flattened to dotted keys (the options that cannot change the
+  result, :data:`loopq.fit.COSMETIC`, left out).
+
+Readers compare the record with what they are about to combine it with and refuse a mismatch with one line naming
+the differing keys (:func:`check_same`); each CLI offers an explicit override where a user may really want one.
+This module sits at the bottom of the package: it imports nothing from ``loopq``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+#: files of a model directory whose bytes define the teacher (weights, shapes and tokenizer)
+TEACHER_FILE_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json")
+
+_FILE_MEMO: dict[tuple[str, int, int], str] = {}
+
+
+class ProvenanceError(ValueError):
+    """An artifact was made from another teacher or config than the one it is used with; the message names what."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes (memoised per path, size and mtime within the process: multi-GB shards once)."""
+    p = Path(path).resolve()
+    stat = p.stat()
+    key = (str(p), stat.st_size, stat.st_mtime_ns)
+    if key not in _FILE_MEMO:
+        with p.open("rb") as f:
+            _FILE_MEMO[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    return _FILE_MEMO[key]
+
+
+def teacher_fingerprint(directory: str | Path) -> str:
+    """Content hash of a model directory: sha256 over (name, sha256) of its weight, config and tokenizer files.
+
+    File names enter the hash, paths and timestamps do not: a copy of a teacher in another place has the same
+    fingerprint, a teacher retrained in place a different one."""
+    root = Path(directory).resolve()
+    files = sorted({f for pattern in TEACHER_FILE_PATTERNS for f in root.glob(pattern) if f.is_file()})
+    if not files:
+        raise ProvenanceError(f"{root}: no config.json or weights to fingerprint; is it a model directory?")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0{file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
+def json_digest(value: Any) -> str:
+    """sha256 of ``value``'s canonical JSON (sorted keys, no whitespace): a digest of a record's content."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one dict of dotted keys (``{"model": {"lr": 1}}`` -> ``{"model.lr": 1}``); leaves as JSON
+    gives them back (tuples -> lists), so a stored record and a live one compare equal."""
+    flat: dict[str, Any] = {}
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            flat.update(flatten(item, f"{prefix}{key}."))
+    elif prefix:
+        flat[prefix[:-1]] = json.loads(json.dumps(value, default=str))
+    return flat
+
+
+def differing_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two flat records (a key missing on one side differs)."""
+    missing = object()
+    return [k for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]
+
+
+def describe(keys: list[str], old: dict[str, Any], new: dict[str, Any], limit: int = 4) -> str:
+    """``key: old -> new`` for the first ``limit`` differing keys (and how many more)."""
+    shown = [f"{k}: {_short(old.get(k))} -> {_short(new.get(k))}" for k in keys[:limit]]
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return "; ".join(shown) + more
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value[:12]  # a sha256: its head is enough to tell two apart
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_same(recorded: dict[str, Any], current: dict[str, Any], what: str, fix: str) -> None:
+    """Refuse (:class:`ProvenanceError`) when two flat provenance records differ in any key (or one lacks it).
+
+    ``what`` names the artifact (``runs/x/checkpoints/last.ckpt was calibrated``), ``fix`` what the user can do."""
+    keys = differing_keys(recorded, current)
+    if keys:
+        raise ProvenanceError(f"{what} with another {', '.join(keys[:6])}: {describe(keys, recorded, current)}; {fix}")
+
+
+def record(teacher_sha256: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The provenance block artifacts store: the teacher's fingerprint and, when known, the flat resolved config."""
+    out: dict[str, Any] = {"teacher_sha256": teacher_sha256}
+    if config is not None:
+        out["config"] = config
+    return out
+
+
+def flat_record(block: dict[str, Any] | None) -> dict[str, Any]:
+    """A provenance block as one flat dict for :func:`check_same` (``teacher_sha256`` + ``config.*`` keys)."""
+    block = block or {}
+    flat = {"teacher_sha256": block.get("teacher_sha256")}
+    flat.update({f"config.{k}": v for k, v in (block.get("config") or {}).items()})
+    return flat

@@ -1,0 +1,173 @@
+"""Provenance: artifacts record the teacher's content hash and the resolved config; mismatches are refused."""
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loopq.calib.student_io import load_student, read_meta
+from loopq.export import export_student, load_quantized
+from loopq.fit import COSMETIC
+from loopq.paths import REPO_ROOT
+from loopq.provenance import (
+    ProvenanceError,
+    check_same,
+    differing_keys,
+    flat_record,
+    flatten,
+    json_digest,
+    record,
+    teacher_fingerprint,
+)
+from loopq.quant.packed import ExportError
+from tests.helpers import run_fit
+
+TEACHER = REPO_ROOT / "loopq" / "assets" / "tiny-ouro"
+
+
+def digest_tree(root):
+    """sha256 of every file under ``root`` (what a refused command must leave untouched)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+def rebuilt_teacher(src, dst):
+    """A copy of the teacher with one weight changed, as a retrained teacher in the same place would be."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    state = load_file(str(dst / "model.safetensors"))
+    name = sorted(state)[0]
+    state[name] = state[name] + 1e-3
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------------------------------------ pure functions
+def test_fingerprint_follows_content_not_place_or_time(tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(TEACHER, copy)
+    os.utime(copy / "model.safetensors", ns=(1, 1))  # another mtime, same bytes
+    assert teacher_fingerprint(copy) == teacher_fingerprint(TEACHER)
+    rebuilt_teacher(TEACHER, copy)
+    assert teacher_fingerprint(copy) != teacher_fingerprint(TEACHER)
+
+
+def test_fingerprint_by_hand(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("ignored")  # not a weight/config/tokenizer file
+    file_hash = hashlib.sha256(b"{}").hexdigest()
+    assert teacher_fingerprint(tmp_path) == hashlib.sha256(f"config.json\0{file_hash}\n".encode()).hexdigest()
+
+
+def test_fingerprint_of_an_empty_directory_is_refused(tmp_path):
+    with pytest.raises(ProvenanceError, match=r"no config\.json or weights"):
+        teacher_fingerprint(tmp_path)
+
+
+def test_flatten_and_differing_keys_by_hand():
+    flat = flatten({"model": {"lr": 1, "quant": {"bits": (4, 4)}}, "seed": 0, "empty": {}})
+    assert flat == {"model.lr": 1, "model.quant.bits": [4, 4], "seed": 0, "empty": {}}
+    assert differing_keys({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": None}) == ["b", "c"]
+    assert json_digest({"b": 1, "a": 2}) == json_digest({"a": 2, "b": 1})
+
+
+def test_check_same_names_the_keys_and_the_fix():
+    old = flat_record(record("a" * 64, {"model.quant.a_bits": 4}))
+    new = flat_record(record("b" * 64, {"model.quant.a_bits": 8}))
+    with pytest.raises(ProvenanceError) as err:
+        check_same(old, new, "ckpt was calibrated", "do X")
+    text = str(err.value)
+    assert "config.model.quant.a_bits" in text and "teacher_sha256" in text and "4 -> 8" in text
+    assert text.endswith("do X") and "\n" not in text
+    check_same(old, dict(old), "same", "never")  # equal records pass
+
+
+def test_cosmetic_keys_are_those_that_cannot_change_the_student():
+    assert {"ckpt_path", "trainer.default_root_dir", "allow_config_change"} <= COSMETIC
+    assert not {k for k in COSMETIC if k.startswith(("model.", "data."))}
+
+
+# ------------------------------------------------------------------------------------------------ through the CLI
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A few-step calibration on a private copy of the teacher (so the tests can rebuild it in place)."""
+    root = tmp_path_factory.mktemp("prov")
+    teacher = root / "teacher"
+    shutil.copytree(TEACHER, teacher)
+    run_fit(root / "run", "--model.teacher", str(teacher), "--trainer.max_steps", "3")
+    return root
+
+
+def test_student_and_checkpoint_record_teacher_hash_and_config(calibrated):
+    meta = read_meta(calibrated / "run" / "student")
+    prov = meta["provenance"]
+    assert prov["teacher_sha256"] == teacher_fingerprint(calibrated / "teacher")
+    assert prov["config"]["model.quant.a_bits"] == 4 and prov["config"]["trainer.max_steps"] == 3
+    assert "trainer.default_root_dir" not in prov["config"]
+    ckpt = torch.load(calibrated / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["loopq"]["provenance"] == prov
+
+
+def test_resume_with_another_config_is_refused_and_loses_nothing(calibrated, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(calibrated / "run", run)
+    before = digest_tree(run / "checkpoints")
+    out = run_fit(
+        run, "--model.teacher", str(calibrated / "teacher"), "--trainer.max_steps", "3",
+        "--model.quant.a_bits", "8", "--ckpt_path", "last", check=False,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "model.quant.a_bits: 4 -> 8" in out.stderr and "--allow_config_change" in out.stderr
+    assert digest_tree(run / "checkpoints") == before
+
+
+def test_resume_with_a_rebuilt_teacher_is_refused(calibrated, tmp_path):
+    run, teacher = tmp_path / "run", tmp_path / "teacher"
+    shutil.copytree(calibrated / "run", run)
+    rebuilt_teacher(calibrated / "teacher", teacher)
+    out = run_fit(run, "--model.teacher", str(teacher), "--trainer.max_steps", "3", "--ckpt_path", "last", check=False)
+    assert out.returncode != 0 and "teacher_sha256" in out.stderr
+
+
+def test_allow_config_change_resumes_and_records_the_new_config(calibrated, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(calibrated / "run", run)
+    shutil.rmtree(run / "student")
+    args = ["--model.teacher", str(calibrated / "teacher"), "--trainer.max_steps", "4", "--ckpt_path", "last"]
+    run_fit(run, *args, "--allow_config_change", "true")
+    assert read_meta(run / "student")["provenance"]["config"]["trainer.max_steps"] == 4
+
+
+def test_student_on_a_rebuilt_teacher_is_refused(calibrated, tmp_path):
+    teacher = tmp_path / "teacher"
+    rebuilt_teacher(calibrated / "teacher", teacher)
+    with pytest.raises(ProvenanceError, match="calibrated on teacher"):
+        load_student(calibrated / "run" / "student", teacher_dir=teacher)
+    load_student(calibrated / "run" / "student", teacher_dir=teacher, check_teacher=False)  # the explicit override
+
+
+def test_moved_run_directory_finds_its_teacher_beside_it(calibrated, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(calibrated, moved)  # teacher/ and run/ together, the recorded absolute path is elsewhere
+    meta = json.loads((moved / "run" / "student" / "loopq_quant.json").read_text())
+    meta["teacher"] = str(tmp_path / "gone")
+    (moved / "run" / "student" / "loopq_quant.json").write_text(json.dumps(meta))
+    _, loaded = load_student(moved / "run" / "student")
+    assert loaded["teacher"] == str((moved / "teacher").resolve())
+
+
+def test_edited_export_description_is_refused(calibrated, tmp_path):
+    student, meta = load_student(calibrated / "run" / "student")
+    out = export_student(student, meta, tmp_path / "exported")
+    assert json.loads((out / "loopq_export.json").read_text())["provenance"] == meta["provenance"]
+    load_quantized(out)
+    path = out / "loopq_export.json"
+    edited = json.loads(path.read_text())
+    group = next(iter(edited["groups"]))
+    edited["groups"][group]["a_bits"] = 8
+    path.write_text(json.dumps(edited, indent=2))
+    with pytest.raises(ExportError, match="edited after export"):
+        load_quantized(out)
