@@ -50,6 +50,10 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: callbacks that are part of LoopQ's method (mu_t updates, SLT reselection): a changed one changes the student
+METHOD_CALLBACKS = ("callbacks.adaptive_mu", "callbacks.sharing_gap")
+
+
 class LoopQCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume: 'last' or a .ckpt path")
@@ -105,8 +109,19 @@ def calibrate(cli: LoopQCLI) -> LoopQCalibration:
 
 
 def fit_settings(config: Any) -> dict[str, Any]:
-    """The resolved calibration config as flat dotted keys, without the :data:`COSMETIC` options."""
-    return {k: v for k, v in flatten(config.as_dict()).items() if k not in COSMETIC}
+    """The resolved calibration config as flat dotted keys, without the :data:`COSMETIC` options; of
+    ``trainer.callbacks`` only those of the method (:data:`METHOD_CALLBACKS`) count - checkpointing, progress,
+    diagnostics or a debugging callback added for one segment of a run do not change the student."""
+    tree = config.as_dict()
+    callbacks = (tree.get("trainer") or {}).get("callbacks")
+    if isinstance(callbacks, list):
+        tree["trainer"]["callbacks"] = [c for c in callbacks if is_method_callback(c)]
+    return {k: v for k, v in flatten(tree).items() if k not in COSMETIC}
+
+
+def is_method_callback(callback: Any) -> bool:
+    path = callback.get("class_path", "") if isinstance(callback, dict) else type(callback).__module__
+    return str(path).startswith(METHOD_CALLBACKS)
 
 
 def checkpoint_provenance(ckpt_path: str) -> dict[str, Any] | None:

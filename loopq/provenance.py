@@ -100,7 +100,8 @@ def check_same(recorded: dict[str, Any], current: dict[str, Any], what: str, fix
     ``what`` names the artifact (``runs/x/checkpoints/last.ckpt was calibrated``), ``fix`` what the user can do."""
     keys = differing_keys(recorded, current)
     if keys:
-        raise ProvenanceError(f"{what} with another {', '.join(keys[:6])}: {describe(keys, recorded, current)}; {fix}")
+        kind = "teacher" if keys == ["teacher_sha256"] else "config"
+        raise ProvenanceError(f"{what} with another {kind} ({describe(keys, recorded, current)}); {fix}")
 
 
 def record(teacher_sha256: str, config: dict[str, Any] | None = None) -> dict[str, Any]:

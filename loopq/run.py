@@ -195,14 +195,14 @@ class Pipeline:
         """``model``: which model, method and bits (:func:`loopq.evaluate.evaluate`'s arguments)."""
         settings = {
             **model,
-            "teacher_sha256": self.teacher_sha256,
             "tasks": list(self.options.tasks),
             "limit": self.options.limit,
             "ppl_windows": self.options.ppl_windows,
             "batch_size": self.options.eval_batch_size,
         }
         out = self.result_paths()[model["method"]]
-        return Stage(name, out, [out], lambda: self.evaluate(settings, out), settings, after)
+        inputs = {**settings, "teacher_sha256": self.teacher_sha256}  # a rebuilt teacher re-runs the evaluation
+        return Stage(name, out, [out], lambda: self.evaluate(settings, out), inputs, after)
 
     def calibration_settings(self) -> dict[str, Any]:
         return {**fit.fit_settings(self.cli.config), "teacher_sha256": self.teacher_sha256}

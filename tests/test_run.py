@@ -163,3 +163,53 @@ def test_help_names_the_pipeline_options_and_points_to_fit(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--limit" in out and "--force" in out and "python -m loopq.fit --help" in out
+
+
+def killed_at(root: Path, marker: str) -> None:
+    """Start the pipeline and SIGKILL it as soon as it prints ``marker`` (a stage's start line): a real crash
+    inside that stage, no cleanup."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "loopq.run", *TINY, "--trainer.default_root_dir", str(root)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO_ROOT, env=env)
+    try:
+        for line in proc.stdout:
+            if marker in line:
+                proc.kill()
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -9, f"the pipeline ended before {marker!r}"
+
+
+@pytest.mark.parametrize("stage", ["[2/6] export", "[4/6] evaluate RTN", "[6/6] report"])
+def test_kill_minus_9_in_any_stage_then_rerun_gives_the_uninterrupted_results(first, tmp_path, stage):
+    root = tmp_path / "tiny"
+    killed_at(root, stage)
+    out = pipeline(root)
+    assert printed(out.stdout)[1] == printed(first[1].stdout)[1]  # the same three perplexities
+    for path in outputs(first[0]):  # student, export, results: byte-identical to the uninterrupted run's
+        if path.suffix == ".safetensors":
+            assert path.read_bytes() == (root / path.relative_to(first[0])).read_bytes(), path
+    for name in ("fp", "rtn-w4a4", "loopq-w4a4"):
+        a, b = (json.loads((r / "results" / f"{name}.json").read_text()) for r in (first[0], root))
+        assert a["wikitext2_per_loop_ppl"] == b["wikitext2_per_loop_ppl"] and a["lm_eval"] == b["lm_eval"]
+
+
+def test_a_teacher_rebuilt_in_place_is_noticed(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.chdir(REPO_ROOT)
+    teacher = tmp_path / "teacher"
+    shutil.copytree(REPO_ROOT / "loopq" / "assets" / "tiny-ouro", teacher)
+    root = tmp_path / "run"
+    args = ["--model.teacher", str(teacher), "--trainer.max_steps", "1", "--tasks", "--ppl_windows", "1"]
+    pipeline(root, *args)
+    state = load_file(str(teacher / "model.safetensors"))  # retrain in place: same path, other weights
+    name = sorted(state)[0]
+    state[name] = state[name] * 1.01
+    save_file(state, str(teacher / "model.safetensors"), metadata={"format": "pt"})
+    stamps = {path: path.stat().st_mtime_ns for path in root.rglob("*") if path.is_file()}
+    with pytest.raises(PipelineError, match=r"teacher_sha256.*--force"):
+        main([*TINY, "--trainer.default_root_dir", str(root), *args])
+    assert {path: path.stat().st_mtime_ns for path in root.rglob("*") if path.is_file()} == stamps
