@@ -24,10 +24,8 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 
-from loopq.quant import looped_quant_groups
-from loopq.quant.sharing_gap import SharingGapAccumulator
+from loopq.calib.slt import sharing_gap_scores
 
 
 class SharingGapReselection(L.Callback):
@@ -85,33 +83,11 @@ class SharingGapReselection(L.Callback):
 
     # ------------------------------------------------------------------ one round
     def score(self, trainer: L.Trainer, pl_module: Any, batches: list[Any]) -> dict[str, float]:
-        """S_l of every shared looped group with a transform, from per-loop gradients on ``batches``."""
-        groups = {n: g for n, g in looped_quant_groups(pl_module.student).items() if not g.promoted}
-        for g in groups.values():
-            g.start_probe()
-        probed = {n: g for n, g in groups.items() if g.probe is not None}
-        acc = {n: SharingGapAccumulator() for n in probed}
-        try:
-            for batch in batches:
-                batch = [t.to(pl_module.device) for t in batch]
-                with torch.enable_grad():
-                    loss = pl_module.compute_loss(batch)["loss"]
-                    deltas = [d for g in probed.values() for d in g.probe]
-                    grads = torch.autograd.grad(loss, deltas, allow_unused=True)
-                phis = [
-                    _per_loop(grads[2 * i], grads[2 * i + 1], g.slots, loss.device)
-                    for i, g in enumerate(probed.values())
-                ]
-                if trainer.world_size > 1 and phis:  # one all-reduce per batch for every group's phi
-                    flat = trainer.strategy.reduce(torch.cat([p.reshape(-1) for p in phis]), reduce_op="mean")
-                    phis = [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in phis]), phis, strict=True)]
-                for name, phi in zip(probed, phis, strict=True):
-                    acc[name].add(phi)
-        finally:
-            for g in groups.values():
-                g.stop_probe()
-        psi_scale = {n: float(a.psi.mean()) / a.count for n, a in acc.items()}
-        return {n: a.score(eps=self.eps_rel * psi_scale[n] + 1e-30) for n, a in acc.items()}
+        """S_l of every shared looped group with a transform (:func:`loopq.calib.slt.sharing_gap_scores`)."""
+        reduce = None
+        if trainer.world_size > 1:
+            reduce = lambda flat: trainer.strategy.reduce(flat, reduce_op="mean")  # noqa: E731
+        return sharing_gap_scores(pl_module, batches, self.eps_rel, reduce)
 
     def run_round(
         self, trainer: L.Trainer, pl_module: Any, batches: list[Any], step: int, upfront: bool = False
@@ -164,11 +140,6 @@ class SharingGapReselection(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.selected = list(state_dict["selected"])
         self.history = list(state_dict["history"])
-
-
-def _per_loop(g1: Tensor | None, g2: Tensor | None, slots: int, device: torch.device | None = None) -> Tensor:
-    parts = [g.reshape(slots, -1) for g in (g1, g2) if g is not None]
-    return torch.cat(parts, dim=1).detach() if parts else torch.zeros(slots, 1, device=device)
 
 
 def _must_run_upfront(trainer: L.Trainer) -> bool:

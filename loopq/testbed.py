@@ -6,8 +6,11 @@ measures, on WikiText-2 raw test (GPTQ protocol, 256-token windows): per-loop pe
 perplexity of the same tokenizer (estimated on the training text), the P99 |activation| of each looped layer's
 inputs per loop (the paper's Figure-1 drift), and a fragility table - FP, RTN W4A8 / W4A4 g32 / W4A4 per-token /
 W3A3 g32 - with perplexity and relative loop-state error per loop. With ``--outliers-out`` it also writes the
-*stress* variant (see :func:`outlier_reparameterize`) and measures it the same way. Results go to
-``testbed.json`` + ``TESTBED.md`` in each model directory.
+*stress* variant (see :func:`outlier_reparameterize`) and measures it the same way. The activation regime
+(:mod:`loopq.regime`: channel max/median ratios, kurtosis, where the largest activations sit, loop-to-loop rank
+correlation of the channel profile, the sharing gap of every looped group) is measured on the first 8 windows.
+``--windows N`` measures the perplexities on the first N windows only (for teachers too slow for all of them; the
+record says how many). Results go to ``testbed.json`` + ``TESTBED.md`` in each model directory.
 
 The stress variant mimics the massive-activation channels of real LLMs while computing the *same* function:
 for every RMSNorm that feeds a quantized group (``norm_feeds`` of the architecture), ``channels`` fixed channels
@@ -35,8 +38,11 @@ from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, prepare
+from loopq.regime import activation_regime, fresh_sharing_gaps
 
 SEQ_LEN = 256
+#: record entries too long to print
+BULKY = ("activation_p99", "regime", "sharing_gap")
 #: the first windows of WikiText-2 test that the tests re-measure against the record (a fast, exact check)
 QUICK_WINDOWS = 48
 
@@ -136,10 +142,14 @@ def training_token_ids(tokenizer: Tokenizer) -> Tensor:
     return torch.tensor([i for enc in tokenizer.encode_batch(docs) for i in enc.ids])
 
 
-def measure(model_dir: Path, tokenizer: Tokenizer, model: LoopLM | None = None) -> dict[str, Any]:
+def measure(
+    model_dir: Path, tokenizer: Tokenizer, model: LoopLM | None = None, windows: int | None = None
+) -> dict[str, Any]:
     model = model or load_looplm(model_dir)
     stream = torch.tensor(wikitext2_stream(tokenizer))
     probe = token_windows(stream, SEQ_LEN)[:8]
+    if windows is not None:
+        stream = stream[: windows * SEQ_LEN]
     vocab = tokenizer.get_vocab_size()
     table = fragility(model, stream, probe)
     fp_loops = table["FP"]["per_loop_ppl"]
@@ -157,6 +167,8 @@ def measure(model_dir: Path, tokenizer: Tokenizer, model: LoopLM | None = None) 
         "last_over_first_loop_ppl": fp_loops[-1] / fp_loops[0],
         "activation_p99": activation_p99(model, probe),
         "fragility": table,
+        "regime": activation_regime(model, probe, tokenizer),
+        "sharing_gap": fresh_sharing_gaps(str(model_dir), probe[:4]),
     }
 
 
@@ -185,7 +197,42 @@ def markdown(name: str, result: dict[str, Any], extra: str = "") -> str:
     lines += ["| group | " + " | ".join(f"loop {t + 1}" for t in range(loops)) + " |", "|" + "---|" * (1 + loops)]
     for group, values in result["activation_p99"].items():
         lines.append(f"| {group} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    if "regime" in result:
+        lines += regime_markdown(result["regime"], result.get("sharing_gap", {}), loops)
     return "\n".join(lines) + "\n"
+
+
+def regime_markdown(regime: dict[str, Any], gaps: dict[str, float], loops: int) -> list[str]:
+    """The activation-regime tables (see :mod:`loopq.regime`)."""
+    s = regime["summary"]
+    lines = [
+        "",
+        "## Activation regime (first 8 windows; `loopq.regime`)",
+        "",
+        f"- channel max/median ratio: median {s['max_median_ratio_median']:.1f}, max {s['max_median_ratio_max']:.1f} "
+        f"(over {s['groups']} looped groups x {loops} loops)",
+        f"- kurtosis of the group inputs: median {s['kurtosis_median']:.1f}, max {s['kurtosis_max']:.1f} (Gaussian: 3)",
+        f"- rank correlation of the channel profile, loop 1 vs loop {loops}: median "
+        f"{s['rank_corr_first_last_median']:.3f}, min {s['rank_corr_first_last_min']:.3f}; overlap of the top K/32 "
+        f"channels (Jaccard), median {s['top_channel_overlap_first_last_median']:.2f}",
+        f"- top-1% activations at position 0 (median over groups): {s['top_at_position_0_median']:.2f}",
+        "",
+        "| group | max/median per loop | kurtosis per loop | rank corr t->t+1 | rank corr 1->T "
+        "| top-ch. overlap 1->T | top-1% at pos 0 / special / punct. | most frequent top tokens | S_l (fresh) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, g in regime["groups"].items():
+        sites = g["top_sites"]
+        common = ", ".join(f"`{tok!r}` {n}" for tok, n in sites["most_frequent"][:3])
+        lines.append(
+            f"| {name} | {' / '.join(f'{v:.1f}' for v in g['max_median_ratio'])} | "
+            f"{' / '.join(f'{v:.1f}' for v in g['kurtosis'])} | "
+            f"{' / '.join(f'{v:.2f}' for v in g['rank_corr_consecutive'])} | {g['rank_corr_first_last']:.2f} | "
+            f"{g['top_channel_overlap_first_last']:.2f} | "
+            f"{sites['at_position_0']:.2f} / {sites['at_special']:.2f} / {sites['at_punctuation']:.2f} | {common} | "
+            f"{gaps.get(name, float('nan')):.3g} |"
+        )
+    return lines
 
 
 def write(model_dir: Path, name: str, result: dict[str, Any], extra: str = "") -> None:
@@ -202,12 +249,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--channels", type=int, default=4)
     parser.add_argument("--factor", type=float, default=32.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--windows", type=int, default=None, help="perplexities on the first N windows only")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.model)
     teacher = load_looplm(args.model)
-    result = measure(args.model, tokenizer, teacher)
+    result = measure(args.model, tokenizer, teacher, args.windows)
     write(args.model, args.model.name, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "activation_p99"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in BULKY}, indent=1))
     if args.outliers_out:
         stressed, spec = outlier_reparameterize(teacher, args.channels, args.factor, args.seed)
         stressed.save_pretrained(args.outliers_out)
@@ -217,10 +265,10 @@ def main(argv: list[str] | None = None) -> None:
             f"multiplied by {spec.factor:g}, the consuming input columns divided by it (seed {spec.seed}; "
             f"`python -m loopq.testbed --model {args.model} --outliers-out {args.outliers_out}`)."
         )
-        res = measure(args.outliers_out, tokenizer, stressed)
+        res = measure(args.outliers_out, tokenizer, stressed, args.windows)
         res["outliers"] = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
         write(args.outliers_out, args.outliers_out.name, res, note)
-        print(json.dumps({k: v for k, v in res.items() if k != "activation_p99"}, indent=1))
+        print(json.dumps({k: v for k, v in res.items() if k not in BULKY}, indent=1))
 
 
 if __name__ == "__main__":
