@@ -14,11 +14,18 @@ exists is neither recalibrated nor re-evaluated.
 calibration samples (Fig. 6); ``loops``: FP, Symmetric RTN and a calibrated student at T ... 2T loops (Fig. 5).
 Sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their swept field to each JSON, which
 is what ``python -m loopq.report --sweeps`` plots. Every function skips rows whose JSON exists (re-runs resume).
+
+``--seeds 0 1 2`` (``table1``, ``ablations``, ``slt_budget``) calibrates every trained row once per seed
+(``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and ``data.seed``, so the
+calibration windows differ too). Training-free rows are deterministic and run once. ``summary`` turns a results
+folder into the mean ± std table with the log-gap recovery R and which rows are separated from LoopQ by more than
+2 std (:mod:`loopq.stats`), written to ``<out>/summary.md``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,8 +37,11 @@ from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.evaluate import evaluate
 from loopq.models.io import atomic_write
 from loopq.paths import REPO_ROOT
+from loopq.stats import log_gap_recovery, separated, summarize
 
 BITS = {"w4a4": 4, "w4a8": 8}
+#: fields that mark a sweep's result (kept out of :func:`summary`'s tables)
+SWEEP_TAGS = ("per_loop_of", "slt_budget", "num_samples")
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,17 @@ def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[s
     return run_dir / "student"
 
 
+def seed_args(seed: int | None) -> list[str]:
+    """``loopq.fit`` options of one seed repeat (none for the un-seeded default run)."""
+    if seed is None:
+        return []
+    return ["--seed_everything", str(seed), "--model.quant.seed", str(seed), "--data.seed", str(seed)]
+
+
+def seeded(slug: str, seed: int | None) -> str:
+    return slug if seed is None else f"{slug}-s{seed}"
+
+
 def table1(
     model: str,
     out: str,
@@ -89,38 +110,53 @@ def table1(
     tasks: list[str] | None = None,
     spinquant_config: str = "configs/baselines/spinquant-tiny.yaml",
     flatquant_config: str = "configs/baselines/flatquant-tiny.yaml",
+    seeds: list[int] | None = None,
+    bits: list[str] | None = None,
+    methods: list[str] | None = None,
+    extra: list[str] | None = None,
 ) -> list[Path]:
-    """FP and every :data:`TABLE1` method at W4A4 and W4A8 on ``model``; one result JSON each in ``out``."""
+    """FP and every :data:`TABLE1` method (or those named in ``methods``) at W4A4 and W4A8 (or ``bits``) on
+    ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``). ``extra``: more
+    ``loopq.fit`` options for every calibration (e.g. a scaled recipe: ``--trainer.max_steps 100``)."""
     root = Path(out)
     configs = {"config": config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
     written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks)]
-    for bits, a_bits in BITS.items():
+    for bit_label in bits or list(BITS):
         for row in TABLE1:
-            path = root / f"{row.slug}-{bits}.json"
-            common = {"method": row.label, "bits": bits, "limit": limit, "tasks": tasks}
-            if row.calibration is None:
-                written.append(_eval(path, model=model, **common))
+            if methods and row.label not in methods:
                 continue
-            run = root / "runs" / f"{row.slug}-{bits}"
-            done = path.is_file()  # a finished row is not recalibrated on a re-run
-            student = run / "student" if done else calibrate(model, run, configs[row.calibration], a_bits, [])
-            written.append(_eval(path, student=str(student), **common))
+            common = {"method": row.label, "bits": bit_label, "limit": limit, "tasks": tasks}
+            if row.calibration is None:
+                written.append(_eval(root / f"{row.slug}-{bit_label}.json", model=model, **common))
+                continue
+            for seed in seeds or [None]:
+                slug = seeded(f"{row.slug}-{bit_label}", seed)
+                args = [*seed_args(seed), *(extra or [])]
+                student = _calibrated(model, root, slug, configs[row.calibration], BITS[bit_label], args)
+                written.append(_tag(_eval(root / f"{slug}.json", student=str(student), **common), seed=seed))
     return written
 
 
 def ablations(
-    model: str, out: str, config: str = "configs/tiny.yaml", limit: int | None = 200, tasks: list[str] | None = None
+    model: str,
+    out: str,
+    config: str = "configs/tiny.yaml",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+    seeds: list[int] | None = None,
+    extra: list[str] | None = None,
 ) -> list[Path]:
-    """LoopQ W4A4 with one component switched off at a time (paper Table 2)."""
+    """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``."""
     root = Path(out)
     written = []
     for name, switch in ABLATIONS.items():
-        slug = name.lower().replace(" ", "-").replace("/", "")
-        run = root / "runs" / slug
-        student = run / "student" if (root / f"{slug}.json").is_file() else calibrate(model, run, config, 4, switch)
-        written.append(
-            _eval(root / f"{slug}.json", student=str(student), method=name, bits="w4a4", limit=limit, tasks=tasks)
-        )
+        for seed in seeds or [None]:
+            slug = seeded(name.lower().replace(" ", "-").replace("/", ""), seed)
+            student = _calibrated(model, root, slug, config, 4, [*switch, *seed_args(seed), *(extra or [])])
+            path = _eval(
+                root / f"{slug}.json", student=str(student), method=name, bits="w4a4", limit=limit, tasks=tasks
+            )
+            written.append(_tag(path, seed=seed))
     return written
 
 
@@ -139,7 +175,8 @@ def _calibrated(model: str, root: Path, slug: str, config: str, a_bits: int, ext
 
 
 def _tag(path: Path, **fields: object) -> Path:
-    """Add the swept ``fields`` to a result JSON (atomically)."""
+    """Add the swept ``fields`` (those not None) to a result JSON (atomically)."""
+    fields = {k: v for k, v in fields.items() if v is not None}
     data = json.loads(path.read_text())
     if any(data.get(k) != v for k, v in fields.items()):
         data.update(fields)
@@ -155,16 +192,20 @@ def slt_budget(
     bits: str = "w4a4",
     limit: int | None = 200,
     tasks: list[str] | None = None,
+    seeds: list[int] | None = None,
+    extra: list[str] | None = None,
 ) -> list[Path]:
     """Fig. 4: LoopQ calibrated with each SLT budget (default 0, 2, 4, 8 promoted groups)."""
     root, written = Path(out), []
     for budget in budgets or [0, 2, 4, 8]:
-        slug = f"slt-{budget}"
-        student = _calibrated(model, root, slug, config, BITS[bits], ["--model.quant.slt_budget", str(budget)])
-        path = _eval(
-            root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
-        )
-        written.append(_tag(path, slt_budget=budget))
+        for seed in seeds or [None]:
+            slug = seeded(f"slt-{budget}", seed)
+            args = ["--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or [])]
+            student = _calibrated(model, root, slug, config, BITS[bits], args)
+            path = _eval(
+                root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
+            )
+            written.append(_tag(path, slt_budget=budget, seed=seed))
     return written
 
 
@@ -239,8 +280,43 @@ def per_loop_result(source: Path, n: int) -> Path:
     return path
 
 
+def summary(out: str, reference: str = "LoopQ") -> str:
+    """The mean ± std table of every result JSON in ``out`` (grouped by method and bits), with R against the
+    Symmetric RTN row and FP, and a mark on rows separated from ``reference`` at the same bits by > 2 std
+    (:func:`loopq.stats.separated`); printed and written to ``<out>/summary.md``."""
+    root = Path(out)
+    rows: dict[tuple[str, str], list[float]] = {}
+    for path in sorted(root.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "wikitext2_ppl" in data and not any(k in data for k in SWEEP_TAGS):
+            rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
+    fp = rows.get(("FP", "fp"))
+    lines = [
+        f"Results in `{root}`: WikiText-2 PTQ perplexity, mean ± std over seeds (n); R = (ln RTN - ln M) / "
+        f"(ln RTN - ln FP); ** = separated from {reference} at the same bits by more than 2 std "
+        "(|diff| > 2 sqrt(s1^2 + s2^2)).",
+        "",
+        "| method | bits | n | WT2 ppl | R | vs " + reference + " |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for (method, bits), values in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        stat = summarize(values)
+        rtn = rows.get(("Symmetric", bits)) or rows.get(("RTN", bits))
+        r = log_gap_recovery(summarize(fp).mean, summarize(rtn).mean, stat.mean) if fp and rtn else math.nan
+        ref = rows.get((reference, bits))
+        mark = ""
+        if ref and method != reference:
+            diff = stat.mean - summarize(ref).mean
+            mark = f"{diff:+.2f}" + (" **" if separated(stat, summarize(ref)) else "")
+        lines.append(f"| {method} | {bits} | {stat.n} | {stat} | {'' if math.isnan(r) else f'{r:.2f}'} | {mark} |")
+    text = "\n".join(lines) + "\n"
+    atomic_write(root / "summary.md", lambda tmp: tmp.write_text(text))
+    print(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
-    CLI([table1, ablations, slt_budget, num_samples, loops], args=argv, as_positional=False)
+    CLI([table1, ablations, slt_budget, num_samples, loops, summary], args=argv, as_positional=False)
 
 
 if __name__ == "__main__":

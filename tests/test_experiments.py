@@ -82,3 +82,32 @@ def test_loop_sweep_evaluates_fp_rtn_and_student_once_at_2t(recorded, tmp_path, 
     recorded["evaluate"].clear()
     experiments.loops("teacher", str(tmp_path / "tasks"), student=str(student), tasks=["lambada_openai"])
     assert [c["num_loops"] for c in recorded["evaluate"]] == [3, 4, 5, 6] * 3
+
+
+def test_seeds_calibrate_every_trained_row_per_seed_and_training_free_rows_once(recorded, tmp_path):
+    out = tmp_path / "t1"
+    experiments.table1("teacher", str(out), seeds=[0, 1], bits=["w4a4"], extra=["--trainer.max_steps", "5"])
+    runs = {c[0]: c[2] for c in recorded["calibrate"]}
+    assert sorted(runs) == [f"{m}-w4a4-s{s}" for m in ("flatquant", "loopq", "spinquant") for s in (0, 1)]
+    assert runs["loopq-w4a4-s1"] == [*experiments.seed_args(1), "--trainer.max_steps", "5"]
+    assert experiments.seed_args(1) == ["--seed_everything", "1", "--model.quant.seed", "1", "--data.seed", "1"]
+    assert json.loads((out / "loopq-w4a4-s1.json").read_text())["seed"] == 1
+    assert (out / "rtn-w4a4.json").is_file() and not (out / "rtn-w4a4-s0.json").exists()
+    experiments.table1("teacher", str(out), seeds=[0, 1, 2], bits=["w4a4"], methods=["LoopQ"])  # resumes
+    assert [c[0] for c in recorded["calibrate"][6:]] == ["loopq-w4a4-s2"]
+
+
+def test_summary_reports_mean_std_recovery_and_separation(tmp_path):
+    rows = [("FP", "fp", 100.0), ("Symmetric", "w4a4", 400.0)]
+    rows += [("LoopQ", "w4a4", v) for v in (199.0, 200.0, 201.0)]
+    rows += [("QuaRot", "w4a4", v) for v in (240.0, 241.0, 239.0)]  # far away: separated
+    rows += [("SpinQuant", "w4a4", v) for v in (201.0, 203.0, 199.0)]  # within the spread
+    for i, (method, bits, ppl) in enumerate(rows):
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"method": method, "bits": bits, "wikitext2_ppl": ppl}))
+    (tmp_path / "sweep.json").write_text(json.dumps({"method": "LoopQ", "bits": "w4a4", "wikitext2_ppl": 1.0,
+                                                     "slt_budget": 0}))  # fmt: skip
+    text = experiments.summary(str(tmp_path))
+    table = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 3 | 200.00 ± 1.00 | 0.50 |" in table["LoopQ"]  # R = ln(400/200) / ln(400/100)
+    assert table["QuaRot"].endswith("+40.00 ** |") and table["SpinQuant"].endswith("+1.00 |")
+    assert (tmp_path / "summary.md").read_text() == text
