@@ -19,7 +19,8 @@ is what ``python -m loopq.report --sweeps`` plots. Every function skips rows who
 (``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and ``data.seed``, so the
 calibration windows differ too). Training-free rows are deterministic and run once. ``summary`` turns a results
 folder into the mean ± std table with the log-gap recovery R and which rows are separated from LoopQ by more than
-2 std (:mod:`loopq.stats`), written to ``<out>/summary.md``.
+2 std (:mod:`loopq.stats`), written to ``<out>/summary.md``. ``--ppl_windows N`` evaluates WikiText-2 on its first N
+windows (for teachers too slow for all 1771 on a CPU; the JSON records the count).
 """
 
 from __future__ import annotations
@@ -114,18 +115,20 @@ def table1(
     bits: list[str] | None = None,
     methods: list[str] | None = None,
     extra: list[str] | None = None,
+    ppl_windows: int | None = None,
 ) -> list[Path]:
     """FP and every :data:`TABLE1` method (or those named in ``methods``) at W4A4 and W4A8 (or ``bits``) on
     ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``). ``extra``: more
     ``loopq.fit`` options for every calibration (e.g. a scaled recipe: ``--trainer.max_steps 100``)."""
     root = Path(out)
     configs = {"config": config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
-    written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks)]
+    written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
     for bit_label in bits or list(BITS):
         for row in TABLE1:
             if methods and row.label not in methods:
                 continue
             common = {"method": row.label, "bits": bit_label, "limit": limit, "tasks": tasks}
+            common["ppl_windows"] = ppl_windows
             if row.calibration is None:
                 written.append(_eval(root / f"{row.slug}-{bit_label}.json", model=model, **common))
                 continue
@@ -145,6 +148,7 @@ def ablations(
     tasks: list[str] | None = None,
     seeds: list[int] | None = None,
     extra: list[str] | None = None,
+    ppl_windows: int | None = None,
 ) -> list[Path]:
     """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``."""
     root = Path(out)
@@ -194,6 +198,7 @@ def slt_budget(
     tasks: list[str] | None = None,
     seeds: list[int] | None = None,
     extra: list[str] | None = None,
+    ppl_windows: int | None = None,
 ) -> list[Path]:
     """Fig. 4: LoopQ calibrated with each SLT budget (default 0, 2, 4, 8 promoted groups)."""
     root, written = Path(out), []
@@ -202,9 +207,8 @@ def slt_budget(
             slug = seeded(f"slt-{budget}", seed)
             args = ["--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or [])]
             student = _calibrated(model, root, slug, config, BITS[bits], args)
-            path = _eval(
-                root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
-            )
+            common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
+            path = _eval(root / f"{slug}.json", student=str(student), **common)
             written.append(_tag(path, slt_budget=budget, seed=seed))
     return written
 
