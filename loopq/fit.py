@@ -51,7 +51,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 
 
 #: callbacks that are part of LoopQ's method (mu_t updates, SLT reselection): a changed one changes the student
-METHOD_CALLBACKS = ("callbacks.adaptive_mu", "callbacks.sharing_gap")
+METHOD_CALLBACKS = ("loopq.calib.mu", "loopq.calib.reselection", "callbacks.adaptive_mu", "callbacks.sharing_gap")
 
 
 class LoopQCLI(LightningCLI):

@@ -47,11 +47,11 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-from callbacks.line_progress import LineProgress
 from loopq import fit
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
 from loopq.calib.student_io import StudentFormatError, check_student_teacher, load_student, read_meta
+from loopq.callbacks.line_progress import LineProgress
 from loopq.data.text import DataError
 from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, wikitext2_stream

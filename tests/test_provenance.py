@@ -181,7 +181,7 @@ def test_only_the_method_callbacks_count_in_the_recorded_config():
     def config(*paths):
         return Namespace(trainer=Namespace(callbacks=[{"class_path": p, "init_args": {}} for p in paths]))
 
-    method = "callbacks.sharing_gap.SharingGapReselection"
+    method = "loopq.calib.reselection.SharingGapReselection"
     with_debug = fit_settings(config(method, "tests.helpers.KillAtStep", "lightning.pytorch.callbacks.ModelCheckpoint"))
     assert with_debug == fit_settings(config(method))
     assert fit_settings(config(method)) != fit_settings(config())  # dropping SLT reselection changes the student

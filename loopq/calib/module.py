@@ -2,9 +2,16 @@
 
 ``training_step`` is thin: look up the teacher's cached targets for the batch's sample indices, run the student
 over the true recurrence (its own quantized states feed the next loop), and evaluate the pure loss of
-:mod:`loopq.calib.losses`. Everything that changes the student during calibration lives in callbacks
-(``callbacks/``): mu_t updates, sharing-gap reselection (which promotes groups through :meth:`promote`), and
-per-loop diagnostics.
+:mod:`loopq.calib.losses`.
+
+The method's schedules belong to the module, not to the config's callback list: :meth:`configure_callbacks`
+installs the adaptive mu_t update (:class:`loopq.calib.mu.AdaptiveMu`, every ``mu_every_n_steps``) unless
+``adaptive_mu`` is off, and the progressive sharing-gap reselection (:class:`loopq.calib.reselection.
+SharingGapReselection`, ``slt_*`` schedule) whenever ``quant.slt_budget > 0`` - so a YAML without a ``callbacks:``
+block still runs the whole method. A YAML that lists one of them explicitly overrides the module's (its schedule
+wins). Switching a component off is a config switch recorded with the student: ``quant.slt_budget: 0``,
+``quant.las: false``, ``quant.cta: false``, ``model.adaptive_mu: false``. Optional callbacks (per-loop
+diagnostics, progress lines) stay in the trainer's list (:mod:`loopq.callbacks`).
 
 ``objective`` selects the loss: ``trajectory`` (LoopQ's Eq. 6 over the true recurrence; with ``lam: 0`` the plain
 logit KL that SpinQuant trains on) or ``layerwise`` (FlatQuant's recipe: every decoder layer's quantized output
@@ -23,6 +30,7 @@ count); ``compile_quantizers`` runs the per-call transform + fake-quant chains a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +60,14 @@ from loopq.quant.config import METHODS, QuantConfigError
 OBJECTIVES = ("trajectory", "layerwise")
 
 
+@dataclass(frozen=True)
+class Trajectory:
+    """Loop states ``[B, S, D]`` per loop of one batch: the FP teacher's and the student's."""
+
+    teacher_states: list[Tensor]
+    student_states: list[Tensor]
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/inf; calibration stops and the last good checkpoint is kept."""
 
@@ -76,6 +92,12 @@ class LoopQCalibration(L.LightningModule):
         target_cache_dir: str | None = None,
         output_dir: str | None = None,
         objective: str = "trajectory",
+        adaptive_mu: bool = True,
+        mu_every_n_steps: int = 100,
+        slt_start_step: int = 0,
+        slt_every_n_steps: int = 50,
+        slt_per_round: int = 1,
+        slt_probe_batches: int = 2,
     ) -> None:
         super().__init__()
         quant = quant or QuantConfig()
@@ -102,7 +124,8 @@ class LoopQCalibration(L.LightningModule):
         self.register_buffer("mu", torch.zeros(self.num_loops), persistent=False)
         self.promoted: list[str] = []
         self.targets: TeacherTargets | None = None
-        self.last: dict[str, Any] = {}
+        #: the last training batch's teacher and (detached) student loop states; what the mu_t update reads
+        self.last_trajectory: Trajectory | None = None
         self._data_initialised = False
 
     # ------------------------------------------------------------------ teacher is frozen, never trained/saved twice
@@ -177,6 +200,10 @@ class LoopQCalibration(L.LightningModule):
         for logger in self.loggers:
             logger.log_metrics({f"params/{k}": float(v) for k, v in report.as_dict().items()}, step=self.global_step)
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The method's schedules this config implies (see module docstring); explicit ones in the trainer win."""
+        return method_callbacks(self, self.trainer.callbacks if self._trainer is not None else [])
+
     # ------------------------------------------------------------------ the step
     def compute_loss(self, batch: list[Tensor]) -> dict[str, Tensor]:
         """The loss terms of ``objective`` for one batch (``loss`` is the one optimised)."""
@@ -190,7 +217,7 @@ class LoopQCalibration(L.LightningModule):
         with torch.no_grad():
             _, calls, ctx = self.teacher.trace_layers(ids, num_loops=self.num_loops)
         outputs = [self.student.run_layer(c.name, c.inputs, c.t, ctx) for c in calls]
-        self.last = {}
+        self.last_trajectory = None
         return layerwise_loss(outputs, [c.output for c in calls], [c.t for c in calls])
 
     def trajectory_loss(self, batch: list[Tensor]) -> dict[str, Tensor]:
@@ -209,7 +236,7 @@ class LoopQCalibration(L.LightningModule):
             self.hparams.lam,
             self.hparams.temperature,
         )
-        self.last = {"teacher_states": teacher_states, "student_states": [s.detach() for s in out.loop_states]}
+        self.last_trajectory = Trajectory(teacher_states, [s.detach() for s in out.loop_states])
         return terms
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
@@ -302,6 +329,29 @@ class LoopQCalibration(L.LightningModule):
                 path = save_student(self, Path(out))
                 print(f"[loopq] calibrated student written to {path}")
         self.trainer.strategy.barrier("loopq_student_written")
+
+
+def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> list[L.Callback]:
+    """AdaptiveMu (unless ``adaptive_mu`` is off) and SharingGapReselection (when ``quant.slt_budget > 0``), each
+    only when ``configured`` has none of its kind: Lightning would otherwise replace the user's with ours."""
+    from loopq.calib.mu import AdaptiveMu
+    from loopq.calib.reselection import SharingGapReselection
+
+    hp = module.hparams
+    have = {type(c) for c in configured}
+    wanted: list[L.Callback] = []
+    if hp.objective == "trajectory" and hp.adaptive_mu and not any(issubclass(t, AdaptiveMu) for t in have):
+        wanted.append(AdaptiveMu(every_n_steps=hp.mu_every_n_steps))
+    if module.quant_config.slt_budget > 0 and not any(issubclass(t, SharingGapReselection) for t in have):
+        wanted.append(
+            SharingGapReselection(
+                start_step=hp.slt_start_step,
+                every_n_steps=hp.slt_every_n_steps,
+                per_round=hp.slt_per_round,
+                probe_batches=hp.slt_probe_batches,
+            )
+        )
+    return wanted
 
 
 def load_teacher(path: str) -> LoopLM:
