@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from loopq.data.fingerprints import sampled_hashes
 from loopq.data.sampler import CalibrationSampler
 from loopq.data.stream import check_vocab, random_windows, token_stream
 from loopq.data.text import (
@@ -61,7 +62,7 @@ def load_hf_text(spec: str, max_docs: int) -> list[str]:
     if source.column not in ds.column_names:
         raise DataError(f"data.sources {spec!r}: no column {source.column!r} (has {ds.column_names})")
     docs = [row for row in ds[source.column][:max_docs] if row and row.strip()]
-    check_eval_content("\n".join(docs), f"data.sources {spec!r}")
+    check_eval_content({f"data.sources {spec!r}": sampled_hashes("\n".join(docs))})
     return docs
 
 

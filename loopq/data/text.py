@@ -23,9 +23,11 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from loopq.data.decode import read_text_file, text_suffix
 from loopq.data.errors import DataError
-from loopq.data.fingerprints import benchmark_hits
+from loopq.data.fingerprints import benchmark_hits, holds_any, sampled_hashes
 from loopq.paths import data_dir
 
 #: files that hold evaluation data; calibrating or training on them would leak the benchmarks
@@ -80,14 +82,18 @@ def check_hf_split(name: str, split: str, key: str) -> None:
         )
 
 
-def check_eval_content(text: str, label: str) -> None:
-    """Refuse text that holds fingerprints of a benchmark's evaluation files (see :mod:`loopq.data.fingerprints`)."""
-    hits = benchmark_hits(text)
+def check_eval_content(found: dict[str, np.ndarray]) -> None:
+    """Refuse sources (label -> :func:`~loopq.data.fingerprints.sampled_hashes` of their text) that hold, alone or
+    together, fingerprints of a benchmark's evaluation files; the error names the sources that hold them."""
+    hits = benchmark_hits(np.concatenate([np.zeros(0, np.uint64), *found.values()]))
     if hits:
         name, count = next(iter(hits.items()))
+        holders = [label for label, hashes in found.items() if holds_any(hashes, name)]
+        named = ", ".join(holders[:5]) + (f" and {len(holders) - 5} more" if len(holders) > 5 else "")
+        verb = "contains" if len(holders) == 1 else "together contain"
         raise DataError(
-            f"{label}: contains {name} text ({count} fingerprinted passages), a benchmark evaluation split; it must "
-            "never be used for calibration or pretraining; remove that text from the data sources"
+            f"{named}: {verb} {name} text ({count} fingerprinted passages), a benchmark evaluation "
+            "split; it must never be used for calibration or pretraining; remove that text from the data sources"
         )
 
 
@@ -131,23 +137,33 @@ def read_document(path: Path, text_key: str = "text", label: str | None = None) 
     return docs
 
 
+def read_source(path: Path, allow_eval_splits: bool = False) -> tuple[str, list[str]]:
+    """The label and non-empty documents of one source after guards 1-3 of the module docstring."""
+    real = Path(path).resolve()
+    label = source_label(Path(path), real)
+    if not allow_eval_splits and (is_eval_only(Path(path)) or is_eval_only(real)):
+        raise DataError(
+            f"{label}: is a benchmark evaluation split; it must never be used for calibration; "
+            "remove it from the data sources"
+        )
+    texts = [d for d in read_document(real, label=label) if d.strip()]
+    if not texts:
+        raise DataError(f"{label}: empty; remove it from the data sources")
+    return label, texts
+
+
 def read_training_text(files: Sequence[Path], allow_eval_splits: bool = False) -> list[str]:
-    """Documents of ``files`` after the guards of the module docstring (evaluation data is refused)."""
+    """Documents of ``files`` after the guards of the module docstring: each file alone, then all together."""
     docs: list[str] = []
+    found: dict[str, np.ndarray] = {}
     for path in files:
-        real = Path(path).resolve()
-        label = source_label(Path(path), real)
-        if not allow_eval_splits and (is_eval_only(Path(path)) or is_eval_only(real)):
-            raise DataError(
-                f"{label}: is a benchmark evaluation split; it must never be used for calibration; "
-                "remove it from the data sources"
-            )
-        found = [d for d in read_document(real, label=label) if d.strip()]
-        if not found:
-            raise DataError(f"{label}: empty; remove it from the data sources")
+        label, texts = read_source(path, allow_eval_splits)
         if not allow_eval_splits:
-            check_eval_content("\n".join(found), label)
-        docs.extend(found)
+            found[label] = sampled_hashes("\n".join(texts))
+            check_eval_content({label: found[label]})
+        docs.extend(texts)
+    if len(found) > 1:
+        check_eval_content(found)
     return docs
 
 

@@ -251,3 +251,20 @@ def test_hf_training_splits_pass_and_their_text_is_fingerprinted(data, monkeypat
     dm = module(data, ["hf:wikitext:train"])
     dm.setup()
     assert dm.samples.shape == (8, 64)
+
+
+def test_a_split_cut_into_small_renamed_files_is_refused_as_a_whole(data, tmp_path):
+    folder = tmp_path / "quizzes"
+    folder.mkdir()
+    for n, csv in enumerate(sorted((data / "mmlu" / "dev").glob("*.csv"))):
+        (folder / f"quiz{n:02d}.txt").write_bytes(csv.read_bytes())
+    alone = []  # the files that pass one by one: each holds fewer than MIN_HITS fingerprints
+    for path in sorted(folder.glob("*.txt")):
+        try:
+            read_training_text([path])
+            alone.append(path)
+        except DataError:
+            pass
+    assert len(alone) > 40
+    message = refused(alone, rf"^{folder}/quiz\d\d\.txt, .* and \d+ more: together contain MMLU dev text", (tmp_path,))
+    assert "(->" not in message
