@@ -4,11 +4,14 @@ Paper defaults (Table 5): 1024 samples x 256 tokens drawn from random windows of
 given ``seed``. Sources are local text/jsonl files (globs relative to the data root; default: the calibration
 prose in ``<shared>/data/calibration``) or ``hf:<dataset>[:split[:column]]`` for a Hugging Face dataset such
 as the paper's ``hf:mit-han-lab/pile-val-backup:validation:text`` (needs hub access; never used in tests).
+Every source passes the guards of :mod:`loopq.data.text`: an ``hf:`` source is refused by dataset id and split
+before anything is downloaded (already when the module is built), and by content after the download.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -16,23 +19,51 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from loopq.data.fingerprints import sampled_hashes
 from loopq.data.sampler import CalibrationSampler
 from loopq.data.stream import check_vocab, random_windows, token_stream
-from loopq.data.text import DEFAULT_CALIBRATION_SOURCES, DataError, read_training_text, resolve_sources
+from loopq.data.text import (
+    DEFAULT_CALIBRATION_SOURCES,
+    DataError,
+    check_eval_content,
+    check_hf_split,
+    read_training_text,
+    resolve_sources,
+)
 from loopq.data.tokenizer import load_tokenizer
 from loopq.paths import data_dir
 
 
+@dataclass(frozen=True)
+class HFSource:
+    """``hf:name[:split[:column]]``; split defaults to ``validation``, column to ``text``."""
+
+    name: str
+    split: str = "validation"
+    column: str = "text"
+
+    @classmethod
+    def parse(cls, spec: str) -> HFSource:
+        """Parse and guard (no download): evaluation splits of benchmarks are refused here."""
+        parts = [*spec[3:].split(":"), "", ""]
+        source = cls(parts[0], parts[1] or cls.split, parts[2] or cls.column)
+        if not source.name:
+            raise DataError(f"data.sources {spec!r}: no dataset name; write hf:<dataset>[:split[:column]]")
+        check_hf_split(source.name, source.split, f"data.sources {spec!r}")
+        return source
+
+
 def load_hf_text(spec: str, max_docs: int) -> list[str]:
     """``hf:name[:split[:column]]`` -> documents (a user with hub access; ``datasets`` does the download)."""
-    parts = spec[3:].split(":")
-    name, split, column = parts[0], (parts[1:2] or ["validation"])[0], (parts[2:3] or ["text"])[0]
+    source = HFSource.parse(spec)
     import datasets
 
-    ds = datasets.load_dataset(name, split=split)
-    if column not in ds.column_names:
-        raise DataError(f"data.sources {spec!r}: no column {column!r} (has {ds.column_names})")
-    return [row for row in ds[column][:max_docs] if row and row.strip()]
+    ds = datasets.load_dataset(source.name, split=source.split)
+    if source.column not in ds.column_names:
+        raise DataError(f"data.sources {spec!r}: no column {source.column!r} (has {ds.column_names})")
+    docs = [row for row in ds[source.column][:max_docs] if row and row.strip()]
+    check_eval_content({f"data.sources {spec!r}": sampled_hashes("\n".join(docs))})
+    return docs
 
 
 @functools.lru_cache(maxsize=4)
@@ -42,12 +73,14 @@ def _tokenized(tokenizer: str, sources: tuple[str, ...], root: Path | None) -> T
 
 
 def load_calibration_docs(sources: list[str], root: Path | None) -> list[str]:
-    docs: list[str] = []
+    """Documents of the ``hf:`` sources then the local files; every name is checked and every local file read (and
+    guarded) before anything is downloaded."""
+    hub = [s for s in sources if s.startswith("hf:")]
+    for spec in hub:
+        HFSource.parse(spec)
     local = [s for s in sources if not s.startswith("hf:")]
-    for spec in (s for s in sources if s.startswith("hf:")):
-        docs.extend(load_hf_text(spec, max_docs=20000))
-    if local:
-        docs.extend(read_training_text(resolve_sources(local, root)))
+    local_docs = read_training_text(resolve_sources(local, root)) if local else []
+    docs = [doc for spec in hub for doc in load_hf_text(spec, max_docs=20000)] + local_docs
     if not docs:
         raise DataError("data.sources: no text found; list at least one non-empty file")
     return docs
@@ -72,6 +105,9 @@ class CalibrationDataModule(L.LightningDataModule):
         super().__init__()
         if num_samples < 1 or seq_len < 2 or batch_size < 1:
             raise DataError("data.num_samples, data.seq_len and data.batch_size must be positive (seq_len >= 2)")
+        for spec in sources or ():
+            if spec.startswith("hf:"):
+                HFSource.parse(spec)  # refuse an evaluation split before the teacher is even loaded
         self.save_hyperparameters()
         self.samples: Tensor | None = None
         self.holdout: Tensor | None = None
