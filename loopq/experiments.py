@@ -26,9 +26,10 @@ from pathlib import Path
 
 from jsonargparse import CLI
 
-from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
+from loopq.calib.student_io import read_meta
+from loopq.errors import run_cli
 from loopq.evaluate import evaluate
-from loopq.models.io import atomic_write
+from loopq.models.io import atomic_write, read_json
 from loopq.paths import REPO_ROOT
 
 BITS = {"w4a4": 4, "w4a8": 8}
@@ -128,7 +129,7 @@ def _eval(path: Path, **kwargs: object) -> Path:
     if path.is_file():  # experiments resume: finished evaluations are kept
         return path
     evaluate(out=str(path), **kwargs)  # type: ignore[arg-type]
-    print(f"[loopq] wrote {path}: {json.loads(path.read_text())['wikitext2_ppl']:.2f} WT2 ppl")
+    print(f"[loopq] wrote {path}: {read_json(path)['wikitext2_ppl']:.2f} WT2 ppl")
     return path
 
 
@@ -140,7 +141,7 @@ def _calibrated(model: str, root: Path, slug: str, config: str, a_bits: int, ext
 
 def _tag(path: Path, **fields: object) -> Path:
     """Add the swept ``fields`` to a result JSON (atomically)."""
-    data = json.loads(path.read_text())
+    data = read_json(path)
     if any(data.get(k) != v for k, v in fields.items()):
         data.update(fields)
         atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
@@ -205,7 +206,7 @@ def loops(
     WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
     loop (the output after n loops does not depend on later loops), written as one JSON per n with
     ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately."""
-    calibrated = json.loads((Path(student) / STUDENT_CONFIG).read_text())["calibrated_loops"]
+    calibrated = read_meta(Path(student))["calibrated_loops"]
     top = max_loops or 2 * calibrated
     root, written = Path(out), []
     rows = {
@@ -225,7 +226,7 @@ def loops(
 
 def per_loop_result(source: Path, n: int) -> Path:
     """The result at ``n`` loops read off the per-loop perplexities of a longer WikiText-2 evaluation."""
-    data = json.loads(source.read_text())
+    data = read_json(source)
     ppl = data["wikitext2_per_loop_ppl"][n - 1]
     derived = {
         **data,
@@ -240,8 +241,8 @@ def per_loop_result(source: Path, n: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    CLI([table1, ablations, slt_budget, num_samples, loops], args=argv, as_positional=False)
+    CLI([table1, ablations, slt_budget, num_samples, loops], args=argv, as_positional=False, exit_on_error=False)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

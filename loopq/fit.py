@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from loopq.calib.module import LoopQCalibration
 from loopq.data.calibration import CalibrationDataModule
+from loopq.errors import run_cli
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "use_distributed_sampler": False,  # CalibrationSampler shards the global batch itself
@@ -60,7 +61,7 @@ def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCL
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False},
+        parser_kwargs={"default_env": False, "exit_on_error": False},
     )
 
 
@@ -94,4 +95,4 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from loopq.calib.losses import teacher_topk
 from loopq.models.base import LoopLM
-from loopq.models.io import atomic_write
+from loopq.models.io import atomic_write, read_safetensors
 
 
 @dataclass
@@ -110,7 +110,7 @@ def load_or_compute(
         barrier()
     if not path.is_file():
         raise FileNotFoundError(f"{path}: teacher targets missing after rank 0 wrote them; is cache_dir shared?")
-    loaded = load_file(str(path))
+    loaded = read_safetensors(path, fix="delete it: the targets are recomputed from the teacher")
     return TeacherTargets(loaded["values"], loaded["indices"], loaded["states"])
 
 

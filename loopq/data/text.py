@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from loopq.errors import LoopQError
 from loopq.paths import data_dir
 
 #: files that hold evaluation data; calibrating or training on them would leak the benchmarks
@@ -31,7 +32,7 @@ DEFAULT_TRAINING_SOURCES = (
 DEFAULT_CALIBRATION_SOURCES = ("calibration/*.txt",)
 
 
-class DataError(ValueError):
+class DataError(LoopQError):
     """Bad data input; the message names the file or key and what to do."""
 
 

@@ -12,6 +12,7 @@ import sys
 from lm_eval.__main__ import cli_evaluate
 
 import loopq.eval.lm  # noqa: F401  (registers the "loopq" model)
+from loopq.errors import run_cli
 from loopq.eval.tasks import TASKS_DIR
 
 
@@ -24,4 +25,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
