@@ -25,6 +25,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
         from loopq.models.io import resolve_model_dir
 
         p = resolve_model_dir(path)
+        if not p.exists():
+            raise TokenizerError(f"{p}: no such file or directory; pass the model directory (with tokenizer.json)")
     candidates = [p] if p.is_file() else [p / "tokenizer.json", *sorted(p.glob("*okenizer*.json"))]
     for file in candidates:
         if file.is_file() and file.suffix == ".json" and file.name != "encoder.json":
