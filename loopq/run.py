@@ -58,7 +58,7 @@ from loopq.eval.tasks import check_tasks
 from loopq.evaluate import evaluate
 from loopq.export import META as EXPORT_META
 from loopq.export import export_student, footprint, load_quantized
-from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
+from loopq.models.io import architecture_for, atomic_write, read_config, read_json, resolve_model_dir
 from loopq.quant import QuantConfig
 from loopq.quant.packed import check_kernel_support
 from loopq.report import build_report, load_result, load_run
@@ -313,7 +313,7 @@ class Pipeline:
         }
 
     def print_summary(self) -> None:
-        results = {method: json.loads(path.read_text()) for method, path in self.result_paths().items()}
+        results = {method: read_json(path, PipelineError) for method, path in self.result_paths().items()}
         windows = results["FP"]["wikitext2_windows"]
         ppl = " | ".join(f"{method} {r['wikitext2_ppl']:.2f}" for method, r in results.items())
         say(f"done in {clock(time.monotonic() - self.started)}; report: {self.report_path}")
