@@ -29,6 +29,7 @@ from jsonargparse import CLI
 
 from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
+from loopq.errors import UsageError, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import atomic_write, resolve_model_dir
@@ -40,6 +41,8 @@ from loopq.quant.prepare import prepare_static
 BITS = {"w4a4": (4, 4), "w4a8": (4, 8), "w3a3": (3, 3), "w8a8": (8, 8)}
 #: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
 STATIC_METHODS = {"symmetric": "rtn", "rtn": "rtn", "smoothquant": "smoothquant", "quarot": "quarot"}
+#: the ``--method`` labels of a ``--model`` (case does not matter)
+MODEL_METHODS = ("FP", "Symmetric", "RTN", "SmoothQuant", "QuaRot")
 
 
 def static_method(label: str) -> str | None:
@@ -50,9 +53,42 @@ def static_method(label: str) -> str | None:
 
 def static_config(method: str, bits: str, group_size: int = 32) -> QuantConfig:
     """The config of a training-free baseline at ``bits`` (``w4a4``, ``w4a8``, ...)."""
-    if bits not in BITS:
-        raise ValueError(f"--bits {bits!r}: use one of {sorted(BITS)}")
+    check_bits(bits)
     return QuantConfig.of_method(method, *BITS[bits], group_size=group_size)
+
+
+def check_bits(bits: str) -> None:
+    if bits not in BITS:
+        raise UsageError(f"--bits {bits!r}: use one of {sorted(BITS)}")
+
+
+def check_method(method: str) -> None:
+    """A ``--model`` is evaluated as FP or as a training-free baseline built from it; any other label would
+    report the teacher's numbers under that label (a typo such as ``QuaRott``), so it is refused."""
+    key = method.lower()
+    if key in METHODS and METHODS[key].trained:
+        raise UsageError(f"--method {method} is calibrated by python -m loopq.fit; evaluate its --student directory")
+    if key != "fp" and static_method(method) is None:
+        raise UsageError(
+            f"--method {method!r} is not a method for --model; use {MODEL_METHODS} (RTN... labels are RTN), or "
+            "evaluate a calibrated --student / --exported model under any label"
+        )
+
+
+def check_options(
+    model: str | None, student: str | None, exported: str | None, method: str, bits: str, tasks: list[str]
+) -> None:
+    """Every option that can be checked without loading a model, checked before anything is loaded."""
+    if [model, student, exported].count(None) != 2:
+        raise UsageError("pass exactly one of --model (FP or a training-free baseline), --student or --exported")
+    if model is not None:
+        check_method(method)
+        if static_method(method) is not None:
+            check_bits(bits)
+    if tasks:
+        from loopq.eval.tasks import check_tasks
+
+        check_tasks(tasks)
 
 
 def build(
@@ -77,9 +113,8 @@ def build(
         quant = read_export_meta(Path(exported))["quant"]  # sealed: an edited description is refused
         return load_quantized(exported), exported, f"w{quant['w_bits']}a{quant['a_bits']}"
     if model is None:
-        raise ValueError("pass --model (FP or a training-free baseline), --student or --exported")
-    if method.lower() in METHODS and METHODS[method.lower()].trained:
-        raise ValueError(f"--method {method} is calibrated by python -m loopq.fit; evaluate its --student directory")
+        raise UsageError("pass --model (FP or a training-free baseline), --student or --exported")
+    check_method(method)
     teacher = load_looplm(model)
     model_dir = str(resolve_model_dir(model))
     baseline = static_method(method)
@@ -114,7 +149,9 @@ def evaluate(
     content hash). The JSON records the provenance: the teacher's content hash, and a student's or export's
     calibration config."""
     if ppl_windows is not None and ppl_windows < 1:
-        raise ValueError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
+        raise UsageError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
+    task_list = ["loopq_paper"] if tasks is None else tasks
+    check_options(model, student, exported, method, bits, task_list)
     start = time.time()
     net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len, teacher)
     tokenizer = load_tokenizer(tok_dir)
@@ -135,7 +172,6 @@ def evaluate(
     }
     if model and static_method(method) not in (None, "rtn"):
         result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
-    task_list = ["loopq_paper"] if tasks is None else tasks
     if task_list:
         result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)
     result["seconds"] = round(time.time() - start, 1)
@@ -176,11 +212,11 @@ def run_lm_eval(
 
 
 def main(argv: list[str] | None = None) -> None:
-    result = CLI(evaluate, args=argv, as_positional=False)
+    result = CLI(evaluate, args=argv, as_positional=False, exit_on_error=False)
     print(json.dumps({k: v for k, v in result.items() if k != "lm_eval"}, indent=1))
     if "lm_eval" in result:
         print(json.dumps(result["lm_eval"]["paper_metrics"], indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -35,8 +35,9 @@ from pathlib import Path
 from jsonargparse import CLI
 
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
+from loopq.errors import run_cli
 from loopq.evaluate import evaluate
-from loopq.models.io import atomic_write
+from loopq.models.io import atomic_write, read_json
 from loopq.paths import REPO_ROOT
 from loopq.stats import log_gap_recovery, separated, summarize
 
@@ -168,7 +169,7 @@ def _eval(path: Path, **kwargs: object) -> Path:
     if path.is_file():  # experiments resume: finished evaluations are kept
         return path
     evaluate(out=str(path), **kwargs)  # type: ignore[arg-type]
-    print(f"[loopq] wrote {path}: {json.loads(path.read_text())['wikitext2_ppl']:.2f} WT2 ppl")
+    print(f"[loopq] wrote {path}: {read_json(path)['wikitext2_ppl']:.2f} WT2 ppl")
     return path
 
 
@@ -181,7 +182,7 @@ def _calibrated(model: str, root: Path, slug: str, config: str, a_bits: int, ext
 def _tag(path: Path, **fields: object) -> Path:
     """Add the swept ``fields`` (those not None) to a result JSON (atomically)."""
     fields = {k: v for k, v in fields.items() if v is not None}
-    data = json.loads(path.read_text())
+    data = read_json(path)
     if any(data.get(k) != v for k, v in fields.items()):
         data.update(fields)
         atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
@@ -250,7 +251,9 @@ def loops(
     WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
     loop (the output after n loops does not depend on later loops), written as one JSON per n with
     ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately."""
-    calibrated = json.loads((Path(student) / STUDENT_CONFIG).read_text())["calibrated_loops"]
+    calibrated = read_json(Path(student) / STUDENT_CONFIG, fix="pass a student written by python -m loopq.fit")[
+        "calibrated_loops"
+    ]
     top = max_loops or 2 * calibrated
     root, written = Path(out), []
     rows = {
@@ -270,7 +273,7 @@ def loops(
 
 def per_loop_result(source: Path, n: int) -> Path:
     """The result at ``n`` loops read off the per-loop perplexities of a longer WikiText-2 evaluation."""
-    data = json.loads(source.read_text())
+    data = read_json(source)
     ppl = data["wikitext2_per_loop_ppl"][n - 1]
     derived = {
         **data,
@@ -291,7 +294,7 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     root = Path(out)
     rows: dict[tuple[str, str], list[float]] = {}
     for path in sorted(root.glob("*.json")):
-        data = json.loads(path.read_text())
+        data = read_json(path)
         if "wikitext2_ppl" in data and not any(k in data for k in SWEEP_TAGS):
             rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
     fp = rows.get(("FP", "fp"))
@@ -320,8 +323,13 @@ def summary(out: str, reference: str = "LoopQ") -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    CLI([table1, ablations, slt_budget, num_samples, loops, summary], args=argv, as_positional=False)
+    CLI(
+        [table1, ablations, slt_budget, num_samples, loops, summary],
+        args=argv,
+        as_positional=False,
+        exit_on_error=False,
+    )
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -26,7 +26,6 @@ loop-dependent quantization parameters and FP modules (at their loaded dtype), a
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shutil
@@ -36,15 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
 from loopq.calib.student_io import StudentFormatError, load_student
+from loopq.errors import OneLineParser, run_cli
 from loopq.kernels import GROUP_SIZE
-from loopq.models.base import LoopLM, LoopLMError
-from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
+from loopq.models.base import LoopLM
+from loopq.models.io import architecture_for, atomic_write, read_config, read_json, read_safetensors, resolve_model_dir
 from loopq.provenance import json_digest
 from loopq.quant.config import QuantConfig
 from loopq.quant.cta import TransitionAdapters
@@ -161,7 +161,7 @@ def read_export_meta(directory: Path) -> dict[str, Any]:
     path = directory / META
     if not path.is_file():
         raise ExportError(f"{path}: missing - {directory} is not a LoopQ export (run python -m loopq.export)")
-    meta = json.loads(path.read_text())
+    meta = read_json(path, ExportError, "export again with python -m loopq.export")
     if meta.get("format") != FORMAT:
         raise ExportError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}; re-export with this version")
     sealed = meta.pop("meta_sha256", None)
@@ -217,7 +217,7 @@ def _read_state(
     path = directory / WEIGHTS
     if not path.is_file():
         raise ExportError(f"{path}: missing - the export in {directory} is incomplete; export again")
-    state = load_file(str(path))
+    state = read_safetensors(path, ExportError, "export again with python -m loopq.export")
     for alias, name in aliases.items():
         if name in state:
             state.setdefault(alias, state[name])
@@ -337,7 +337,7 @@ def check_student_dir(directory: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(prog="python -m loopq.export", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m loopq.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", type=Path, required=True, help=f"student directory ({STUDENT_CONFIG} + weights)")
     parser.add_argument("--out", type=Path, required=True, help="export directory to write")
     parser.add_argument(
@@ -353,7 +353,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (StudentFormatError, ExportError, LoopLMError) as err:
-        raise SystemExit(f"error: {err}") from err
+    run_cli(main)

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration
 from loopq.data.calibration import CalibrationDataModule
+from loopq.errors import run_cli
 from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record
 
 #: options that do not change the calibrated student: a resume or a loopq.run re-run may differ in them
@@ -91,7 +92,7 @@ def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCL
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False},
+        parser_kwargs={"default_env": False, "exit_on_error": False},
     )
 
 
@@ -170,4 +171,4 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

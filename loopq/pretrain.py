@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, train_bpe
+from loopq.errors import run_cli
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
 
@@ -243,10 +244,10 @@ def main(args: list[str] | None = None) -> None:
         args=args,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False},
+        parser_kwargs={"default_env": False, "exit_on_error": False},
     )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -10,7 +10,7 @@ Every artifact a run writes (teacher-target cache, calibration checkpoint, stude
 
 Readers compare the record with what they are about to combine it with and refuse a mismatch with one line naming
 the differing keys (:func:`check_same`); each CLI offers an explicit override where a user may really want one.
-This module sits at the bottom of the package: it imports nothing from ``loopq``.
+This module sits at the bottom of the package: it imports only :mod:`loopq.errors`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loopq.errors import LoopQError
+
 #: files of a model directory whose bytes define the teacher (weights, shapes and tokenizer)
 TEACHER_FILE_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json")
 
 _FILE_MEMO: dict[tuple[str, int, int], str] = {}
 
 
-class ProvenanceError(ValueError):
+class ProvenanceError(LoopQError):
     """An artifact was made from another teacher or config than the one it is used with; the message names what."""
 
 

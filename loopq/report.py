@@ -37,7 +37,6 @@ import glob
 import json
 import math
 import re
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,8 +49,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from loopq.errors import LoopQError, OneLineParser, run_cli
 from loopq.eval.tasks import PAPER_METRICS
 from loopq.models.io import atomic_write
+from loopq.models.io import read_json as read_json_file
 
 PTQ_COLUMN = "WT2-PTQ"
 COLUMNS: list[str] = [*PAPER_METRICS, PTQ_COLUMN]
@@ -68,7 +69,7 @@ SWEEP_FIELDS = {"slt_budget": ("fig4_ppl_vs_slt_budget.png", 4), "num_samples": 
 DASH = "–"
 
 
-class ReportInputError(ValueError):
+class ReportInputError(LoopQError):
     """An input file or directory that cannot be used; the message names it."""
 
 
@@ -101,14 +102,7 @@ class Result:
 
 
 def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ReportInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ReportInputError(f"{path}: cannot be read ({err})") from None
-    except json.JSONDecodeError as err:
-        raise ReportInputError(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from None
+    return read_json_file(path, ReportInputError, "pass a result JSON written by python -m loopq.evaluate")
 
 
 def model_meta(model: str | None) -> dict[str, Any] | None:
@@ -697,7 +691,7 @@ def build_report(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loopq.report", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m loopq.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", nargs="+", required=True, help="loopq.evaluate result JSONs")
     parser.add_argument("--runs", nargs="*", default=[], help="loopq.fit run directories")
     parser.add_argument("--sweeps", nargs="*", default=[], help="result JSONs with slt_budget / num_samples")
@@ -722,8 +716,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ReportInputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_cli(main)

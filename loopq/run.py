@@ -50,31 +50,28 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from loopq import fit
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.calib.student_io import StudentFormatError, check_student_teacher, load_student, read_meta
+from loopq.calib.student_io import check_student_teacher, load_student, read_meta
 from loopq.callbacks.line_progress import LineProgress
-from loopq.data.text import DataError
 from loopq.data.tokenizer import load_tokenizer
+from loopq.errors import LoopQError, OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
+from loopq.eval.tasks import check_tasks
 from loopq.evaluate import evaluate
 from loopq.export import META as EXPORT_META
-from loopq.export import ExportError, export_student, footprint, load_quantized
-from loopq.models import LoopLMError
-from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
-from loopq.provenance import ProvenanceError, teacher_fingerprint
+from loopq.export import export_student, footprint, load_quantized
+from loopq.models.io import architecture_for, atomic_write, read_config, read_json, resolve_model_dir
+from loopq.provenance import teacher_fingerprint
 from loopq.quant import QuantConfig
-from loopq.report import ReportInputError, build_report, load_result, load_run
+from loopq.quant.packed import check_kernel_support
+from loopq.report import build_report, load_result, load_run
 
 DEFAULT_LIMIT = 10
 EXPORT_CHECK_WINDOWS = 8
 MANIFEST = "pipeline.json"
 
 
-class PipelineError(ValueError):
+class PipelineError(LoopQError):
     """Bad input, or a run directory that cannot be reused as asked; the message says what to do."""
-
-
-#: failures that end the command with one line (``error: ...``) instead of a traceback
-ERRORS = (PipelineError, LoopLMError, StudentFormatError, ExportError, ReportInputError, DataError, ProvenanceError)
 
 
 @dataclass(frozen=True)
@@ -316,7 +313,7 @@ class Pipeline:
         }
 
     def print_summary(self) -> None:
-        results = {method: json.loads(path.read_text()) for method, path in self.result_paths().items()}
+        results = {method: read_json(path, PipelineError) for method, path in self.result_paths().items()}
         windows = results["FP"]["wikitext2_windows"]
         ppl = " | ".join(f"{method} {r['wikitext2_ppl']:.2f}" for method, r in results.items())
         say(f"done in {clock(time.monotonic() - self.started)}; report: {self.report_path}")
@@ -409,6 +406,15 @@ def check_teacher(teacher: str) -> None:
     architecture_for(read_config(directory), str(directory / "config.json"))
 
 
+def check_before_calibration(config: Any, options: Options) -> None:
+    """What the later stages would refuse, refused in the first seconds instead of after the calibration: bits
+    and group size the export kernels do not run, lm-eval task names the evaluations do not know."""
+    quant = asked_quant(config)
+    check_kernel_support(quant["w_bits"], quant["a_bits"], quant["group_size"], key="--model.quant")
+    if options.tasks:
+        check_tasks(options.tasks)
+
+
 def check_configs(fit_args: list[str]) -> None:
     """``--config`` files must exist (jsonargparse would print its whole usage for a typo)."""
     for i, arg in enumerate(fit_args):
@@ -432,7 +438,7 @@ def limit_arg(text: str) -> int | None:
 
 def parse_args(argv: list[str] | None) -> tuple[Options, list[str]]:
     """The pipeline's own options; everything else is handed to the calibration CLI (``loopq.fit``)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m loopq.run",
         description="Calibrate, export, evaluate and report in one command (see the module docstring).",
         epilog="Every other option is python -m loopq.fit's (--config, --trainer.*, --model.*, --data.*, "
@@ -456,12 +462,9 @@ def main(argv: list[str] | None = None) -> Path:
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli: DeferredCLI = fit.build_cli(fit_args, DeferredCLI)  # type: ignore[assignment]
     check_teacher(str(cli.config.model.teacher))
+    check_before_calibration(cli.config, options)
     return Pipeline(cli, options).run()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_cli(main)

@@ -21,7 +21,6 @@ are exact in binary floating point and the FP logits are bit-identical.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -35,6 +34,7 @@ from torch import Tensor
 
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import load_tokenizer
+from loopq.errors import OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, prepare
@@ -241,7 +241,7 @@ def write(model_dir: Path, name: str, result: dict[str, Any], extra: str = "") -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m loopq.testbed", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model", type=Path, required=True, help="model directory (config.json, weights, tokenizer.json)"
     )
@@ -272,4 +272,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -42,6 +42,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from loopq.models.io import read_json
+
 #: the LoopQ state a DeepSpeed checkpoint directory carries next to DeepSpeed's own files
 SIDECAR = "loopq.json"
 #: set to 0 to skip DeepSpeed's JIT-compiled shared-memory op for CPU collectives
@@ -117,7 +119,7 @@ def read_sidecar(ckpt_path: str | os.PathLike | None) -> dict[str, Any] | None:
             f"{path}: missing - {ckpt_path} is a DeepSpeed checkpoint directory not written by loopq.fit "
             "(LoopQDeepSpeedStrategy writes it next to every checkpoint)"
         )
-    return json.loads(path.read_text())
+    return read_json(path, fix=f"{ckpt_path} was not written completely; resume from another checkpoint")
 
 
 def is_zero3(strategy: Any) -> bool:

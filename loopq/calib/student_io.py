@@ -17,19 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from loopq.errors import LoopQError
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import atomic_write
+from loopq.models.io import atomic_write, read_json, read_safetensors
 from loopq.provenance import ProvenanceError, teacher_fingerprint
 from loopq.quant import QuantConfig, prepare, quant_groups
 
 WEIGHTS = "loopq_student.safetensors"
 CONFIG = "loopq_quant.json"
 FORMAT = "loopq-student-v1"
+RECALIBRATE = "calibrate the student again with python -m loopq.fit"
 
 
-class StudentFormatError(ValueError):
+class StudentFormatError(LoopQError):
     """Not a LoopQ student directory (or a damaged one); the message names the file."""
 
 
@@ -65,7 +67,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise StudentFormatError(f"{path}: missing - {directory} is not a LoopQ student (run python -m loopq.fit)")
-    meta = json.loads(path.read_text())
+    meta = read_json(path, StudentFormatError, RECALIBRATE)
     if meta.get("format") != FORMAT:
         raise StudentFormatError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
     return meta
@@ -125,7 +127,7 @@ def load_student(
         if name not in groups:
             raise StudentFormatError(f"{directory / CONFIG}: promoted group {name!r} does not exist in the teacher")
         groups[name].promote()
-    state = load_file(str(directory / WEIGHTS))
+    state = read_safetensors(directory / WEIGHTS, StudentFormatError, RECALIBRATE)
     expected = {n for n, p in student.named_parameters() if p.requires_grad}
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from loopq.calib.losses import teacher_topk
 from loopq.models.base import LoopLM
-from loopq.models.io import atomic_write
+from loopq.models.io import atomic_write, read_safetensors
 from loopq.provenance import ProvenanceError
 
 
@@ -116,7 +116,7 @@ def load_or_compute(
         raise ProvenanceError(
             f"{path}: teacher targets of teacher {recorded[:12]}, not of {teacher_sha256[:12]}; delete the file"
         )
-    loaded = load_file(str(path))
+    loaded = read_safetensors(path, fix="delete it: the targets are recomputed from the teacher")
     return TeacherTargets(loaded["values"], loaded["indices"], loaded["states"])
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from loopq.errors import LoopQError
+
 EOS_TOKEN = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(LoopQError):
     """A tokenizer file is missing or unusable; the message names the path."""
 
 
@@ -23,16 +25,29 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
         from loopq.models.io import resolve_model_dir
 
         p = resolve_model_dir(path)
+        if not p.exists():
+            raise TokenizerError(f"{p}: no such file or directory; pass the model directory (with tokenizer.json)")
     candidates = [p] if p.is_file() else [p / "tokenizer.json", *sorted(p.glob("*okenizer*.json"))]
     for file in candidates:
         if file.is_file() and file.suffix == ".json" and file.name != "encoder.json":
-            return Tokenizer.from_file(str(file))
+            return _tokenizer_file(file)
     if (p / "encoder.json").is_file() and (p / "vocab.bpe").is_file():
         tok = Tokenizer(models.BPE.from_file(str(p / "encoder.json"), str(p / "vocab.bpe")))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         return tok
-    raise TokenizerError(f"{p}: no tokenizer.json and no GPT-2 encoder.json + vocab.bpe; pass a tokenizer path")
+    raise TokenizerError(
+        f"{p}: no tokenizer.json and no GPT-2 encoder.json + vocab.bpe; copy the model's tokenizer files into it"
+    )
+
+
+def _tokenizer_file(file: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # the tokenizers library raises a bare Exception for any malformed file
+        raise TokenizerError(
+            f"{file}: not a readable tokenizer file ({err}); copy an intact tokenizer.json of the model"
+        ) from None
 
 
 def eos_id(tokenizer: Tokenizer) -> int:

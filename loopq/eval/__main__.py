@@ -3,6 +3,8 @@
     python -m loopq.eval --model loopq --model_args pretrained=<model dir>,num_loops=4 --tasks loopq_paper
 
 Any lm-eval flag works; ``--include_path`` defaults to ``loopq/eval/tasks`` (lm-eval's own tasks stay available).
+A ``pretrained`` directory that holds no model is refused before lm-eval indexes its tasks, and an unknown task
+name ends with one ``error:`` line naming ``--tasks``.
 """
 
 from __future__ import annotations
@@ -12,16 +14,47 @@ import sys
 from lm_eval.__main__ import cli_evaluate
 
 import loopq.eval.lm  # noqa: F401  (registers the "loopq" model)
+from loopq.errors import UsageError, run_cli
 from loopq.eval.tasks import TASKS_DIR
+from loopq.models.io import read_config, resolve_model_dir
+
+#: how lm-eval words an unknown ``--tasks`` name (a plain ValueError)
+TASKS_NOT_FOUND = "Tasks not found"
+
+
+def option(args: list[str], name: str) -> str | None:
+    """The value of ``--name value`` or ``--name=value`` in ``args``."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def check_pretrained(args: list[str]) -> None:
+    """``--model loopq --model_args pretrained=<dir>``: the directory must hold a model (config.json)."""
+    if option(args, "--model") != "loopq":
+        return
+    pairs = dict(p.split("=", 1) for p in (option(args, "--model_args") or "").split(",") if "=" in p)
+    if "pretrained" in pairs:
+        read_config(resolve_model_dir(pairs["pretrained"]))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and "--include_path" not in args and not {"-h", "--help"} & set(args):
-        args += ["--include_path", str(TASKS_DIR)]
+    if args and not {"-h", "--help"} & set(args):
+        check_pretrained(args)
+        if "--include_path" not in args:
+            args += ["--include_path", str(TASKS_DIR)]
     sys.argv = [sys.argv[0], *args]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ValueError as err:
+        if not str(err).startswith(TASKS_NOT_FOUND):
+            raise
+        raise UsageError(f"--tasks: {err}; `--tasks list` shows the known tasks") from err
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

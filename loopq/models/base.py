@@ -35,10 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from loopq.errors import LoopQError
+
 ConfigT = TypeVar("ConfigT")
 
 
-class LoopLMError(ValueError):
+class LoopLMError(LoopQError):
     """Bad model input (config, checkpoint, arguments): the message names the file or key and the fix."""
 
 

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from loopq.errors import LoopQError
 from loopq.models.base import LoopLM, LoopLMError
 
 
@@ -36,10 +37,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
     if not path.is_file():
         raise LoopLMError(f"{path}: no config.json; point `path` at a model directory (config.json + weights)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise LoopLMError(f"{path}: not valid JSON ({err}); re-export the config") from err
+    return read_json(path, LoopLMError, "fix it or re-download the model")
 
 
 def architecture_for(config: Mapping[str, Any], source: str = "config.json") -> type[LoopLM]:
@@ -53,12 +51,39 @@ def architecture_for(config: Mapping[str, Any], source: str = "config.json") -> 
     return found[0]
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
+def read_json(path: Path, error: type[Exception] = LoopQError, fix: str = "fix or rewrite it") -> Any:
+    """The JSON document in ``path``; a missing, unreadable or malformed file raises ``error`` naming the file
+    and, for a syntax error, where it is (``fix`` says what to do)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(f"{path}: cannot be read as JSON text ({err}); {fix}") from None
+
+
+def read_safetensors(
+    path: Path, error: type[Exception] = LoopQError, fix: str = "re-download or re-export it"
+) -> dict[str, Tensor]:
+    """The tensors of a safetensors file; a missing, truncated or foreign file raises ``error`` naming it (``fix``
+    says how to get an intact copy; a torch zip/pickle checkpoint is told apart and pointed to a conversion)."""
     try:
         return load_file(str(path))
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
     except (SafetensorError, OSError, ValueError) as err:
-        hint = " (it looks like a pickle/zip archive, not safetensors)" if zipfile.is_zipfile(path) else ""
-        raise LoopLMError(f"{path}: cannot read as safetensors{hint}: {err}; convert it with safetensors") from err
+        if zipfile.is_zipfile(path):
+            raise error(
+                f"{path}: a torch zip/pickle checkpoint, not safetensors; convert it (load it with torch.load "
+                "and write it with safetensors.torch.save_file)"
+            ) from None
+        raise error(f"{path}: not a readable safetensors file, truncated or corrupt ({err}); {fix}") from None
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    return read_safetensors(path, LoopLMError, "re-download the model (or re-export it)")
 
 
 def _read_torch_bin(path: Path) -> dict[str, Tensor]:
@@ -78,7 +103,7 @@ def read_weights(directory: Path) -> dict[str, Tensor]:
     if single.is_file():
         return _read_safetensors(single)
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(read_json(index, LoopLMError, "re-download the model")["weight_map"].values()))
         state: dict[str, Tensor] = {}
         for shard in shards:
             state.update(_read_safetensors(directory / shard))

@@ -183,8 +183,15 @@ class OuroLM(LoopLM):
     ) -> tuple[Tensor, dict[str, Any]]:
         if exit_mode not in EXIT_MODES:
             raise LoopLMError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
+        seq = input_ids.shape[1]
+        if seq > self.config.max_position_embeddings:
+            raise LoopLMError(
+                f"input has {seq} tokens but config.json max_position_embeddings="
+                f"{self.config.max_position_embeddings} (the positions RoPE was trained on); crop the input to "
+                "max_position_embeddings tokens"
+            )
         h = self.model.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = torch.arange(seq, device=input_ids.device)
         cos, sin = rope_tables(self.config.dh, self.config.rope_theta, positions, h.dtype)
         threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
         return h, {"cos": cos, "sin": sin, "exit_mode": exit_mode, "exit_threshold": threshold}

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from loopq.errors import LoopQError
 from loopq.quant.primitives import SUPPORTED_BITS
 
 TRANSFORM_INITS = ("identity", "rotation", "random")
@@ -51,7 +52,7 @@ METHODS: dict[str, Method] = {
 }
 
 
-class QuantConfigError(ValueError):
+class QuantConfigError(LoopQError):
     """An invalid quantization setting; the message names the key."""
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight
 from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.transforms import KroneckerTransform, fold_weight, kron_factors
@@ -47,7 +48,7 @@ from loopq.quant.transforms import KroneckerTransform, fold_weight, kron_factors
 ACT_BITS = (4, 8)  # W4A4 and W4A8 kernels
 
 
-class ExportError(ValueError):
+class ExportError(LoopQError):
     """A student, group or export directory the packed format cannot represent; the message names the culprit."""
 
 
@@ -93,19 +94,22 @@ class PackedGroupSpec:
         return cls(**{**data, "names": tuple(data["names"]), "splits": tuple(data["splits"])})
 
 
+def check_kernel_support(w_bits: int, a_bits: int, group_size: int, key: str = "quant") -> None:
+    """The kernels run int4 weights, 4/8-bit activations and groups of 32 inputs; say which ``key`` to change.
+
+    Checked per group at export and, on the config alone, before a calibration whose student will be exported
+    (``python -m loopq.run``), so an unexportable setting is refused in seconds, not after the calibration."""
+    if w_bits != 4:
+        raise ExportError(f"{key}.w_bits={w_bits}, but the kernels pack int4 weights; use w_bits=4")
+    if a_bits not in ACT_BITS:
+        raise ExportError(f"{key}.a_bits={a_bits}; the kernels run W4A4 or W4A8, use a_bits in {ACT_BITS}")
+    if group_size != GROUP_SIZE:
+        raise ExportError(f"{key}.group_size={group_size} is not supported by the kernels; use group_size={GROUP_SIZE}")
+
+
 def check_exportable(group: QuantLinearGroup, name: str) -> None:
-    """The kernels run int4 weights, 4/8-bit activations and groups of 32 inputs; say which key to change."""
-    if group.w_bits != 4:
-        raise ExportError(f"{name}: quant.w_bits={group.w_bits}, but the kernels pack int4 weights; use w_bits=4")
-    if group.a_bits not in ACT_BITS:
-        raise ExportError(
-            f"{name}: quant.a_bits={group.a_bits}; the kernels run W4A4 or W4A8, use a_bits in {ACT_BITS}"
-        )
-    if group.group_size != GROUP_SIZE:
-        raise ExportError(
-            f"{name}: quant.group_size={group.group_size} is not supported by the kernels; recalibrate with "
-            f"quant.group_size={GROUP_SIZE}"
-        )
+    """:func:`check_kernel_support` for one group, and its input dimension against the kernels' group."""
+    check_kernel_support(group.w_bits, group.a_bits, group.group_size, key=f"{name}: quant")
     if group.in_features % GROUP_SIZE:
         raise ExportError(
             f"{name}: input dimension {group.in_features} is not a multiple of the kernels' group of {GROUP_SIZE}; "

@@ -7,10 +7,13 @@ Table 1 inside lm-eval's results.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lm_eval.tasks import TaskManager
+
+from loopq.errors import UsageError
 
 TASKS_DIR = Path(__file__).resolve().parent
 PAPER_GROUP = "loopq_paper"
@@ -31,6 +34,19 @@ def task_manager(**kwargs: Any) -> TaskManager:
     """A ``TaskManager`` over LoopQ's local tasks only (pass ``include_defaults=True`` for lm-eval's as well)."""
     kwargs.setdefault("include_defaults", False)
     return TaskManager(include_path=str(TASKS_DIR), **kwargs)
+
+
+def check_tasks(tasks: Sequence[str], option: str = "--tasks") -> None:
+    """Refuse task names this folder does not define, before any model is loaded (indexing the YAMLs takes
+    ~0.05 s; lm-eval itself would only refuse them once the model is built and, in a pipeline, calibrated)."""
+    known = task_manager().all_tasks
+    unknown = [name for name in tasks if name not in known]
+    if unknown:
+        listed = [name for name in known if not name.startswith("loopq_mmlu_")]
+        raise UsageError(
+            f"{option}: unknown task(s) {unknown}; LoopQ's offline tasks are {listed} (plus the loopq_mmlu_* "
+            "subjects), or none for perplexity only"
+        )
 
 
 def paper_metrics(results: dict[str, Any]) -> dict[str, float]:

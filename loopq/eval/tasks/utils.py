@@ -42,7 +42,14 @@ def _dataset(**splits: list[dict[str, Any]]) -> datasets.DatasetDict:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{n}: not valid JSON ({err.msg}); restore the benchmark file") from None
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------- HellaSwag

@@ -1,0 +1,129 @@
+"""One behaviour for every LoopQ command line: bad input ends with one line, not a traceback.
+
+Every ``python -m loopq.<command>`` ends its ``__main__`` block with ``run_cli(main)``. A *user error* - anything
+derived from :class:`LoopQError` (each package's own error class is one), an unreadable JSON / safetensors file, a
+missing path, a refused command-line option - then prints ``error: <message>`` on one line of stderr and exits with
+status 2 (argparse's status for bad usage), so a script or a scheduler sees a clear, short reason. Anything else is
+a bug and keeps its traceback. ``--debug`` anywhere on the command line (or ``LOOPQ_DEBUG=1``) shows the traceback of
+user errors as well.
+
+The messages themselves are written where the error is raised: they name the file, option or config key and say
+what to do. :func:`one_line` only folds multi-line messages (jsonargparse's nested ones) into a single line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from safetensors import SafetensorError
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "LOOPQ_DEBUG"
+EXIT_STATUS = 2
+
+
+class LoopQError(ValueError):
+    """Bad input a user can fix (an option, config key or file); the message names it and says what to do.
+
+    A ``ValueError``, so callers that caught the package's errors as ``ValueError`` still do."""
+
+
+class UsageError(LoopQError):
+    """A command-line option with a bad value; the message names the option."""
+
+
+#: failures that mean bad input rather than a bug (:class:`LoopQError` covers every package error class)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    LoopQError,
+    UnicodeDecodeError,  # a text file that is not text, e.g. a binary file passed as JSON
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    json.JSONDecodeError,
+    SafetensorError,
+    argparse.ArgumentError,  # jsonargparse's ArgumentError derives from it
+    subprocess.CalledProcessError,  # a child command (it printed its own error line first)
+)
+
+#: lines of jsonargparse's nested messages that only frame the real error
+_FRAME = re.compile(
+    r"^(Does not validate against|Subtypes:|Errors:|Given value|Problem with given class_path|"
+    r"Expected a <class 'NoneType'>|Not a valid subclass|Import path)"
+)
+_KEY = re.compile(r'^Parser key "[^"]+":\s*')
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose usage errors are :class:`UsageError` s (one line via :func:`run_cli`) instead of
+    the usage block plus an exit; ``--help`` is unchanged."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def one_line(err: BaseException) -> str:
+    """The message of ``err`` on one line."""
+    if isinstance(err, subprocess.CalledProcessError):
+        command = shlex.join(str(part) for part in err.cmd) if isinstance(err.cmd, list) else str(err.cmd)
+        return f"`{command}` failed (exit status {err.returncode}); its error is printed above"
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror.lower()}"
+    text = str(err)
+    if isinstance(err, argparse.ArgumentError):
+        text = _argument_error(text)
+    return " ".join(text.split())
+
+
+def _argument_error(text: str) -> str:
+    """jsonargparse's nested message (``Parser key "model.quant": ... - Parser key "w_bits": Expected ...``) as
+    ``--model.quant.w_bits: Expected ...``: the chain of keys, then the first line that is not framing."""
+    keys = re.findall(r'Parser key "([^"]+)"', text)
+    details = (_KEY.sub("", line.strip().removeprefix("- ")) for line in text.splitlines())
+    detail = next((line for line in details if line and not _FRAME.match(line)), None)
+    if not keys or detail is None:
+        return text
+    return f"--{'.'.join(keys)}: {detail}"
+
+
+def user_error(err: BaseException) -> BaseException | None:
+    """``err`` if it is a user error, else the first user error it was raised from (jsonargparse wraps the errors
+    of the classes it instantiates, e.g. a ``QuantConfigError``, in a plain ``ValueError``), else None."""
+    seen: set[int] = set()
+    found: BaseException | None = err
+    while found is not None and id(found) not in seen:
+        if isinstance(found, USER_ERRORS):
+            return found
+        seen.add(id(found))
+        found = found.__cause__
+    return None
+
+
+def debug_requested(argv: list[str]) -> bool:
+    return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+
+
+def run_cli(main: Callable[[], object]) -> None:
+    """Run a command's ``main()`` (which reads ``sys.argv``, with ``--debug`` removed from it): a user error exits
+    with one ``error:`` line and status 2, unless debugging was asked for."""
+    debug = debug_requested(sys.argv[1:])
+    sys.argv = [arg for arg in sys.argv if arg != DEBUG_FLAG]
+    if debug:
+        main()
+        return
+    try:
+        main()
+    except Exception as err:
+        found = user_error(err)
+        if found is None:
+            raise
+        print(f"error: {one_line(found)}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_STATUS) from None
