@@ -30,6 +30,7 @@ from jsonargparse import CLI
 from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, wikitext2_stream
+from loopq.guards import GuardError, check_output_file
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import atomic_write, resolve_model_dir
 from loopq.quant import QuantConfig
@@ -106,9 +107,12 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``.
 
-    ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``."""
+    ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``. ``out`` is
+    checked first (:func:`loopq.guards.check_output_file`): a new path or an earlier result, outside any model."""
     if ppl_windows is not None and ppl_windows < 1:
         raise ValueError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
+    if out:  # before any work: a result never replaces a model file or anything but an earlier result
+        check_output_file(out, [model, student, exported])
     start = time.time()
     net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len)
     tokenizer = load_tokenizer(tok_dir)
@@ -163,4 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except GuardError as err:
+        raise SystemExit(f"error: {err}") from None

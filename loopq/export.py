@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.calib.student_io import StudentFormatError, load_student
+from loopq.calib.student_io import StudentFormatError, load_student, read_meta
+from loopq.guards import GuardError, check_output_dir
 from loopq.kernels import GROUP_SIZE
 from loopq.models.base import LoopLM, LoopLMError
 from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
@@ -76,8 +77,10 @@ def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -
 
     ``meta`` is the student's ``loopq_quant.json`` (:func:`loopq.calib.student_io.load_student`); only its
     ``teacher`` entry is read (where config.json and the tokenizer come from) - the rest is taken from the student.
+    ``out_dir`` may be new or an earlier export, never the teacher's directory or another model's
+    (:func:`loopq.guards.check_output_dir`).
     """
-    out = Path(out_dir)
+    out = check_output_dir(out_dir, [meta.get("teacher")], "--out", replaces=("export",))
     model = convert(student)
     state = _unaliased_state(model)
     atomic_write(out / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": FORMAT}))
@@ -333,6 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     args = parser.parse_args(argv)
     check_student_dir(args.ckpt)
+    check_output_dir(args.out, [args.ckpt, read_meta(args.ckpt).get("teacher")], "--out", replaces=("export",))
     student, meta = load_student(args.ckpt)
     export_student(student, meta, args.out)
     report = footprint(load_quantized(args.out, dtype=DTYPES[args.fp_dtype]))
@@ -343,5 +347,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 if __name__ == "__main__":
     try:
         main()
-    except (StudentFormatError, ExportError, LoopLMError) as err:
+    except (StudentFormatError, ExportError, LoopLMError, GuardError) as err:
         raise SystemExit(f"error: {err}") from err

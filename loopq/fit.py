@@ -10,7 +10,6 @@ Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``t
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from callbacks.stop_on_signal import StopOnSignal, exit_status
+from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.module import LoopQCalibration
 from loopq.data.calibration import CalibrationDataModule
+from loopq.guards import check_calibration
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "use_distributed_sampler": False,  # CalibrationSampler shards the global batch itself
@@ -34,6 +37,10 @@ class LoopQCLI(LightningCLI):
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume: 'last' or a .ckpt path")
         parser.link_arguments("model.teacher", "data.tokenizer")
 
+    def before_instantiate_classes(self) -> None:
+        """Before the teacher loads: output folders that overlap the teacher, loop counts that cannot fit."""
+        check_calibration(self.config)
+
     def after_instantiate(self) -> None:
         """Everything of a run lives under ``trainer.default_root_dir``: checkpoints (so ``--ckpt_path last``
         finds them), TensorBoard and CSV logs."""
@@ -44,6 +51,8 @@ class LoopQCLI(LightningCLI):
                 cb.dirpath = str(root / "checkpoints")
         if not any(isinstance(lg, CSVLogger) for lg in trainer.loggers):
             trainer.loggers = [*trainer.loggers, CSVLogger(str(root), name="csv")]
+        if not any(isinstance(cb, StopOnSignal) for cb in trainer.callbacks):
+            trainer.callbacks.append(StopOnSignal())  # SIGTERM / SIGINT: finish the step, save, exit
 
 
 def main(args: list[str] | None = None) -> LoopQCalibration:
@@ -70,27 +79,36 @@ def calibrate(cli: LoopQCLI) -> LoopQCalibration:
     # Resolved before fit and set on the trainer, so that setup hooks already see it: DeepSpeed restores after
     # building its engine, and the promoted SLT groups must exist before that (see loopq.calib.deepspeed).
     cli.trainer.ckpt_path = resolve_ckpt_path(cli.trainer, cli.config.ckpt_path)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    except SIGTERMException:  # stopped on request, checkpoint saved (callbacks.stop_on_signal)
+        raise SystemExit(exit_status(cli.trainer)) from None
     return cli.model
 
 
 def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
-    """``last`` -> the newest ``last*.ckpt`` (a file, or a DeepSpeed checkpoint directory) of the run's
-    ModelCheckpoint folders, None (a fresh start, with a warning) if there is none yet; other values as given."""
+    """``last`` -> the newest intact checkpoint (a file, or a DeepSpeed checkpoint directory) of the run's
+    ModelCheckpoint folders, saying which newer ones it skipped and why (:func:`~loopq.calib.checkpoint_io.
+    newest_intact`); None (a fresh start, with a warning) if there is none yet; other values as given."""
     if ckpt_path != "last":
         return ckpt_path
-    pattern = re.compile(r"^last(-\d+)?\.ckpt$")
-    candidates = [
-        path
-        for cb in trainer.checkpoint_callbacks
-        if isinstance(cb, ModelCheckpoint) and cb.dirpath and Path(cb.dirpath).is_dir()
-        for path in Path(cb.dirpath).iterdir()
-        if pattern.match(path.name)
-    ]
-    if not candidates:
-        rank_zero_warn("--ckpt_path last: no last checkpoint yet under the run's checkpoint folder; starting fresh")
+    folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    found = newest_intact(checkpoints_in(set(folders)))
+    if found is None:
+        rank_zero_warn("--ckpt_path last: no checkpoint yet under the run's checkpoint folder; starting fresh")
         return None
-    return str(max(candidates, key=lambda path: path.stat().st_mtime_ns))
+    return str(found)
+
+
+def checkpoints_in(folders: Any) -> list[Path]:
+    """Every ``*.ckpt`` file or DeepSpeed directory in ``folders`` (not the hidden temporaries of atomic saves)."""
+    return [
+        path
+        for folder in folders
+        if Path(folder).is_dir()
+        for path in Path(folder).iterdir()
+        if path.name.endswith(".ckpt") and not path.name.startswith(".")
+    ]
 
 
 if __name__ == "__main__":

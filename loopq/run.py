@@ -20,7 +20,7 @@ The default limit keeps the embedded default under ten minutes on two CPU cores;
 Re-running is safe and cheap. ``pipeline.json`` in the run directory records every stage's inputs (its settings and
 the modification times of the files it reads from earlier stages) and its summary; a stage whose outputs exist and
 whose inputs did not change is skipped, so an interrupted run continues where it stopped - a calibration from the
-newest ``checkpoints/last*.ckpt`` written since it first started (never from an earlier run's). A student is not
+newest intact ``checkpoints/*.ckpt`` written since it first started (never from an earlier run's). A student is not
 recalibrated silently either: if the calibration config differs from the one that made it or started it (options
 in :data:`COSMETIC` aside), the run stops and names the keys; a student that ``python -m loopq.fit`` wrote is reused
 if its quant config is the one asked. ``--force`` reruns every stage from scratch (files are replaced, nothing is
@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from callbacks.line_progress import LineProgress
 from loopq import fit
+from loopq.calib.checkpoint_io import CheckpointError, newest_intact
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
 from loopq.calib.student_io import StudentFormatError, load_student, read_meta
@@ -57,6 +58,7 @@ from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.evaluate import evaluate
 from loopq.export import META as EXPORT_META
 from loopq.export import ExportError, export_student, footprint, load_quantized
+from loopq.guards import GuardError
 from loopq.models import LoopLMError
 from loopq.models.io import architecture_for, atomic_write, read_config, resolve_model_dir
 from loopq.quant import QuantConfig
@@ -83,7 +85,16 @@ class PipelineError(ValueError):
 
 
 #: failures that end the command with one line (``error: ...``) instead of a traceback
-ERRORS = (PipelineError, LoopLMError, StudentFormatError, ExportError, ReportInputError, DataError)
+ERRORS = (
+    PipelineError,
+    LoopLMError,
+    StudentFormatError,
+    ExportError,
+    ReportInputError,
+    DataError,
+    GuardError,
+    CheckpointError,
+)
 
 
 @dataclass(frozen=True)
@@ -277,11 +288,12 @@ class Pipeline:
         return {**summary, "note": f"{summary['steps']} steps, SLT promoted {len(module.promoted)} group(s)"}
 
     def own_last_checkpoint(self) -> Path | None:
-        """The newest ``checkpoints/last*.ckpt`` written since this calibration first started (checkpoints of an
-        earlier run, e.g. before ``--force`` or of another config, are never resumed)."""
+        """The newest intact ``checkpoints/*.ckpt`` written since this calibration first started (checkpoints of an
+        earlier run, e.g. before ``--force`` or of another config, are never resumed; damaged ones are skipped with
+        a line saying so, see :func:`~loopq.calib.checkpoint_io.newest_intact`)."""
         started = self.manifest.stages["calibrate"]["started"]
-        found = [p for p in (self.root / "checkpoints").glob("last*.ckpt") if p.stat().st_mtime_ns >= started]
-        return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+        found = [p for p in fit.checkpoints_in([self.root / "checkpoints"]) if p.stat().st_mtime_ns >= started]
+        return newest_intact(found, "resume")
 
     def export(self) -> dict[str, Any]:
         student, meta = load_student(self.student_dir)

@@ -33,7 +33,9 @@ from torch import Tensor
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.perplexity import perplexity, token_windows, wikitext2_stream
+from loopq.guards import GuardError, check_output_dir
 from loopq.models import LoopLM, load_looplm
+from loopq.models.io import atomic_write
 from loopq.quant import QuantConfig, prepare
 
 SEQ_LEN = 256
@@ -189,8 +191,9 @@ def markdown(name: str, result: dict[str, Any], extra: str = "") -> str:
 
 
 def write(model_dir: Path, name: str, result: dict[str, Any], extra: str = "") -> None:
-    (model_dir / "testbed.json").write_text(json.dumps(result, indent=2) + "\n")
-    (model_dir / "TESTBED.md").write_text(markdown(name, result, extra))
+    text = json.dumps(result, indent=2) + "\n"
+    atomic_write(model_dir / "testbed.json", lambda p: p.write_text(text))
+    atomic_write(model_dir / "TESTBED.md", lambda p: p.write_text(markdown(name, result, extra)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--factor", type=float, default=32.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.outliers_out:  # only an earlier stress variant may be replaced, never the teacher or another model
+        check_output_dir(args.outliers_out, [args.model], "--outliers-out", replaces=("stress variant",))
     tokenizer = load_tokenizer(args.model)
     teacher = load_looplm(args.model)
     result = measure(args.model, tokenizer, teacher)
@@ -210,18 +215,24 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "activation_p99"}, indent=1))
     if args.outliers_out:
         stressed, spec = outlier_reparameterize(teacher, args.channels, args.factor, args.seed)
+        outliers = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
+        # the record first: a run stopped while measuring leaves a folder a re-run recognises as its own
+        atomic_write(args.outliers_out / "testbed.json", lambda p: p.write_text(json.dumps({"outliers": outliers})))
         stressed.save_pretrained(args.outliers_out)
-        tokenizer.save(str(args.outliers_out / "tokenizer.json"))
+        atomic_write(args.outliers_out / "tokenizer.json", lambda p: tokenizer.save(str(p)))
         note = (
             f"Stress variant of `{args.model}`: channels {spec.channels} of every RMSNorm in `norm_feeds` "
             f"multiplied by {spec.factor:g}, the consuming input columns divided by it (seed {spec.seed}; "
             f"`python -m loopq.testbed --model {args.model} --outliers-out {args.outliers_out}`)."
         )
         res = measure(args.outliers_out, tokenizer, stressed)
-        res["outliers"] = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
+        res["outliers"] = outliers
         write(args.outliers_out, args.outliers_out.name, res, note)
         print(json.dumps({k: v for k, v in res.items() if k != "activation_p99"}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except GuardError as err:
+        raise SystemExit(f"error: {err}") from None
