@@ -332,12 +332,17 @@ def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
 # ---------------------------------------------------------------------------------------------------- loopq.fit
 def check_calibration(config: Any) -> None:
     """Everything :mod:`loopq.fit` (and :mod:`loopq.run`) checks on its parsed config before building anything:
-    the run directory and student directory against the teacher, and the loop count against the memory."""
+    the run, student and target-cache directories against the teacher, and the loop count against the memory."""
     teacher = str(config.model.teacher)
     root = Path(config.trainer.default_root_dir or os.getcwd())
     check_run_root(root, teacher)
     if config.model.output_dir:
         check_output_dir(config.model.output_dir, [teacher], "--model.output_dir", replaces=("student",))
+    cache = config.model.target_cache_dir
+    for read in local_dirs([teacher] if cache else []):  # a cache file there would change the teacher's fingerprint
+        how = relation(Path(cache), read)
+        if how in ("is", "is inside"):
+            raise GuardError(f"--model.target_cache_dir {cache}: {how} the teacher {read}; pass another directory")
     shape = teacher_shape(teacher)
     if shape is None:
         return

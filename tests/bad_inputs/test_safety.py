@@ -139,6 +139,16 @@ def test_student_output_dir_onto_the_teacher_is_refused(teacher, tmp_path):
                   "--model.output_dir", str(teacher))  # fmt: skip
 
 
+def test_target_cache_inside_the_teacher_is_refused(teacher, tmp_path):
+    before = snapshot(teacher)
+    with pytest.raises(
+        GuardError, match=r"^--model.target_cache_dir .*cache: is inside the teacher .*another directory"
+    ):
+        parse_fit("--model.teacher", str(teacher), "--trainer.default_root_dir", str(tmp_path / "run"),
+                  "--model.target_cache_dir", str(teacher / "cache"))  # fmt: skip
+    assert snapshot(teacher) == before and not (teacher / "cache").exists()
+
+
 def test_run_directory_may_contain_the_teacher_but_not_write_over_it(tmp_path):
     root = tmp_path / "run"
     shutil.copytree(TINY, root / "teachers" / "tiny")
