@@ -10,6 +10,7 @@ Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
     return str(found)
 
 
-def checkpoints_in(folders: Any) -> list[Path]:
+def checkpoints_in(folders: Iterable[str | Path]) -> list[Path]:
     """Every ``*.ckpt`` file or DeepSpeed directory in ``folders`` (not the hidden temporaries of atomic saves)."""
     return [
         path
