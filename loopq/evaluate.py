@@ -31,6 +31,7 @@ from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import UsageError, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
+from loopq.guards import check_output_file
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import atomic_write, resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
@@ -152,6 +153,8 @@ def evaluate(
         raise UsageError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
     task_list = ["loopq_paper"] if tasks is None else tasks
     check_options(model, student, exported, method, bits, task_list)
+    if out:  # before any work: a result never replaces a model file or anything but an earlier result
+        check_output_file(out, [model, student, exported])
     start = time.time()
     net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len, teacher)
     tokenizer = load_tokenizer(tok_dir)

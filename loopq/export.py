@@ -40,8 +40,9 @@ from torch import Tensor, nn
 
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.calib.student_io import StudentFormatError, load_student
+from loopq.calib.student_io import StudentFormatError, load_student, read_meta
 from loopq.errors import OneLineParser, run_cli
+from loopq.guards import check_output_dir
 from loopq.kernels import GROUP_SIZE
 from loopq.models.base import LoopLM
 from loopq.models.io import architecture_for, atomic_write, read_config, read_json, read_safetensors, resolve_model_dir
@@ -79,8 +80,10 @@ def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -
 
     ``meta`` is the student's ``loopq_quant.json`` (:func:`loopq.calib.student_io.load_student`); only its
     ``teacher`` entry is read (where config.json and the tokenizer come from) - the rest is taken from the student.
+    ``out_dir`` may be new or an earlier export, never the teacher's directory or another model's
+    (:func:`loopq.guards.check_output_dir`).
     """
-    out = Path(out_dir)
+    out = check_output_dir(out_dir, [meta.get("teacher")], "--out", replaces=("export",))
     model = convert(student)
     state = _unaliased_state(model)
     atomic_write(out / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": FORMAT}))
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     args = parser.parse_args(argv)
     check_student_dir(args.ckpt)
+    check_output_dir(args.out, [args.ckpt, read_meta(args.ckpt).get("teacher")], "--out", replaces=("export",))
     student, meta = load_student(args.ckpt)
     export_student(student, meta, args.out)
     report = footprint(load_quantized(args.out, dtype=DTYPES[args.fp_dtype]))

@@ -15,7 +15,7 @@ Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``t
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration
+from loopq.callbacks.stop_on_signal import StopOnSignal, exit_status
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
+from loopq.guards import check_calibration
 from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record
 
 #: options that do not change the calibrated student: a resume or a loopq.run re-run may differ in them
@@ -66,6 +70,10 @@ class LoopQCLI(LightningCLI):
         )
         parser.link_arguments("model.teacher", "data.tokenizer")
 
+    def before_instantiate_classes(self) -> None:
+        """Before the teacher loads: output folders that overlap the teacher, loop counts that cannot fit."""
+        check_calibration(self.config)
+
     def after_instantiate(self) -> None:
         """Everything of a run lives under ``trainer.default_root_dir``: checkpoints (so ``--ckpt_path last``
         finds them), TensorBoard and CSV logs."""
@@ -76,6 +84,8 @@ class LoopQCLI(LightningCLI):
                 cb.dirpath = str(root / "checkpoints")
         if not any(isinstance(lg, CSVLogger) for lg in trainer.loggers):
             trainer.loggers = [*trainer.loggers, CSVLogger(str(root), name="csv")]
+        if not any(isinstance(cb, StopOnSignal) for cb in trainer.callbacks):
+            trainer.callbacks.append(StopOnSignal())  # SIGTERM / SIGINT: finish the step, save, exit
 
 
 def main(args: list[str] | None = None) -> LoopQCalibration:
@@ -105,7 +115,10 @@ def calibrate(cli: LoopQCLI) -> LoopQCalibration:
     cli.model.provenance = record(cli.model.teacher_sha256, fit_settings(cli.config))
     if cli.trainer.ckpt_path and not cli.config.get("allow_config_change"):
         check_resume(cli.trainer.ckpt_path, cli.model.provenance)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    except SIGTERMException:  # stopped on request, checkpoint saved (callbacks.stop_on_signal)
+        raise SystemExit(exit_status(cli.trainer)) from None
     return cli.model
 
 
@@ -152,22 +165,28 @@ def check_resume(ckpt_path: str, current: dict[str, Any]) -> None:
 
 
 def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
-    """``last`` -> the newest ``last*.ckpt`` (a file, or a DeepSpeed checkpoint directory) of the run's
-    ModelCheckpoint folders, None (a fresh start, with a warning) if there is none yet; other values as given."""
+    """``last`` -> the newest intact checkpoint (a file, or a DeepSpeed checkpoint directory) of the run's
+    ModelCheckpoint folders, saying which newer ones it skipped and why (:func:`~loopq.calib.checkpoint_io.
+    newest_intact`); None (a fresh start, with a warning) if there is none yet; other values as given."""
     if ckpt_path != "last":
         return ckpt_path
-    pattern = re.compile(r"^last(-\d+)?\.ckpt$")
-    candidates = [
-        path
-        for cb in trainer.checkpoint_callbacks
-        if isinstance(cb, ModelCheckpoint) and cb.dirpath and Path(cb.dirpath).is_dir()
-        for path in Path(cb.dirpath).iterdir()
-        if pattern.match(path.name)
-    ]
-    if not candidates:
-        rank_zero_warn("--ckpt_path last: no last checkpoint yet under the run's checkpoint folder; starting fresh")
+    folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    found = newest_intact(checkpoints_in(set(folders)))
+    if found is None:
+        rank_zero_warn("--ckpt_path last: no checkpoint yet under the run's checkpoint folder; starting fresh")
         return None
-    return str(max(candidates, key=lambda path: path.stat().st_mtime_ns))
+    return str(found)
+
+
+def checkpoints_in(folders: Iterable[str | Path]) -> list[Path]:
+    """Every ``*.ckpt`` file or DeepSpeed directory in ``folders`` (not the hidden temporaries of atomic saves)."""
+    return [
+        path
+        for folder in folders
+        if Path(folder).is_dir()
+        for path in Path(folder).iterdir()
+        if path.name.endswith(".ckpt") and not path.name.startswith(".")
+    ]
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint
 ``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
 newest checkpoint (model, optimizer, LR schedule, step; the data order restarts its epoch). The record written
 next to the model names the command, seed, steps and the wall time summed over all resumed segments.
+
+``out_dir`` is checked before training starts: it may be new, or hold a teacher this command trained before (its
+``training_record.json``): the README rebuilds the embedded teachers in ``loopq/assets`` in place on purpose (students
+calibrated on the old weights are then stale and must be recalibrated). Any other model there (a downloaded or
+stress teacher, a student, an export) is refused unless ``--overwrite true``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, train_bpe
 from loopq.errors import run_cli
+from loopq.guards import check_output_dir
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
 
@@ -234,6 +240,13 @@ class PretrainCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
+        parser.add_argument("--overwrite", type=bool, default=False, help="let model.out_dir replace any model")
+
+    def before_instantiate_classes(self) -> None:
+        """Before any training: ``model.out_dir`` may hold only a teacher this command trained (see module doc)."""
+        if not self.config.overwrite:
+            root = self.config.data.root or data_dir()
+            check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=("pretrained teacher",))
 
 
 def main(args: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ The default limit keeps the embedded default under ten minutes on two CPU cores;
 Re-running is safe and cheap. ``pipeline.json`` in the run directory records every stage's inputs (its settings and
 the modification times of the files it reads from earlier stages) and its summary; a stage whose outputs exist and
 whose inputs did not change is skipped, so an interrupted run continues where it stopped - a calibration from the
-newest ``checkpoints/last*.ckpt`` written since it first started (never from an earlier run's). A student is not
+newest intact ``checkpoints/*.ckpt`` written since it first started (never from an earlier run's). A student is not
 recalibrated silently either: if the calibration config differs from the one that made it or started it (options
 in :data:`loopq.fit.COSMETIC` aside) or the teacher's content differs (a teacher rebuilt in place), the run stops
 and names the keys; a student that ``python -m loopq.fit`` wrote is reused
@@ -48,6 +48,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from loopq import fit
+from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
 from loopq.calib.student_io import check_student_teacher, load_student, read_meta
@@ -274,11 +275,12 @@ class Pipeline:
         return {**summary, "note": f"{summary['steps']} steps, SLT promoted {len(module.promoted)} group(s)"}
 
     def own_last_checkpoint(self) -> Path | None:
-        """The newest ``checkpoints/last*.ckpt`` written since this calibration first started (checkpoints of an
-        earlier run, e.g. before ``--force`` or of another config, are never resumed)."""
+        """The newest intact ``checkpoints/*.ckpt`` written since this calibration first started (checkpoints of an
+        earlier run, e.g. before ``--force`` or of another config, are never resumed; damaged ones are skipped with
+        a line saying so, see :func:`~loopq.calib.checkpoint_io.newest_intact`)."""
         started = self.manifest.stages["calibrate"]["started"]
-        found = [p for p in (self.root / "checkpoints").glob("last*.ckpt") if p.stat().st_mtime_ns >= started]
-        return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+        found = [p for p in fit.checkpoints_in([self.root / "checkpoints"]) if p.stat().st_mtime_ns >= started]
+        return newest_intact(found, "resume")
 
     def export(self) -> dict[str, Any]:
         student, meta = load_student(self.student_dir)

@@ -36,7 +36,9 @@ from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolv
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, token_windows, wikitext2_stream
+from loopq.guards import check_output_dir
 from loopq.models import LoopLM, load_looplm
+from loopq.models.io import atomic_write
 from loopq.quant import QuantConfig, prepare
 from loopq.regime import activation_regime, fresh_sharing_gaps
 
@@ -236,8 +238,9 @@ def regime_markdown(regime: dict[str, Any], gaps: dict[str, float], loops: int) 
 
 
 def write(model_dir: Path, name: str, result: dict[str, Any], extra: str = "") -> None:
-    (model_dir / "testbed.json").write_text(json.dumps(result, indent=2) + "\n")
-    (model_dir / "TESTBED.md").write_text(markdown(name, result, extra))
+    text = json.dumps(result, indent=2) + "\n"
+    atomic_write(model_dir / "testbed.json", lambda p: p.write_text(text))
+    atomic_write(model_dir / "TESTBED.md", lambda p: p.write_text(markdown(name, result, extra)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--windows", type=int, default=None, help="perplexities on the first N windows only")
     args = parser.parse_args(argv)
+    if args.outliers_out:  # only an earlier stress variant may be replaced, never the teacher or another model
+        check_output_dir(args.outliers_out, [args.model], "--outliers-out", replaces=("stress variant",))
     tokenizer = load_tokenizer(args.model)
     teacher = load_looplm(args.model)
     result = measure(args.model, tokenizer, teacher, args.windows)
@@ -258,15 +263,18 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({k: v for k, v in result.items() if k not in BULKY}, indent=1))
     if args.outliers_out:
         stressed, spec = outlier_reparameterize(teacher, args.channels, args.factor, args.seed)
+        outliers = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
+        # the record first: a run stopped while measuring leaves a folder a re-run recognises as its own
+        atomic_write(args.outliers_out / "testbed.json", lambda p: p.write_text(json.dumps({"outliers": outliers})))
         stressed.save_pretrained(args.outliers_out)
-        tokenizer.save(str(args.outliers_out / "tokenizer.json"))
+        atomic_write(args.outliers_out / "tokenizer.json", lambda p: tokenizer.save(str(p)))
         note = (
             f"Stress variant of `{args.model}`: channels {spec.channels} of every RMSNorm in `norm_feeds` "
             f"multiplied by {spec.factor:g}, the consuming input columns divided by it (seed {spec.seed}; "
             f"`python -m loopq.testbed --model {args.model} --outliers-out {args.outliers_out}`)."
         )
         res = measure(args.outliers_out, tokenizer, stressed, args.windows)
-        res["outliers"] = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
+        res["outliers"] = outliers
         write(args.outliers_out, args.outliers_out.name, res, note)
         print(json.dumps({k: v for k, v in res.items() if k not in BULKY}, indent=1))
 

@@ -3,17 +3,29 @@
 A process killed while saving leaves the previous checkpoint intact (the rename is the commit point). Loading
 uses ``torch.load(weights_only=True)``: LoopQ checkpoints hold only tensors and plain Python values, so nothing
 is ever unpickled.
+
+A checkpoint can still be damaged later (a full disk, a copy cut short). :func:`newest_intact` is what
+``--ckpt_path last`` resumes from: the newest checkpoint whose zip archive is whole - every member's CRC is checked,
+which reads the file once and unpickles nothing - skipping (with one line each) newer ones that are not. A DeepSpeed
+checkpoint is a directory: it counts as whole when LoopQ's sidecar (written last) is readable and every ``.pt`` in
+it is.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import tempfile
+import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from loopq.errors import LoopQError
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,3 +53,54 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return torch.load(target, map_location=map_location or "cpu", weights_only=True)
         except Exception as err:
             raise ValueError(f"{target}: not a loadable LoopQ checkpoint (weights-only load failed: {err})") from err
+
+
+class CheckpointError(LoopQError):
+    """No checkpoint to resume from is readable; the message names the folder and what to do."""
+
+
+def _zip_problem(path: Path) -> str | None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        return f"not a whole checkpoint archive ({err})"
+    return None if bad is None else f"member {bad} fails its CRC check"
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` (a checkpoint file, or a DeepSpeed checkpoint directory) cannot be resumed from; None if whole."""
+    if path.is_dir():
+        sidecar = path / "loopq.json"  # loopq.calib.deepspeed.SIDECAR, written after the checkpoint itself
+        try:
+            json.loads(sidecar.read_text())
+        except (OSError, ValueError) as err:
+            return f"{sidecar.name} unreadable ({type(err).__name__}): the save did not finish"
+        problems = [(pt, _zip_problem(pt)) for pt in sorted(path.rglob("*.pt"))]
+        return next((f"{pt.relative_to(path)}: {why}" for pt, why in problems if why), None)
+    if not path.is_file():
+        return "missing"
+    if path.stat().st_size == 0:
+        return "empty file"
+    return _zip_problem(path)
+
+
+def newest_intact(candidates: Iterable[Path], option: str = "--ckpt_path last") -> Path | None:
+    """The newest (modification time) whole checkpoint among ``candidates``; prints one line per newer one it skips.
+    None when there are no candidates; :class:`CheckpointError` when none of them is whole."""
+    ordered = sorted(candidates, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    skipped: list[str] = []
+    for path in ordered:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if skipped:
+                print(f"[loopq] {option}: resuming from {path}", file=sys.stderr, flush=True)
+            return path
+        skipped.append(f"{path.name} ({problem})")
+        print(f"[loopq] {option}: skipped {path}: {problem}", file=sys.stderr, flush=True)
+    if ordered:
+        raise CheckpointError(
+            f"{option}: no readable checkpoint in {ordered[0].parent} ({'; '.join(skipped)}); move them away to start "
+            "fresh, or pass --ckpt_path <file>"
+        )
+    return None

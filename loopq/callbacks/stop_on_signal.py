@@ -1,0 +1,88 @@
+"""Stop a calibration cleanly on SIGTERM or SIGINT: finish the current step, save ``last.ckpt``, exit with one line.
+
+What Lightning 2.6 already does, and this callback uses: in every run (not only under SLURM) its signal connector
+installs a SIGTERM handler right before training that sets ``trainer.received_sigterm``; the training loop then
+finishes the step in progress (its ``on_train_batch_end`` hooks included), broadcasts the stop to every rank and
+raises ``SIGTERMException`` - but saves nothing (only SLURM's requeue signal does) and exits with status 0. SIGINT
+raises ``KeyboardInterrupt`` wherever the step happens to be, and nothing is saved either.
+
+What it adds: SIGINT takes the same route as SIGTERM (Lightning's handler), the signal is acknowledged at once on
+stderr, ``SIGTERMException`` saves ``last.ckpt`` in the run's checkpoint folder (atomically, through the trainer's
+checkpoint IO; a collective save under DeepSpeed, so every rank takes part), and :func:`exit_status` gives
+``loopq.fit`` the shell's 128 + signal number to exit with. A second signal stops at once without saving (the
+previous checkpoint stays). Before training starts (teacher targets, setup) SIGTERM keeps its default - the process
+ends at once - since there is nothing to save yet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal(L.Callback):
+    """See the module docstring; ``loopq.fit`` adds one to every calibration."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # the signal that asked to stop, on the rank that received it
+        self.saved: Path | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        lightning_sigterm = signal.getsignal(signal.SIGTERM)  # installed by Lightning just before training
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            if self.signum is not None:
+                raise KeyboardInterrupt  # a second signal: Lightning's interrupt path, nothing saved
+            self.signum = signum
+            if trainer.is_global_zero:  # os.write: print() may be interrupted mid-write to the same stream
+                os.write(
+                    sys.stderr.fileno(),
+                    f"[loopq] {signal.Signals(signum).name} received: finishing step {trainer.global_step + 1}, then "
+                    "saving a checkpoint and stopping (send it again to stop at once, without saving)\n".encode(),
+                )
+            if callable(lightning_sigterm):
+                lightning_sigterm(signal.SIGTERM, frame)
+
+        for signum in SIGNALS:
+            signal.signal(signum, handle)  # Lightning's teardown restores the handlers it found before training
+
+    def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return  # a failure (e.g. a non-finite loss) must not overwrite the last good checkpoint
+        path = checkpoint_dir(trainer) / "last.ckpt"
+        trainer.save_checkpoint(path, weights_only=False)
+        self.saved = path
+        name = signal.Signals(self.signum or signal.SIGTERM).name
+        say(trainer, f"stopped by {name} after step {trainer.global_step}: saved {path}; resume with --ckpt_path last")
+
+
+def checkpoint_dir(trainer: L.Trainer) -> Path:
+    """The first ModelCheckpoint's folder (where ``--ckpt_path last`` looks), else ``<root>/checkpoints``."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            return Path(callback.dirpath)
+    return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def exit_status(trainer: L.Trainer) -> int:
+    """The shell's status for a run stopped by a signal: 128 + its number (143 for SIGTERM, 130 for SIGINT)."""
+    received = [cb.signum for cb in trainer.callbacks if isinstance(cb, StopOnSignal) and cb.signum]
+    return 128 + (received[0] if received else signal.SIGTERM)
+
+
+def say(trainer: L.Trainer, text: str) -> None:
+    if trainer.is_global_zero:
+        print(f"[loopq] {text}", file=sys.stderr, flush=True)

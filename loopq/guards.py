@@ -1,0 +1,363 @@
+"""Checks that run in the first seconds of a command, before any work: never write over what a run reads, and never
+start a loop count whose memory the machine does not have.
+
+**Output directories** (:func:`check_output_dir`). After resolving symlinks, an output directory is refused when it
+
+* is, is inside, or contains a directory the command reads (the teacher, the student, the export), or
+* already holds a model of a kind the command does not write (:func:`model_kind`). Each command may replace only
+  its own earlier output: ``loopq.export`` an export, ``loopq.fit`` a student, ``loopq.testbed --outliers-out``
+  a stress variant, ``loopq.pretrain`` a teacher it trained (``training_record.json``; this is how the README
+  rebuilds the embedded teachers in place). A teacher, student or export of another origin is never written over.
+
+A run directory (``trainer.default_root_dir``, :func:`check_run_root`) holds logs and stage folders rather than a
+model: it may contain the teacher (the working directory, Lightning's default, usually does) but may not be it,
+be inside it, or be a model directory, and the folders a run writes (``checkpoints/``, ``student/``, ...) may not
+hold the teacher. A result file (:func:`check_output_file`) may replace only an earlier result.
+
+**Loop count** (:func:`check_loop_memory`). A student calibrated over T loops keeps every loop's activations for
+the backward pass, and the teacher targets keep every loop's state of every calibration sample:
+
+    activations  = batch x seq_len x hidden x T x dtype_bytes x factor          (:func:`activation_bytes`)
+    trajectories = num_samples x seq_len x hidden x T x 2 (fp16)                (:func:`trajectory_bytes`)
+
+``factor`` (:func:`activation_factor`) counts the hidden-sized tensors autograd keeps per token per loop, read off
+the model's looped linear groups and norms. A loop count above twice the trained one gets a warning with the
+estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW_LOW_MEMORY=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
+from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
+from loopq.errors import LoopQError
+from loopq.models.base import LoopLM, RMSNorm
+from loopq.models.io import architecture_for, read_config
+
+#: ``loopq.export.META`` (not imported: loopq.export imports this module)
+EXPORT_META = "loopq_export.json"
+TEACHER_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+#: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
+RUN_OUTPUTS = ("checkpoints", "student", "exported", "results", "report", "csv", "lightning_logs", "pipeline.json")
+ALLOW_LOW_MEMORY = "LOOPQ_ALLOW_LOW_MEMORY"
+#: tensors of a group's input size that its fake-quant chain keeps for backward: the input, the diagonal-scaled
+#: and the two Kronecker-rotated copies, per-token absmax, scaled, rounded (STE), clamp mask, quantized input
+SAVED_PER_GROUP_INPUT = 8
+#: tensors of hidden size an RMSNorm keeps for backward (its input and the normalised input)
+SAVED_PER_NORM = 2
+
+
+class GuardError(LoopQError):
+    """A command would overwrite something it reads, or cannot fit in memory; the message names the option."""
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+def model_kind(directory: Path) -> str | None:
+    """What model ``directory`` holds: ``export``, ``student``, ``stress variant`` (written by ``loopq.testbed
+    --outliers-out``), ``pretrained teacher`` (written by ``loopq.pretrain``), ``teacher`` (any other config.json or
+    weights), or None."""
+    if not directory.is_dir():
+        return None
+    if (directory / EXPORT_META).exists():
+        return "export"
+    if (directory / STUDENT_CONFIG).exists() or (directory / STUDENT_WEIGHTS).exists():
+        return "student"
+    if not any((directory / name).exists() for name in TEACHER_FILES):
+        return None
+    if "outliers" in _json_object(directory / "testbed.json"):
+        return "stress variant"
+    return "pretrained teacher" if (directory / "training_record.json").is_file() else "teacher"
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def relation(out: Path, other: Path) -> str | None:
+    """How ``out`` relates to ``other`` after resolving symlinks: ``is``, ``is inside``, ``contains`` or None."""
+    a, b = out.resolve(), other.resolve()
+    if a == b:
+        return "is"
+    if a.is_relative_to(b):
+        return "is inside"
+    return "contains" if b.is_relative_to(a) else None
+
+
+def local_dirs(paths: Iterable[str | os.PathLike[str] | None]) -> list[Path]:
+    """The given paths that exist on this machine (a hub id or a missing path cannot be overwritten here)."""
+    return [Path(p) for p in paths if p is not None and str(p) and Path(p).exists()]
+
+
+def check_output_dir(
+    out: str | os.PathLike[str],
+    reads: Iterable[str | os.PathLike[str] | None] = (),
+    key: str = "--out",
+    replaces: Sequence[str] = (),
+) -> Path:
+    """Refuse ``out`` if it is, is inside or contains a directory in ``reads``, or holds a model whose kind
+    (:func:`model_kind`) is not in ``replaces`` (the kinds this command writes itself); returns ``out``."""
+    out = Path(out)
+    for read in local_dirs(reads):
+        how = relation(out, read)
+        if how is not None:
+            raise GuardError(f"{key} {out}: {how} {read}, which this command reads; pass another directory")
+    kind = model_kind(out)
+    if kind is not None and kind not in replaces:
+        raise GuardError(f"{key} {out}: holds a {kind} that this command would overwrite; pass another directory")
+    return out
+
+
+def check_run_root(
+    root: str | os.PathLike[str], teacher: str | os.PathLike[str] | None, key: str = "--trainer.default_root_dir"
+) -> Path:
+    """A run directory must not be the teacher, lie inside it or be a model directory, and none of the folders a run
+    writes there (:data:`RUN_OUTPUTS`) may hold the teacher; returns ``root``."""
+    root = Path(root)
+    for read in local_dirs([teacher]):
+        how = relation(root, read)
+        if how in ("is", "is inside"):
+            raise GuardError(f"{key} {root}: {how} the teacher directory {read}; pass another directory")
+        for name in RUN_OUTPUTS:
+            if relation(root / name, read) is not None:
+                raise GuardError(
+                    f"{key} {root}: the run writes {root / name}, which holds the teacher {read}; "
+                    "pass another directory"
+                )
+    kind = model_kind(root)
+    if kind is not None:
+        raise GuardError(f"{key} {root}: is a {kind} directory; pass a separate run directory")
+    return root
+
+
+def is_result(path: Path) -> bool:
+    """Whether ``path`` is a results JSON of ``loopq.evaluate`` (the only file an evaluation may replace)."""
+    data = _json_object(path)
+    return "method" in data and "wikitext2_ppl" in data
+
+
+def check_output_file(
+    out: str | os.PathLike[str], reads: Iterable[str | os.PathLike[str] | None] = (), key: str = "--out"
+) -> Path:
+    """A result file may not be a directory, lie in or beside a model (any :func:`model_kind`, or a directory the
+    command reads), or replace an existing file other than an earlier result; returns ``out``."""
+    out = Path(out)
+    if out.is_dir():
+        raise GuardError(f"{key} {out}: is a directory; pass a file path such as {out / 'result.json'}")
+    for read in local_dirs(reads):
+        if relation(out, read) is not None:
+            raise GuardError(f"{key} {out}: lies inside {read}, which this command reads; pass another path")
+    kind = model_kind(out.parent)
+    if kind is not None:
+        raise GuardError(f"{key} {out}: {out.parent} is a {kind} directory; write results elsewhere")
+    if out.exists() and not is_result(out):
+        raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- loop count
+@dataclass(frozen=True)
+class LoopShape:
+    """What the memory of one calibration loop depends on, read off the model (:func:`loop_shape`)."""
+
+    hidden: int
+    trained_loops: int
+    group_inputs: int  # sum of in_features over the looped linear groups (all shared layers)
+    group_outputs: int  # sum of out_features over the same groups
+    norms: int  # RMSNorm / LayerNorm modules inside the shared layers
+    parameters: int
+
+
+def loop_shape(model: LoopLM) -> LoopShape:
+    """The :class:`LoopShape` of a model (build it on the meta device: nothing is allocated)."""
+    groups = model.linear_groups()
+    looped = [groups[name] for name in model.looped_group_names()]
+    linears = [lin for group in looped for lin in group.children()]
+    return LoopShape(
+        hidden=model.state_dim,
+        trained_loops=model.default_num_loops,
+        group_inputs=sum(group.in_features for group in looped),
+        group_outputs=sum(lin.out_features for lin in linears),
+        norms=sum(isinstance(m, (RMSNorm, nn.LayerNorm)) for m in model.loop_layers.modules()),
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def activation_factor(shape: LoopShape) -> float:
+    """Hidden-sized tensors that autograd keeps per token per loop of the student's forward.
+
+    Each looped group's fake-quant chain keeps :data:`SAVED_PER_GROUP_INPUT` copies of its input, its outputs are
+    kept once by the ops that consume them (RoPE, attention, the MLP gate, the residual), and each RMSNorm keeps
+    :data:`SAVED_PER_NORM`. The tiny Ouro teacher (2 layers, hidden 128, groups 3x128 + 384 in, 1280 out per layer,
+    4 norms per layer) gives (8 x 768 + 1280 + 2 x 4 x 128) x 2 / 128 = 132; autograd's saved tensors measure 132.4
+    (and the estimate is within 4 % for the Ouro, LoopFormer and Parcae test fixtures as well).
+    """
+    quantizers = SAVED_PER_GROUP_INPUT * shape.group_inputs + shape.group_outputs
+    return (quantizers + SAVED_PER_NORM * shape.norms * shape.hidden) / shape.hidden
+
+
+def activation_bytes(batch: int, seq_len: int, hidden: int, loops: int, dtype_bytes: int, factor: float) -> int:
+    """Activation memory of one calibration step: batch x seq_len x hidden x loops x dtype_bytes x factor."""
+    return math.ceil(batch * seq_len * hidden * loops * dtype_bytes * factor)
+
+
+def trajectory_bytes(samples: int, seq_len: int, hidden: int, loops: int, dtype_bytes: int = 2) -> int:
+    """The teacher targets' loop states (``TeacherTargets.states``, fp16), held in memory while they are built."""
+    return samples * seq_len * hidden * loops * dtype_bytes
+
+
+def available_memory() -> int | None:
+    """Bytes the machine can still give (``MemAvailable``); None where it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """A calibration's loop count and the memory it needs (:func:`loop_plan`)."""
+
+    loops: int
+    trained_loops: int
+    activations: int
+    trajectories: int
+    weights: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.trajectories + self.weights
+
+    def describe(self) -> str:
+        return (
+            f"about {gib(self.total)} (activations {gib(self.activations)}, teacher trajectories "
+            f"{gib(self.trajectories)}, weights {gib(self.weights)})"
+        )
+
+
+def loop_plan(
+    shape: LoopShape,
+    loops: int | None,
+    batch: int,
+    seq_len: int,
+    samples: int,
+    dtype_bytes: int = 4,
+    checkpoint_loops: bool = False,
+) -> LoopPlan:
+    """The memory a calibration of ``loops`` loops (None: the trained count) needs. With ``checkpoint_loops`` only
+    one loop's activations are alive at a time (each loop keeps just its input state)."""
+    loops = loops or shape.trained_loops
+    factor = activation_factor(shape)
+    if checkpoint_loops:
+        acts = activation_bytes(batch, seq_len, shape.hidden, 1, dtype_bytes, factor)
+        acts += activation_bytes(batch, seq_len, shape.hidden, loops, dtype_bytes, 1.0)
+    else:
+        acts = activation_bytes(batch, seq_len, shape.hidden, loops, dtype_bytes, factor)
+    weights = 2 * shape.parameters * 4  # the fp32 teacher, and the student's fake-quantized copies
+    return LoopPlan(loops, shape.trained_loops, acts, trajectory_bytes(samples, seq_len, shape.hidden, loops), weights)
+
+
+def check_loop_plan(
+    plan: LoopPlan, host_free: int | None, device_free: int | None = None, key: str = "model.quant.num_loops"
+) -> None:
+    """Warn (stderr) when ``plan.loops`` is more than twice the trained count; refuse a plan that does not fit
+    (``device_free``: the accelerator's free memory, which then holds activations and weights; the trajectories
+    stay in host memory) unless ``LOOPQ_ALLOW_LOW_MEMORY=1``."""
+    if plan.loops > 2 * plan.trained_loops:
+        print(
+            f"[loopq] warning: {key}={plan.loops} is {plan.loops / plan.trained_loops:.0f}x the teacher's trained "
+            f"{plan.trained_loops} loops; the calibration needs {plan.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if os.environ.get(ALLOW_LOW_MEMORY) == "1":
+        return
+    on_device = plan.activations + plan.weights
+    if device_free is not None and on_device > device_free:
+        short = f"{gib(on_device)} on the accelerator but only {gib(device_free)} is free there"
+    elif host_free is not None and plan.total - (on_device if device_free is not None else 0) > host_free:
+        short = f"{plan.describe()} but only {gib(host_free)} of memory is free"
+    else:
+        return
+    raise GuardError(
+        f"{key}={plan.loops}: the calibration needs {short}; lower {key} (trained: {plan.trained_loops}), "
+        f"data.batch_size or data.seq_len, set model.checkpoint_loops true, or set {ALLOW_LOW_MEMORY}=1 to start anyway"
+    )
+
+
+def device_memory(accelerator: str | None) -> int | None:
+    """Free bytes of the CUDA device a run will use (None on CPU)."""
+    if str(accelerator or "auto") not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
+    """:func:`loop_shape` of a local teacher directory, built on the meta device from its config.json alone (None
+    for a hub id or a path that is not a model: the loader reports those)."""
+    directory = Path(teacher)
+    if not (directory / "config.json").is_file():
+        return None
+    config = read_config(directory)
+    cls = architecture_for(config, str(directory / "config.json"))
+    with torch.device("meta"):
+        model = cls(cls.config_from_dict(config))
+    return loop_shape(model)
+
+
+# ---------------------------------------------------------------------------------------------------- loopq.fit
+def check_calibration(config: Any) -> None:
+    """Everything :mod:`loopq.fit` (and :mod:`loopq.run`) checks on its parsed config before building anything:
+    the run, student and target-cache directories against the teacher, and the loop count against the memory."""
+    teacher = str(config.model.teacher)
+    root = Path(config.trainer.default_root_dir or os.getcwd())
+    check_run_root(root, teacher)
+    if config.model.output_dir:
+        check_output_dir(config.model.output_dir, [teacher], "--model.output_dir", replaces=("student",))
+    cache = config.model.target_cache_dir
+    for read in local_dirs([teacher] if cache else []):  # a cache file there would change the teacher's fingerprint
+        how = relation(Path(cache), read)
+        if how in ("is", "is inside"):
+            raise GuardError(f"--model.target_cache_dir {cache}: {how} the teacher {read}; pass another directory")
+    shape = teacher_shape(teacher)
+    if shape is None:
+        return
+    quant = config.model.quant
+    precision = str(getattr(config.trainer, "precision", None) or "32")
+    plan = loop_plan(
+        shape,
+        getattr(quant, "num_loops", None) if quant is not None else None,
+        batch=config.data.batch_size,
+        seq_len=config.data.seq_len,
+        samples=config.data.num_samples,
+        dtype_bytes=2 if precision.endswith("-true") else 4,  # mixed precision keeps the quantizer chains in fp32
+        checkpoint_loops=bool(config.model.checkpoint_loops),
+    )
+    check_loop_plan(plan, available_memory(), device_memory(getattr(config.trainer, "accelerator", None)))
