@@ -40,7 +40,7 @@ from loopq.guards import check_output_dir
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import atomic_write
 from loopq.quant import QuantConfig, prepare
-from loopq.regime import activation_regime, fresh_sharing_gaps
+from loopq.regime import activation_regime, fresh_sharing_gaps, looped_group_inputs
 
 SEQ_LEN = 256
 #: record entries too long to print
@@ -94,25 +94,13 @@ def unigram_perplexity(train_ids: Tensor, test_ids: Tensor, vocab_size: int) -> 
     return math.exp(-float(logp[test_ids].mean()))
 
 
-@torch.no_grad()
 def activation_p99(model: LoopLM, windows: Tensor) -> dict[str, list[float]]:
     """P99 |x| of every looped group's input, per loop (the same physical layer seen by each loop)."""
-    records: dict[str, dict[int, Tensor]] = {}
-    handles = []
-    for name, group in model.linear_groups().items():
-        if name in set(model.looped_group_names()):
-
-            def hook(module: Any, args: tuple, name: str = name) -> None:
-                t = args[1]
-                records.setdefault(name, {})[t] = args[0].abs().flatten().float()
-
-            handles.append(group.register_forward_pre_hook(hook))
-    try:
-        model(windows)
-    finally:
-        for h in handles:
-            h.remove()
-    return {name: [float(torch.quantile(v[t][:1_000_000], 0.99)) for t in sorted(v)] for name, v in records.items()}
+    records = looped_group_inputs(model, windows)
+    return {
+        name: [float(torch.quantile(v[t].abs().flatten()[:1_000_000], 0.99)) for t in sorted(v)]
+        for name, v in records.items()
+    }
 
 
 @torch.no_grad()
