@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from loopq.models.base import rms_norm
+from loopq.quant.slots import loop_slot
 
 
 def transition_adapter(h: Tensor, a: Tensor, b: Tensor, eta: Tensor, u: Tensor, v: Tensor, eps: float) -> Tensor:
@@ -44,7 +45,7 @@ class TransitionAdapters(nn.Module):
         return self.a.shape[0]
 
     def forward(self, h: Tensor, t: int) -> Tensor:
-        i = min(t, self.num_transitions - 1)
+        i = loop_slot(t, self.num_transitions)
         x = h.to(torch.promote_types(h.dtype, self.a.dtype))  # fp32 compute (fp64 when the module is double)
         out = transition_adapter(x, self.a[i], self.b[i], self.eta[i], self.u, self.v, self.eps)
         return out.to(h.dtype)

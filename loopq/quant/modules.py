@@ -27,6 +27,7 @@ from loopq.models.base import LinearGroup
 from loopq.quant.config import QuantConfig
 from loopq.quant.fused import quantizers
 from loopq.quant.primitives import at_least_fp32, clip_logit, clip_ratio, quantize_codes
+from loopq.quant.slots import loop_slot
 from loopq.quant.transforms import KroneckerTransform, fold_weight
 
 FULL_CLIP = 1.0 - 1e-4  # the initial learnable clip ratio: no clipping
@@ -85,14 +86,14 @@ class QuantLinearGroup(nn.Module):
 
     def slot(self, t: int | None) -> int:
         """Loop index -> parameter slot; loops beyond the calibrated count reuse the last slot."""
-        return 0 if t is None or not self.looped else min(t, self.slots - 1)
+        return loop_slot(t if self.looped else None, self.slots)
 
     def transform_for(self, slot: int) -> KroneckerTransform | None:
         return self.loop_transforms[slot] if self.loop_transforms is not None else self.transform
 
     def act_clip_ratio(self, slot: int) -> Tensor:
         """c_t of ``slot`` (one entry per loop with LAS, else one); the same op as the forward (bit-identical)."""
-        return clip_ratio(self.act_clip)[min(slot, self.act_clip.numel() - 1)]
+        return clip_ratio(self.act_clip)[loop_slot(slot, self.act_clip.numel())]
 
     def weight_clip_ratio(self, slot: int) -> Tensor:
         logits = self.loop_weight_clip[slot : slot + 1] if self.loop_weight_clip is not None else self.weight_clip
@@ -198,7 +199,7 @@ class QuantLinearGroup(nn.Module):
         """x P_t quantized with the loop's activation clipping."""
         cached = self._slot_tensors(slot)
         p1, p2 = cached.mats[:2] if cached.mats is not None else (None, None)
-        clip = cached.act_clip[min(slot, cached.act_clip.numel() - 1)]
+        clip = cached.act_clip[loop_slot(slot, cached.act_clip.numel())]
         return quantizers(self.compiled)[0](x, p1, p2, cached.inv_d, clip, self.a_bits, self.group_size)
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:

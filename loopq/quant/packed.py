@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight
 from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.slots import loop_slot
 from loopq.quant.transforms import KroneckerTransform, fold_weight, kron_factors
 
 ACT_BITS = (4, 8)  # W4A4 and W4A8 kernels
@@ -174,7 +175,7 @@ class PackedLinearGroup(nn.Module):
 
     def slot(self, t: int | None) -> int:
         """Loop index -> parameter slot; loops beyond the calibrated count reuse the last slot."""
-        return 0 if t is None or not self.spec.looped else min(t, self.spec.slots - 1)
+        return loop_slot(t if self.spec.looped else None, self.spec.slots)
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)
@@ -221,4 +222,4 @@ def concat_bias(group: QuantLinearGroup) -> Tensor | None:
 
 
 def _at(per_slot: Tensor, slot: int) -> Tensor:
-    return per_slot[min(slot, per_slot.shape[0] - 1)]
+    return per_slot[loop_slot(slot, per_slot.shape[0])]
