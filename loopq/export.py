@@ -192,8 +192,8 @@ def load_quantized(
     for alias, name in aliases.items():  # assign=True replaced the tied parameter objects: tie them again
         parent, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(parent), attr, model.get_parameter(name))
-    model.quant_config = QuantConfig.from_dict(meta["quant"])  # type: ignore[assignment]
-    model.calibrated_loops = meta["calibrated_loops"]  # type: ignore[assignment]
+    model.quant_config = QuantConfig.from_dict(meta["quant"])
+    model.calibrated_loops = meta["calibrated_loops"]
     return model.to(device).requires_grad_(False).eval()
 
 

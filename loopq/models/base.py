@@ -165,6 +165,10 @@ class LoopLM(nn.Module):
     """Base class of all looped LMs; see the module docstring for the recurrence."""
 
     arch: ClassVar[str] = ""
+    #: set on a quantized copy by ``loopq.quant.prepare`` / ``loopq.export.load_quantized`` (a ``QuantConfig``;
+    #: typed loosely because the models layer sits below the quantization layer) and its calibrated loop count
+    quant_config: Any = None
+    calibrated_loops: int | None = None
     #: glob patterns (fnmatch on module names) of modules that must never be quantized
     fp_module_patterns: ClassVar[tuple[str, ...]] = ()
     #: per layer: RMSNorm (with a weight) -> the group whose input it produces (outlier/smoothing folds)

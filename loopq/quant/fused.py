@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,9 +45,19 @@ RECOMPILE_LIMIT = 64
 def compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """One shared ``torch.compile`` of ``fn`` for every group, one graph per distinct shape: static shapes, because
     the per-loop checkpointed recomputation must reproduce the forward's tensor metadata exactly (automatic dynamic
-    shapes recompile it differently and ``torch.utils.checkpoint`` rejects the recomputation)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(fn, dynamic=False)
+    shapes recompile it differently and ``torch.utils.checkpoint`` rejects the recomputation).
+
+    Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT` only around the calls of these functions
+    (``torch._dynamo.config.patch``), never for the rest of the process."""
+    graph = torch.compile(fn, dynamic=False)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Tensor:
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return graph(*args)
+
+    return call
 
 
 def quantizers(compile_: bool) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:

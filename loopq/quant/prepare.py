@@ -72,8 +72,8 @@ def prepare(model: LoopLM, config: QuantConfig, share_weights: bool = True) -> L
         student.transition = TransitionAdapters(dim, num_loops, config.cta_rank, seed=config.seed)
         student.transition.to(group_device(student))
     student.register_forward_pre_hook(begin_forward)  # per-forward transforms/weights, computed before the loop
-    student.quant_config = config  # type: ignore[assignment]
-    student.calibrated_loops = num_loops  # type: ignore[assignment]
+    student.quant_config = config
+    student.calibrated_loops = num_loops
     return student
 
 
