@@ -31,9 +31,10 @@ from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import UsageError, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
+from loopq.files import atomic_write
 from loopq.guards import check_output_file
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import atomic_write, resolve_model_dir
+from loopq.models.io import resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import QuantConfig
 from loopq.quant.config import METHODS

@@ -37,7 +37,7 @@ from jsonargparse import CLI
 from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.errors import run_cli
 from loopq.evaluate import evaluate
-from loopq.models.io import atomic_write, read_json
+from loopq.files import atomic_write, read_json
 from loopq.paths import REPO_ROOT
 from loopq.stats import log_gap_recovery, separated, summarize
 

@@ -42,10 +42,11 @@ from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
 from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
 from loopq.calib.student_io import StudentFormatError, load_student, read_meta
 from loopq.errors import OneLineParser, run_cli
+from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.guards import check_output_dir
 from loopq.kernels import GROUP_SIZE
 from loopq.models.base import LoopLM
-from loopq.models.io import architecture_for, atomic_write, read_config, read_json, read_safetensors, resolve_model_dir
+from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.provenance import json_digest
 from loopq.quant.config import QuantConfig
 from loopq.quant.cta import TransitionAdapters

@@ -51,8 +51,8 @@ from matplotlib.ticker import MaxNLocator
 
 from loopq.errors import LoopQError, OneLineParser, run_cli
 from loopq.eval.tasks import PAPER_METRICS
-from loopq.models.io import atomic_write
-from loopq.models.io import read_json as read_json_file
+from loopq.files import atomic_write
+from loopq.files import read_json as read_json_file
 
 PTQ_COLUMN = "WT2-PTQ"
 COLUMNS: list[str] = [*PAPER_METRICS, PTQ_COLUMN]

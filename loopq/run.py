@@ -60,7 +60,8 @@ from loopq.eval.tasks import check_tasks
 from loopq.evaluate import evaluate
 from loopq.export import META as EXPORT_META
 from loopq.export import export_student, footprint, load_quantized
-from loopq.models.io import architecture_for, atomic_write, read_config, read_json, resolve_model_dir
+from loopq.files import atomic_write, read_json
+from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.provenance import teacher_fingerprint
 from loopq.quant import QuantConfig
 from loopq.quant.packed import check_kernel_support

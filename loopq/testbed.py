@@ -36,9 +36,9 @@ from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolv
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, token_windows, wikitext2_stream
+from loopq.files import atomic_write
 from loopq.guards import check_output_dir
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import atomic_write
 from loopq.quant import QuantConfig, prepare
 from loopq.regime import activation_regime, fresh_sharing_gaps, looped_group_inputs
 

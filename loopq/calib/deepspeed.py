@@ -42,7 +42,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from loopq.models.io import read_json
+from loopq.files import read_json
 
 #: the LoopQ state a DeepSpeed checkpoint directory carries next to DeepSpeed's own files
 SIDECAR = "loopq.json"

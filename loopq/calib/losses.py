@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loopq.quant.primitives import at_least_fp32
+from loopq.qspec import at_least_fp32
 
 
 def teacher_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:

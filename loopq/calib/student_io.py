@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from loopq.errors import LoopQError
+from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import atomic_write, read_json, read_safetensors
 from loopq.provenance import ProvenanceError, teacher_fingerprint
 from loopq.quant import QuantConfig, prepare, quant_groups
 

@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from loopq.calib.losses import teacher_topk
+from loopq.files import atomic_write, read_safetensors
 from loopq.models.base import LoopLM
-from loopq.models.io import atomic_write, read_safetensors
 from loopq.provenance import ProvenanceError
 
 

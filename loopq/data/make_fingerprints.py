@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         same = args.out.is_file() and args.out.read_text(encoding="utf-8") == text
         print(f"{args.out}: {'up to date' if same else 'differs from a regeneration; rerun without --check'}")
         return 0 if same else 1
-    from loopq.models.io import atomic_write
+    from loopq.files import atomic_write
 
     atomic_write(args.out, lambda p: p.write_text(text, encoding="utf-8"))
     print(f"wrote {args.out}")

@@ -12,7 +12,7 @@ Packed format (K = input dimension of a linear, a multiple of 32; a *group* is 3
 * activation scales: ``torch.float32 [M, K/32]``, one per token and group (computed online).
 * value = code * scale: symmetric, no zero point; s = max(clip * absmax / q_max, 1e-8), q_max = 2^(b-1) - 1.
 
-Codes are exactly those of :func:`loopq.quant.primitives.quantize_codes` (round-half-to-even), so the fake-quant
+Codes are exactly those of :func:`loopq.qspec.quantize_codes` (round-half-to-even), so the fake-quant
 student and the exported model agree in the integer domain. The GEMM computes, per 32-element group, an exact
 integer dot and accumulates ``dot * s_a[m, g] * s_w[n, g]`` in fp32.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loopq.quant.primitives import quantize_codes
+from loopq.qspec import quantize_codes
 
 #: the 32-element K groups that share one scale (one int8 tensor-core dot of depth 32 on GPU)
 GROUP_SIZE = 32
@@ -49,7 +49,7 @@ def quantize_weight(
 ) -> tuple[Tensor, Tensor]:
     """Offline int4 weight quantization ``w [N, K] -> (packed uint8 [N, K/2], scales float16 [N, K/group_size])``.
 
-    Codes are exactly :func:`loopq.quant.primitives.quantize_codes` of ``w`` in fp32 with the per-row
+    Codes are exactly :func:`loopq.qspec.quantize_codes` of ``w`` in fp32 with the per-row
     ``clip_ratio`` (``[N]`` or a scalar), so they match the fake-quant student bit for bit. Only the stored
     scale is rounded to float16 (relative error <= 2^-11; groups with absmax below ~4e-4 get subnormal scales).
     """

@@ -5,7 +5,7 @@ Both backends share one *defined* fp32 evaluation order, so their outputs are bi
 * transform ``Z = L^T X R`` (X the token viewed as ``[n1, n2]``): first ``XR = sum_j X[:, j] R[j, :]``, then
   ``Z = sum_i L[i, :]^T XR[i, :]``, each a left-to-right chain of separate fp32 multiplies and adds starting
   from zero (no FMA). ``kron_apply`` (a BLAS matmul) computes the same value in an unspecified order;
-* quantization is :func:`loopq.quant.primitives.quantize_codes` of the fp32 transformed token;
+* quantization is :func:`loopq.qspec.quantize_codes` of the fp32 transformed token;
 * GEMM: per 32-element K group an exact integer dot (the int8 products summed in fp32 are integers below
   2^24, hence exact), then ``acc = acc + dot * (s_a * s_w)`` in fp32, groups in order.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from loopq.kernels.packing import pack_int4_unchecked, unpack_int4
-from loopq.quant.primitives import quantize_codes
+from loopq.qspec import quantize_codes
 
 
 def kron_apply_ordered(x: Tensor, left: Tensor, right: Tensor) -> Tensor:

@@ -32,10 +32,12 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from loopq.errors import LoopQError
+from loopq.files import atomic_write
 
 ConfigT = TypeVar("ConfigT")
 
@@ -418,9 +420,18 @@ class LoopLM(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write ``config.json`` + weights in the native format (readable by :func:`load_looplm`)."""
-        from loopq.models.io import save_native
-
-        return save_native(self, Path(directory))
+        directory = Path(directory)
+        state: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for key, value in self.native_state_dict().items():
+            value = value.detach().cpu().contiguous()
+            if value.data_ptr() in seen:  # safetensors cannot alias: tied copies are stored twice
+                value = value.clone()
+            seen.add(value.data_ptr())
+            state[key] = value
+        atomic_write(directory / self.weights_name, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        atomic_write(directory / "config.json", lambda p: p.write_text(self.config_json() + "\n"))
+        return directory
 
     @property
     def num_parameters(self) -> int:

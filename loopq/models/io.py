@@ -1,26 +1,23 @@
-"""Loading and saving looped LMs in each architecture's native published format.
+"""Loading looped LMs from each architecture's native published format.
 
 Weights are read with safetensors (single file or a sharded ``*.safetensors.index.json``). A published
 ``pytorch_model.bin`` (Parcae releases one) is read with ``torch.load(weights_only=True)`` only - never a
-full unpickle. ``save_native`` writes ``config.json`` + ``model.safetensors`` atomically.
+full unpickle. Writing is :meth:`LoopLM.save_pretrained` (``config.json`` + ``model.safetensors``,
+atomically). The generic file helpers (``atomic_write``, ``read_json``, ``read_safetensors``) live in
+:mod:`loopq.files` and are re-exported here for older imports.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from loopq.errors import LoopQError
+from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models.base import LoopLM, LoopLMError
 
 
@@ -49,37 +46,6 @@ def architecture_for(config: Mapping[str, Any], source: str = "config.json") -> 
             f"{source}: unknown architecture (model_type/_class_name = {kind!r}); supported: {sorted(architectures())}"
         )
     return found[0]
-
-
-def read_json(path: Path, error: type[Exception] = LoopQError, fix: str = "fix or rewrite it") -> Any:
-    """The JSON document in ``path``; a missing, unreadable or malformed file raises ``error`` naming the file
-    and, for a syntax error, where it is (``fix`` says what to do)."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise error(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise error(f"{path}: cannot be read as JSON text ({err}); {fix}") from None
-
-
-def read_safetensors(
-    path: Path, error: type[Exception] = LoopQError, fix: str = "re-download or re-export it"
-) -> dict[str, Tensor]:
-    """The tensors of a safetensors file; a missing, truncated or foreign file raises ``error`` naming it (``fix``
-    says how to get an intact copy; a torch zip/pickle checkpoint is told apart and pointed to a conversion)."""
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except (SafetensorError, OSError, ValueError) as err:
-        if zipfile.is_zipfile(path):
-            raise error(
-                f"{path}: a torch zip/pickle checkpoint, not safetensors; convert it (load it with torch.load "
-                "and write it with safetensors.torch.save_file)"
-            ) from None
-        raise error(f"{path}: not a readable safetensors file, truncated or corrupt ({err}); {fix}") from None
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -149,30 +115,14 @@ def load_looplm(path: str | os.PathLike[str], dtype: torch.dtype | None = None) 
     return model.eval()
 
 
-def atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` then rename onto ``path``: a crash never leaves a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def save_native(model: LoopLM, directory: Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` in the architecture's native format."""
-    state: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for key, value in model.native_state_dict().items():
-        value = value.detach().cpu().contiguous()
-        if value.data_ptr() in seen:  # safetensors cannot alias: tied copies are stored twice
-            value = value.clone()
-        seen.add(value.data_ptr())
-        state[key] = value
-    atomic_write(directory / model.weights_name, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    atomic_write(directory / "config.json", lambda p: p.write_text(model.config_json() + "\n"))
-    return directory
+__all__ = [
+    "architecture_for",
+    "architectures",
+    "atomic_write",
+    "load_looplm",
+    "read_config",
+    "read_json",
+    "read_safetensors",
+    "read_weights",
+    "resolve_model_dir",
+]

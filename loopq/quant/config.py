@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from loopq.errors import LoopQError
-from loopq.quant.primitives import SUPPORTED_BITS
+from loopq.qspec import SUPPORTED_BITS
 
 TRANSFORM_INITS = ("identity", "rotation", "random")
 DIAG_INITS = ("ones", "smooth")

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loopq.models.base import LinearGroup
+from loopq.qspec import at_least_fp32, quantize_codes
 from loopq.quant.config import QuantConfig
 from loopq.quant.fused import quantizers
-from loopq.quant.primitives import at_least_fp32, clip_logit, clip_ratio, quantize_codes
+from loopq.quant.primitives import clip_logit, clip_ratio
 from loopq.quant.slots import loop_slot
 from loopq.quant.transforms import KroneckerTransform, fold_weight
 

@@ -8,7 +8,7 @@ into an offline and an online half:
 
 * offline, once (:func:`fold_weight`, :func:`pack_weight`): W'_t = (W * d_t) (P1^{-1} (x) P2^{-1})^T in float64 with
   the factors' closed-form inverses V diag(e^{-s}) U^T, rounded once to fp32 and quantized per output row with the
-  clip r_t: int4 codes (exactly :func:`~loopq.quant.primitives.quantize_codes` of that fp32 weight) packed two per
+  clip r_t: int4 codes (exactly :func:`~loopq.qspec.quantize_codes` of that fp32 weight) packed two per
   byte, one fp16 scale per 32 inputs (:func:`loopq.kernels.quantize_weight`);
 * online, every call: x * e^{-log d_t} (the kernel has no diagonal), then the fused kernel transform x (P1 (x) P2)
   with per-token group quantization at the loop's clip c_t, then the W4A4 or W4A8 GEMM of the whole group

@@ -21,11 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from loopq.models.base import LoopLM
+from loopq.qspec import to_groups
 from loopq.quant import baselines
 from loopq.quant.config import METHODS, QuantConfig, QuantConfigError
 from loopq.quant.cta import TransitionAdapters
 from loopq.quant.modules import QuantLinearGroup, begin_forward
-from loopq.quant.primitives import best_clip_ratio, clip_logit, fake_quant, to_groups
+from loopq.quant.primitives import best_clip_ratio, clip_logit, fake_quant
 
 #: (group, weight of the RMSNorm feeding it or None, config, generator) -> sets up the group's transform in place
 GroupSetup = Callable[[QuantLinearGroup, Tensor | None, QuantConfig, torch.Generator], None]

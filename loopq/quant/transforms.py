@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from loopq.quant.primitives import at_least_fp32
+from loopq.qspec import at_least_fp32
 
 
 def kron_factors(n: int) -> tuple[int, int]:

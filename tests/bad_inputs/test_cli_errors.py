@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from loopq.errors import USER_ERRORS, OneLineParser, UsageError, one_line, user_error
+from loopq.files import read_json, read_safetensors
 from loopq.models import LoopLMError
-from loopq.models.io import read_json, read_safetensors
 from loopq.models.ouro import OuroLM
 from loopq.paths import ASSETS, REPO_ROOT
 from loopq.quant import QuantConfig

@@ -23,10 +23,11 @@ from torch import nn
 
 from loopq.kernels import quantize_activation, triton_interpreted, unpack_int4
 from loopq.models.base import LinearGroup
+from loopq.qspec import quantize_codes
 from loopq.quant import QuantConfig, quant_groups
 from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.packed import ExportError, PackedLinearGroup, concat_bias, fold_weight
-from loopq.quant.primitives import fake_quant, quantize_codes
+from loopq.quant.primitives import fake_quant
 from loopq.quant.transforms import KroneckerTransform
 
 

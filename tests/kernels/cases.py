@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loopq.quant.primitives import qrange
+from loopq.qspec import qrange
 from loopq.quant.transforms import kron_factors
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from loopq.kernels import pack_int4, quantize_weight, unpack_int4
-from loopq.quant.primitives import quantize_codes
+from loopq.qspec import quantize_codes
 
 
 def test_pack_layout_by_hand():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from loopq.kernels import quantize_activation, unpack_int4
-from loopq.quant.primitives import quantize_codes
+from loopq.qspec import quantize_codes
 from loopq.quant.transforms import kron_apply, kron_factors
 from tests.kernels.cases import random_transform, scaled_permutation, tie_tokens
 

@@ -5,7 +5,8 @@ import torch
 
 from loopq.kernels import gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight, unpack_int4
 from loopq.kernels.reference import kron_apply_ordered
-from loopq.quant.primitives import dequantize_codes, fake_quant, quantize_codes
+from loopq.qspec import dequantize_codes, quantize_codes
+from loopq.quant.primitives import fake_quant
 from loopq.quant.transforms import kron_apply, kron_factors
 from tests.kernels.cases import random_transform, scaled_permutation, tie_tokens
 

@@ -3,16 +3,8 @@
 import pytest
 import torch
 
-from loopq.quant.primitives import (
-    best_clip_ratio,
-    clip_logit,
-    clip_ratio,
-    dequantize_codes,
-    fake_quant,
-    qrange,
-    quantize_codes,
-    to_groups,
-)
+from loopq.qspec import dequantize_codes, qrange, quantize_codes, to_groups
+from loopq.quant.primitives import best_clip_ratio, clip_logit, clip_ratio, fake_quant
 
 
 def test_qrange():

@@ -1,0 +1,63 @@
+"""Crash-safe writes and readers that name the file: the bottom of the package (imports nothing from loopq but
+:mod:`loopq.errors`). Every artifact LoopQ writes goes through :func:`atomic_write`; every JSON / safetensors file it
+reads goes through :func:`read_json` / :func:`read_safetensors`, whose errors name the file and say what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from loopq.errors import LoopQError
+
+
+def read_json(path: Path, error: type[Exception] = LoopQError, fix: str = "fix or rewrite it") -> Any:
+    """The JSON document in ``path``; a missing, unreadable or malformed file raises ``error`` naming the file
+    and, for a syntax error, where it is (``fix`` says what to do)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(f"{path}: cannot be read as JSON text ({err}); {fix}") from None
+
+
+def read_safetensors(
+    path: Path, error: type[Exception] = LoopQError, fix: str = "re-download or re-export it"
+) -> dict[str, Tensor]:
+    """The tensors of a safetensors file; a missing, truncated or foreign file raises ``error`` naming it (``fix``
+    says how to get an intact copy; a torch zip/pickle checkpoint is told apart and pointed to a conversion)."""
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except (SafetensorError, OSError, ValueError) as err:
+        if zipfile.is_zipfile(path):
+            raise error(
+                f"{path}: a torch zip/pickle checkpoint, not safetensors; convert it (load it with torch.load "
+                "and write it with safetensors.torch.save_file)"
+            ) from None
+        raise error(f"{path}: not a readable safetensors file, truncated or corrupt ({err}); {fix}") from None
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call ``write(tmp_path)`` then rename onto ``path``: a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,60 @@
+"""The integer-quantization spec: signed symmetric codes on groups, the bottom of the quantization stack.
+
+For a group g of ``group_size`` consecutive elements along the last dimension (``-1``: the whole row) with clipping
+ratio c in (0, 1]:  s_g = c * max|x_g| / q_max,  code = clip(round(x / s_g), q_min, q_max),  q_max = 2^(b-1) - 1,
+q_min = -2^(b-1); rounding is half-to-even. The fake-quant training path (:mod:`loopq.quant.primitives`) and the
+packed kernels (:mod:`loopq.kernels`) both build on these functions, so their codes agree bit for bit; this module
+imports nothing from ``loopq``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: 4 and 8 are what the kernels run; 3 is fake-quant only (fragility sweeps); 16 means unquantized
+SUPPORTED_BITS = (3, 4, 8, 16)
+#: scales are floored at this value so all-zero groups quantize to 0 instead of NaN
+SCALE_EPS = 1e-8
+
+
+def at_least_fp32(x: Tensor) -> Tensor:
+    """``x`` in float32, or in its own dtype if that is wider: half/bfloat16 inputs are transformed in fp32 (mixed
+    precision), float64 runs stay float64 throughout (a cast to fp32 there puts ~1e-7 noise - e.g. from a
+    different batch split across processes - onto 4-bit rounding boundaries)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def qrange(bits: int) -> tuple[int, int]:
+    """(q_min, q_max) of signed symmetric ``bits``-bit integers."""
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def to_groups(x: Tensor, group_size: int) -> Tensor:
+    """View ``[..., n]`` as ``[..., n // group_size, group_size]`` (``-1``: one group of n)."""
+    n = x.shape[-1]
+    g = n if group_size == -1 else group_size
+    if n % g:
+        raise ValueError(f"group_size={group_size} does not divide the dimension {n}")
+    return x.reshape(*x.shape[:-1], n // g, g)
+
+
+def group_scales(groups: Tensor, bits: int, clip: Tensor | float = 1.0) -> Tensor:
+    """Per-group scale s = clip * absmax / q_max, shape ``[..., G, 1]``; ``clip`` broadcasts over rows."""
+    absmax = groups.abs().amax(dim=-1, keepdim=True)
+    return (absmax * clip / qrange(bits)[1]).clamp_min(SCALE_EPS)
+
+
+def quantize_codes(x: Tensor, bits: int, group_size: int, clip: Tensor | float = 1.0) -> tuple[Tensor, Tensor]:
+    """Integer codes (int8 storage) and per-group scales ``[..., G]`` - the form the kernels consume."""
+    qmin, qmax = qrange(bits)
+    groups = to_groups(x, group_size)
+    scales = group_scales(groups, bits, clip)
+    codes = torch.round(groups / scales).clamp(qmin, qmax).to(torch.int8)
+    return codes.reshape(x.shape), scales.squeeze(-1)
+
+
+def dequantize_codes(codes: Tensor, scales: Tensor, group_size: int) -> Tensor:
+    """Inverse of :func:`quantize_codes` (up to rounding): codes * per-group scale."""
+    groups = to_groups(codes.to(scales.dtype), group_size)
+    return (groups * scales.unsqueeze(-1)).reshape(codes.shape)
