@@ -3,6 +3,7 @@
 import json
 
 import lightning as L
+import pytest
 import torch
 
 from loopq.models import load_looplm
@@ -101,3 +102,15 @@ def test_pretraining_resumes_from_its_last_checkpoint(data, tmp_path):
     assert trainer.global_step == 6 and record["steps"] == 6
     assert record["wall_seconds"] >= first["wall_seconds"]  # wall time sums the resumed segments
     assert module.lr_schedulers().last_epoch == 6  # the LR schedule continued, not restarted
+
+
+def test_post_norm_init_sets_only_the_sandwich_gains():
+    module = TeacherPretrainer(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                               num_key_value_heads=1, total_ut_steps=2, post_norm_init=0.1)  # fmt: skip
+    gains = {n: float(p.mean()) for n, p in module.model.named_parameters() if n.endswith("norm.weight") or "_2." in n}
+    assert all(
+        v == pytest.approx(0.1)
+        for n, v in gains.items()
+        if n.endswith(("input_layernorm_2.weight", "post_attention_layernorm_2.weight"))
+    )
+    assert module.model.model.layers[0].input_layernorm.weight.eq(1).all()  # pre-norms untouched
