@@ -37,31 +37,28 @@ from loopq.models import LoopLM, load_looplm
 from loopq.models.io import resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import QuantConfig
-from loopq.quant.config import METHODS
+from loopq.quant.config import FP_LABEL, METHODS, bits_label, method_of_label, parse_bits
 from loopq.quant.prepare import prepare_static
 
-BITS = {"w4a4": (4, 4), "w4a8": (4, 8), "w3a3": (3, 3), "w8a8": (8, 8)}
 #: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
-STATIC_METHODS = {"symmetric": "rtn", "rtn": "rtn", "smoothquant": "smoothquant", "quarot": "quarot"}
-#: the ``--method`` labels of a ``--model`` (case does not matter)
-MODEL_METHODS = ("FP", "Symmetric", "RTN", "SmoothQuant", "QuaRot")
+#: the ``--method`` labels of a ``--model`` (case does not matter): FP, or a training-free baseline built from it
+MODEL_METHODS = (FP_LABEL, *(m.label for m in METHODS.values() if not m.trained), "RTN")
 
 
 def static_method(label: str) -> str | None:
     """The training-free ``quant.method`` a ``--method`` label names (``RTN...`` labels are RTN), else None."""
-    key = label.lower()
-    return "rtn" if key.startswith("rtn") else STATIC_METHODS.get(key)
+    method = method_of_label(label)
+    return method if method is not None and not METHODS[method].trained else None
 
 
 def static_config(method: str, bits: str, group_size: int = 32) -> QuantConfig:
     """The config of a training-free baseline at ``bits`` (``w4a4``, ``w4a8``, ...)."""
     check_bits(bits)
-    return QuantConfig.of_method(method, *BITS[bits], group_size=group_size)
+    return QuantConfig.of_method(method, *parse_bits(bits, "--bits"), group_size=group_size)
 
 
 def check_bits(bits: str) -> None:
-    if bits not in BITS:
-        raise UsageError(f"--bits {bits!r}: use one of {sorted(BITS)}")
+    parse_bits(bits, "--bits")
 
 
 def check_method(method: str) -> None:
@@ -108,12 +105,12 @@ def build(
         from loopq.calib.student_io import load_student
 
         built, meta = load_student(student, teacher_dir=teacher)
-        return built, meta["teacher"], f"w{meta['quant']['w_bits']}a{meta['quant']['a_bits']}"
+        return built, meta["teacher"], bits_label(meta["quant"]["w_bits"], meta["quant"]["a_bits"])
     if exported:
         from loopq.export import load_quantized, read_export_meta
 
         quant = read_export_meta(Path(exported))["quant"]  # sealed: an edited description is refused
-        return load_quantized(exported), exported, f"w{quant['w_bits']}a{quant['a_bits']}"
+        return load_quantized(exported), exported, bits_label(quant["w_bits"], quant["a_bits"])
     if model is None:
         raise UsageError("pass --model (FP or a training-free baseline), --student or --exported")
     check_method(method)

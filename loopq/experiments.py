@@ -39,9 +39,11 @@ from loopq.errors import run_cli
 from loopq.evaluate import evaluate
 from loopq.files import atomic_write, read_json
 from loopq.paths import REPO_ROOT
+from loopq.quant.config import BIT_LABELS, METHODS, parse_bits
 from loopq.stats import log_gap_recovery, separated, summarize
 
-BITS = {"w4a4": 4, "w4a8": 8}
+#: activation bits of each reported bit-width label (w4a4 -> 4, w4a8 -> 8)
+BITS = {label: parse_bits(label)[1] for label in BIT_LABELS}
 #: fields that mark a sweep's result (kept out of :func:`summary`'s tables)
 SWEEP_TAGS = ("per_loop_of", "slt_budget", "num_samples")
 
@@ -57,12 +59,12 @@ class Row:
 
 
 TABLE1 = (
-    Row("Symmetric", "rtn"),
-    Row("SmoothQuant", "smoothquant"),
-    Row("QuaRot", "quarot"),
-    Row("SpinQuant", "spinquant", calibration="spinquant_config"),
-    Row("FlatQuant", "flatquant", calibration="flatquant_config"),
-    Row("LoopQ", "loopq", calibration="config"),
+    Row(METHODS["rtn"].label, "rtn"),
+    Row(METHODS["smoothquant"].label, "smoothquant"),
+    Row(METHODS["quarot"].label, "quarot"),
+    Row(METHODS["spinquant"].label, "spinquant", calibration="spinquant_config"),
+    Row(METHODS["flatquant"].label, "flatquant", calibration="flatquant_config"),
+    Row(METHODS["loopq"].label, "loopq", calibration="config"),
 )
 ABLATIONS = {
     "LoopQ w/o LAS": ["--model.quant.las", "false"],

@@ -53,6 +53,7 @@ from loopq.errors import LoopQError, OneLineParser, run_cli
 from loopq.eval.tasks import PAPER_METRICS
 from loopq.files import atomic_write
 from loopq.files import read_json as read_json_file
+from loopq.quant.config import bits_label
 
 PTQ_COLUMN = "WT2-PTQ"
 COLUMNS: list[str] = [*PAPER_METRICS, PTQ_COLUMN]
@@ -151,7 +152,7 @@ def load_result(path: Path) -> Result:
     bits = str(data.get("bits", "")).lower()
     quant = (meta or {}).get("quant") or {}
     if data["method"].upper() != "FP" and "w_bits" in quant and "a_bits" in quant:
-        bits = f"w{quant['w_bits']}a{quant['a_bits']}"
+        bits = bits_label(quant["w_bits"], quant["a_bits"])
     calibrated = data.get("calibrated_loops", (meta or {}).get("calibrated_loops"))
     return Result(
         path=path,

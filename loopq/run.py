@@ -64,6 +64,7 @@ from loopq.files import atomic_write, read_json
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.provenance import teacher_fingerprint
 from loopq.quant import QuantConfig
+from loopq.quant.config import bits_label
 from loopq.quant.packed import check_kernel_support
 from loopq.report import build_report, load_result, load_run
 
@@ -166,7 +167,7 @@ class Pipeline:
         self.quant = asked_quant(config)
         #: content hash of the teacher: every stage's inputs include it, so a rebuilt teacher is never mixed in
         self.teacher_sha256 = teacher_fingerprint(resolve_model_dir(self.teacher))
-        self.bits = f"w{self.quant['w_bits']}a{self.quant['a_bits']}"
+        self.bits = bits_label(self.quant["w_bits"], self.quant["a_bits"])
         self.manifest = Manifest(self.root / MANIFEST, fresh=options.force)
         self.started = time.monotonic()
 

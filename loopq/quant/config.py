@@ -21,6 +21,7 @@ method           group transform (x' = (x / d) (P1 (x) P2), W' = (W * d) (P1 (x)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -34,22 +35,55 @@ DIAG_INITS = ("ones", "smooth")
 
 @dataclass(frozen=True)
 class Method:
-    """What a quantization method fixes in the config, and whether ``python -m loopq.fit`` calibrates it."""
+    """What a quantization method fixes in the config, whether ``python -m loopq.fit`` calibrates it, and the
+    name tables and result files call it (the paper's Table 1 labels)."""
 
     settings: Mapping[str, Any]
     trained: bool
+    label: str = ""
 
 
 _STATIC = {"las": False, "slt_budget": 0, "cta": False}  # one configuration shared by all loops
 _NO_CLIP = {"learn_weight_clip": False, "learn_act_clip": False}
 METHODS: dict[str, Method] = {
-    "loopq": Method({}, trained=True),
-    "rtn": Method({"transforms": False, **_NO_CLIP, **_STATIC}, trained=False),
-    "smoothquant": Method({"transforms": True, "diag_scale": True, **_NO_CLIP, **_STATIC}, trained=False),
-    "quarot": Method({"transforms": True, "diag_scale": True, **_STATIC}, trained=False),
-    "spinquant": Method({"transforms": True, "diag_scale": True, **_STATIC}, trained=True),
-    "flatquant": Method({"transforms": True, **_STATIC}, trained=True),
+    "loopq": Method({}, trained=True, label="LoopQ"),
+    "rtn": Method({"transforms": False, **_NO_CLIP, **_STATIC}, trained=False, label="Symmetric"),
+    "smoothquant": Method(
+        {"transforms": True, "diag_scale": True, **_NO_CLIP, **_STATIC}, trained=False, label="SmoothQuant"
+    ),
+    "quarot": Method({"transforms": True, "diag_scale": True, **_STATIC}, trained=False, label="QuaRot"),
+    "spinquant": Method({"transforms": True, "diag_scale": True, **_STATIC}, trained=True, label="SpinQuant"),
+    "flatquant": Method({"transforms": True, **_STATIC}, trained=True, label="FlatQuant"),
 }
+#: the label of the unquantized teacher in tables and result files
+FP_LABEL = "FP"
+#: bit-width pairs the exported kernels run and results are reported for, by label
+BIT_LABELS = ("w4a4", "w4a8")
+
+
+def method_of_label(label: str) -> str | None:
+    """The ``quant.method`` a table label names (case-insensitive; ``RTN...`` labels are RTN), else None."""
+    key = label.lower()
+    if key.startswith("rtn"):
+        return "rtn"
+    return next((name for name, m in METHODS.items() if key in (name, m.label.lower())), None)
+
+
+def bits_label(w_bits: int, a_bits: int) -> str:
+    """``w4a4``-style label of a bit-width pair (16 means unquantized and is written as such: ``w4a16``)."""
+    return f"w{w_bits}a{a_bits}"
+
+
+def parse_bits(label: str, key: str = "bits") -> tuple[int, int]:
+    """``(w_bits, a_bits)`` of a ``w<W>a<A>`` label with supported widths; a bad one is refused naming ``key``."""
+    match = re.fullmatch(r"w(\d+)a(\d+)", label.strip().lower())
+    if match is None:
+        raise QuantConfigError(f"{key} {label!r}: write bit widths as w<W>a<A>, e.g. w4a4 or w4a8")
+    w, a = int(match.group(1)), int(match.group(2))
+    for name, value in (("w", w), ("a", a)):
+        if value not in SUPPORTED_BITS:
+            raise QuantConfigError(f"{key} {label!r}: {value}-bit {name} is not supported; use {SUPPORTED_BITS}")
+    return w, a
 
 
 class QuantConfigError(LoopQError):
@@ -149,6 +183,16 @@ class QuantConfig:
     def flatquant(cls, w_bits: int = 4, a_bits: int = 4, group_size: int = 32) -> QuantConfig:
         """FlatQuant (Sun et al., 2025): learnable Kronecker transforms, diagonal and clipping, no loop awareness."""
         return cls.of_method("flatquant", w_bits, a_bits, group_size)
+
+    @property
+    def bits_label(self) -> str:
+        """``w4a4``-style label of this config's bit widths."""
+        return bits_label(self.w_bits, self.a_bits)
+
+    @property
+    def label(self) -> str:
+        """The method's table label (``LoopQ``, ``Symmetric``, ...)."""
+        return METHODS[self.method].label
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
