@@ -184,6 +184,7 @@ class TeacherPretrainer(L.LightningModule):
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         loss = self._losses(batch, "train")
+        self.log("loss", loss, prog_bar=True, logger=False)  # what the plain-line progress prints
         self.log("train/tokens_per_s", batch[0].numel() * (self.global_step + 1) / (time.time() - self._t0))
         return loss
 
