@@ -158,6 +158,10 @@ class TeacherPretrainer(L.LightningModule):
         self.register_buffer("loop_weights", weights / weights.sum(), persistent=False)
         self._t0 = time.time()
         self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
+        self._first_step, self._rate_t0 = 0, time.time()
+
+    def on_train_start(self) -> None:
+        self._rate_t0, self._first_step = time.time(), self.global_step
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["loopq_wall_seconds"] = self.wall_seconds()
@@ -185,7 +189,8 @@ class TeacherPretrainer(L.LightningModule):
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         loss = self._losses(batch, "train")
         self.log("loss", loss, prog_bar=True, logger=False)  # what the plain-line progress prints
-        self.log("train/tokens_per_s", batch[0].numel() * (self.global_step + 1) / (time.time() - self._t0))
+        steps = self.global_step + 1 - self._first_step  # this segment's steps: a resumed run's rate stays true
+        self.log("train/tokens_per_s", batch[0].numel() * steps / (time.time() - self._rate_t0))
         return loss
 
     def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
