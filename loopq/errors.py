@@ -40,6 +40,10 @@ class UsageError(LoopQError):
     """A command-line option with a bad value; the message names the option."""
 
 
+class GuardError(LoopQError):
+    """A command would overwrite something it reads, or cannot fit in memory; the message names the option."""
+
+
 #: failures that mean bad input rather than a bug (:class:`LoopQError` covers every package error class)
 USER_ERRORS: tuple[type[BaseException], ...] = (
     LoopQError,

@@ -27,17 +27,18 @@ from typing import Any
 import torch
 from jsonargparse import CLI
 
+from loopq.artifacts import load_artifact, read_artifact_meta, tokenizer_dir
 from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import UsageError, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.files import atomic_write
 from loopq.guards import check_output_file
-from loopq.models import LoopLM, load_looplm
+from loopq.models import LoopLM
 from loopq.models.io import resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import QuantConfig
-from loopq.quant.config import FP_LABEL, METHODS, bits_label, method_of_label, parse_bits
+from loopq.quant.config import FP_LABEL, METHODS, method_of_label, parse_bits
 from loopq.quant.prepare import prepare_static
 
 #: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
@@ -101,21 +102,15 @@ def build(
     teacher: str | None = None,
 ) -> tuple[LoopLM, str, str]:
     """The model to evaluate, the directory its tokenizer lives in, and its actual bit widths."""
-    if student:
-        from loopq.calib.student_io import load_student
-
-        built, meta = load_student(student, teacher_dir=teacher)
-        return built, meta["teacher"], bits_label(meta["quant"]["w_bits"], meta["quant"]["a_bits"])
-    if exported:
-        from loopq.export import load_quantized, read_export_meta
-
-        quant = read_export_meta(Path(exported))["quant"]  # sealed: an edited description is refused
-        return load_quantized(exported), exported, bits_label(quant["w_bits"], quant["a_bits"])
+    if student or exported:
+        path = student or exported
+        artifact = load_artifact(path, kind="student" if student else "export", teacher=teacher)
+        return artifact.model, str(tokenizer_dir(path, artifact)), artifact.bits
     if model is None:
         raise UsageError("pass --model (FP or a training-free baseline), --student or --exported")
     check_method(method)
-    teacher = load_looplm(model)
-    model_dir = str(resolve_model_dir(model))
+    fp = load_artifact(model, kind="teacher")
+    teacher, model_dir = fp.model, fp.meta["teacher"]
     baseline = static_method(method)
     if baseline is None:
         return teacher, model_dir, "fp"
@@ -183,14 +178,8 @@ def evaluate(
 
 def provenance_of(model: str | None, student: str | None, exported: str | None) -> dict[str, Any] | None:
     """What the evaluated model was made from: a teacher's content hash, or the student's / export's record."""
-    if student:
-        from loopq.calib.student_io import read_meta
-
-        return read_meta(Path(student)).get("provenance")
-    if exported:
-        from loopq.export import read_export_meta
-
-        return read_export_meta(Path(exported)).get("provenance")
+    if student or exported:
+        return read_artifact_meta(student or exported, kind="student" if student else "export")[0].get("provenance")
     return record(teacher_fingerprint(resolve_model_dir(model))) if model else None
 
 

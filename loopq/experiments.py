@@ -34,7 +34,7 @@ from pathlib import Path
 
 from jsonargparse import CLI
 
-from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
+from loopq.artifacts import read_artifact_meta
 from loopq.errors import run_cli
 from loopq.evaluate import evaluate
 from loopq.files import atomic_write, read_json
@@ -253,9 +253,7 @@ def loops(
     WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
     loop (the output after n loops does not depend on later loops), written as one JSON per n with
     ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately."""
-    calibrated = read_json(Path(student) / STUDENT_CONFIG, fix="pass a student written by python -m loopq.fit")[
-        "calibrated_loops"
-    ]
+    calibrated = read_artifact_meta(student, kind="student")[0]["calibrated_loops"]
     top = max_loops or 2 * calibrated
     root, written = Path(out), []
     rows = {

@@ -1,257 +1,38 @@
-"""Export a calibrated student to packed W4A4 / W4A8 and load it back as a runnable model (the *convert* step).
+"""Export a calibrated student to packed W4A4 / W4A8 and print its footprint (the *convert* step):
 
     python -m loopq.export --ckpt <student dir> --out <export dir>
 
-:func:`convert` swaps every fake-quant group of a student for a :class:`~loopq.quant.packed.PackedLinearGroup`
-(weights folded in float64 and packed int4, activation side kept: P1, P2, 1/d and per-loop clips).
-:func:`export_student` writes a self-contained directory:
-
-* ``model.safetensors`` - every tensor of the quantized model under its module name: the teacher's FP tensors
-  unchanged (embeddings, norms, heads, Ouro's exit gate, LoopFormer's adaLN/time embedders, Parcae's injection and
-  value embeddings), each group's packed state (``<group>.weight`` uint8 ``[S_w, N, K/2]``, ``.weight_scale`` fp16
-  ``[S_w, N, K/32]``, ``.left``/``.right`` fp32 ``[S_t, n, n]``, ``.inv_d`` ``[S_t, K]``, ``.act_clip`` ``[S_a]``,
-  ``.bias``) and the CTA adapters ``transition.{a,b,eta,u,v}``. Tied tensors are stored once; no pickle;
-* ``loopq_export.json`` - format version, arch, QuantConfig, each group's layout (slots, shapes), promoted groups,
-  calibrated loops, the CTA layout, the student's provenance (teacher content hash, calibration config) and
-  ``meta_sha256``, a digest of everything else in the file: a hand-edited description (say a group's ``a_bits``)
-  would run with other bits than it is labelled with, so :func:`load_quantized` refuses it;
-* the teacher's ``config.json`` and tokenizer files.
-
-:func:`load_quantized` follows gpt-fast: build the architecture from ``config.json`` on the meta device, swap the
-listed groups for packed ones, install the adapters, then ``load_state_dict(assign=True)``.
-
-:func:`footprint` (:mod:`loopq.quant.accounting`, beside the parameter counts of a fake-quant student: one
-Table-3 implementation) is the paper's Table 3 for the loaded model: bytes of packed weights, fp16 scales, shared
-and loop-dependent quantization parameters and FP modules (at their loaded dtype), against the BF16 teacher.
+The conversion and the directory format are :mod:`loopq.artifacts.export`; the footprint (the paper's Table 3 for
+the loaded model: packed weights, fp16 scales, shared and loop-dependent quantization parameters and FP modules at
+``--fp-dtype``, against the BF16 teacher) is :func:`loopq.quant.accounting.footprint`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import shutil
-from itertools import chain
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import save_file
-from torch import Tensor, nn
 
-from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
-from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.calib.student_io import StudentFormatError, load_student, read_meta
+from loopq.artifacts import check_output_dir, check_student_dir, export_student, load_quantized, load_student
+from loopq.artifacts.layout import STUDENT_META
+from loopq.artifacts.student import read_student_meta
 from loopq.errors import OneLineParser, run_cli
-from loopq.files import atomic_write, read_json, read_safetensors
-from loopq.guards import check_output_dir
-from loopq.kernels import GROUP_SIZE
-from loopq.models.base import LoopLM
-from loopq.models.io import architecture_for, read_config, resolve_model_dir
-from loopq.provenance import json_digest
-from loopq.quant.accounting import footprint, format_footprint, packed_groups
-from loopq.quant.config import QuantConfig
-from loopq.quant.cta import TransitionAdapters
-from loopq.quant.packed import ExportError, PackedGroupSpec, PackedLinearGroup
-from loopq.quant.prepare import quant_groups
+from loopq.quant.accounting import footprint, format_footprint
 
-FORMAT = "loopq-export-v1"
-WEIGHTS = "model.safetensors"
-META = "loopq_export.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "encoder.json", "vocab.bpe")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-__all__ = ["ExportError", "convert", "export_student", "footprint", "load_quantized", "main"]
-
-
-# ---------------------------------------------------------------------------------------------------- convert
-def convert(student: LoopLM) -> LoopLM:
-    """A packed, inference-only copy of ``student`` (which is left untouched; FP tensors are shared, not copied)."""
-    groups = quant_groups(student)
-    if not groups:
-        raise ExportError("the model has no fake-quant groups: build the student with loopq.quant.prepare first")
-    own = {id(t) for m in [*groups.values(), student.transition] if m is not None for t in m.parameters()}
-    memo = {id(t): t for t in chain(student.parameters(), student.buffers()) if id(t) not in own}
-    model = copy.deepcopy(student, memo)
-    for name, group in groups.items():
-        model.set_submodule(name, PackedLinearGroup.from_quant_group(group, name))
-    return model.requires_grad_(False).eval()
-
-
-def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -> Path:
-    """Convert ``student`` and write the export directory.
-
-    ``meta`` is the student's ``loopq_quant.json`` (:func:`loopq.calib.student_io.load_student`); only its
-    ``teacher`` entry is read (where config.json and the tokenizer come from) - the rest is taken from the student.
-    ``out_dir`` may be new or an earlier export, never the teacher's directory or another model's
-    (:func:`loopq.guards.check_output_dir`).
-    """
-    out = check_output_dir(out_dir, [meta.get("teacher")], "--out", replaces=("export",))
-    model = convert(student)
-    state = _unaliased_state(model)
-    atomic_write(out / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": FORMAT}))
-    description = export_meta(model, meta.get("teacher"), meta.get("provenance"))
-    atomic_write(out / META, lambda p: p.write_text(json.dumps(description, indent=2) + "\n"))
-    _copy_teacher_files(student, meta.get("teacher"), out)
-    return out
-
-
-def export_meta(model: LoopLM, teacher: str | None = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON description of a converted model: everything :func:`load_quantized` needs besides the tensors,
-    sealed by ``meta_sha256`` (see module docstring)."""
-    groups = dict(packed_groups(model))
-    described = {
-        "format": FORMAT,
-        "arch": model.arch,
-        "teacher": teacher,
-        "quant": model.quant_config.to_dict(),
-        "calibrated_loops": model.calibrated_loops,
-        "promoted": [name for name, g in groups.items() if g.spec.weight_slots > 1],
-        "kernel": {"w_bits": 4, "group_size": GROUP_SIZE},
-        "groups": {name: g.spec.to_dict() for name, g in groups.items()},
-        "transition": _transition_layout(model.transition),
-        "provenance": provenance,
-    }
-    return {**described, "meta_sha256": json_digest(described)}
-
-
-def _transition_layout(tr: TransitionAdapters | None) -> dict[str, Any] | None:
-    return None if tr is None else {"num_loops": tr.num_transitions + 1, "rank": tr.u.shape[1], "eps": tr.eps}
-
-
-def _unaliased_state(model: nn.Module) -> dict[str, Tensor]:
-    """The state dict with tied parameters stored once (the structure re-ties them) and no shared storage."""
-    aliases = tied_aliases(model)
-    state: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for key, value in model.state_dict().items():
-        if key in aliases:
-            continue
-        value = value.detach().cpu().contiguous()
-        if value.data_ptr() in seen:  # safetensors cannot alias
-            value = value.clone()
-        seen.add(value.data_ptr())
-        state[key] = value
-    return state
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """``{alias: first name}`` of parameters registered under several names (e.g. a tied lm_head)."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
-
-
-def _copy_teacher_files(student: LoopLM, teacher: str | None, out: Path) -> None:
-    """The teacher's own config.json and tokenizer files (or the model's config when there is no teacher dir)."""
-    source = resolve_model_dir(teacher) if teacher else None
-    if source is None or not (source / "config.json").is_file():
-        atomic_write(out / "config.json", lambda p: p.write_text(student.config_json() + "\n"))
-        return
-    for name in ("config.json", *TOKENIZER_FILES):
-        if (source / name).is_file():
-            atomic_write(out / name, lambda p, name=name: shutil.copyfile(source / name, p))
-
-
-# ---------------------------------------------------------------------------------------------------- load
-def read_export_meta(directory: Path) -> dict[str, Any]:
-    path = directory / META
-    if not path.is_file():
-        raise ExportError(f"{path}: missing - {directory} is not a LoopQ export (run python -m loopq.export)")
-    meta = read_json(path, ExportError, "export again with python -m loopq.export")
-    if meta.get("format") != FORMAT:
-        raise ExportError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}; re-export with this version")
-    sealed = meta.pop("meta_sha256", None)
-    if sealed is not None and sealed != json_digest(meta):
-        raise ExportError(
-            f"{path}: edited after export (its content no longer matches meta_sha256), so its bits and layout may "
-            "not be what the tensors were made with; re-export with python -m loopq.export"
-        )
-    return meta
-
-
-def load_quantized(
-    directory: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> LoopLM:
-    """Rebuild an exported model; ``dtype`` casts the FP modules only (packed tensors keep their formats)."""
-    directory = Path(directory)
-    meta = read_export_meta(directory)
-    model = _skeleton(directory, meta)
-    aliases = tied_aliases(model)
-    state = _read_state(directory, meta, aliases, dtype)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as err:
-        raise ExportError(f"{directory / WEIGHTS}: tensors do not match {META} and config.json ({err})") from err
-    for alias, name in aliases.items():  # assign=True replaced the tied parameter objects: tie them again
-        parent, _, attr = alias.rpartition(".")
-        setattr(model.get_submodule(parent), attr, model.get_parameter(name))
-    model.quant_config = QuantConfig.from_dict(meta["quant"])
-    model.calibrated_loops = meta["calibrated_loops"]
-    return model.to(device).requires_grad_(False).eval()
-
-
-def _skeleton(directory: Path, meta: dict[str, Any]) -> LoopLM:
-    """The architecture on the meta device with packed groups and adapters in place (no data yet)."""
-    config = read_config(directory)
-    cls = architecture_for(config, str(directory / "config.json"))
-    with torch.device("meta"):
-        model = cls(cls.config_from_dict(config))
-        linear_groups = model.linear_groups()
-        for name, spec in meta["groups"].items():
-            if name not in linear_groups:
-                raise ExportError(f"{directory / META}: group {name!r} is not a linear group of the {cls.arch} model")
-            model.set_submodule(name, PackedLinearGroup(PackedGroupSpec.from_dict(spec)))
-        if meta["transition"] is not None:
-            t = meta["transition"]
-            model.transition = TransitionAdapters(model.state_dim, t["num_loops"], t["rank"], t["eps"])
-    return model
-
-
-def _read_state(
-    directory: Path, meta: dict[str, Any], aliases: dict[str, str], dtype: torch.dtype | None
-) -> dict[str, Tensor]:
-    path = directory / WEIGHTS
-    if not path.is_file():
-        raise ExportError(f"{path}: missing - the export in {directory} is incomplete; export again")
-    state = read_safetensors(path, ExportError, "export again with python -m loopq.export")
-    for alias, name in aliases.items():
-        if name in state:
-            state.setdefault(alias, state[name])
-    if dtype is None:
-        return state
-    return {key: _cast_fp(key, value, dtype, meta) for key, value in state.items()}
-
-
-def _cast_fp(key: str, value: Tensor, dtype: torch.dtype, meta: dict[str, Any]) -> Tensor:
-    quantized = key.startswith("transition.") or any(key.startswith(g + ".") for g in meta["groups"])
-    return value if quantized or not value.is_floating_point() else value.to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------------- CLI
-def check_student_dir(directory: Path) -> None:
-    for name in (STUDENT_CONFIG, STUDENT_WEIGHTS):
-        if not (directory / name).is_file():
-            raise StudentFormatError(
-                f"{directory / name}: missing - {directory} is not a LoopQ student directory "
-                "(write one with python -m loopq.fit)"
-            )
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = OneLineParser(prog="python -m loopq.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", type=Path, required=True, help=f"student directory ({STUDENT_CONFIG} + weights)")
+    parser.add_argument("--ckpt", type=Path, required=True, help=f"student directory ({STUDENT_META} + weights)")
     parser.add_argument("--out", type=Path, required=True, help="export directory to write")
     parser.add_argument(
         "--fp-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the FP modules in the footprint"
     )
     args = parser.parse_args(argv)
     check_student_dir(args.ckpt)
-    check_output_dir(args.out, [args.ckpt, read_meta(args.ckpt).get("teacher")], "--out", replaces=("export",))
+    reads = [args.ckpt, read_student_meta(args.ckpt).get("teacher")]
+    check_output_dir(args.out, reads, "--out", replaces=("export",))
     student, meta = load_student(args.ckpt)
     export_student(student, meta, args.out)
     report = footprint(load_quantized(args.out, dtype=DTYPES[args.fp_dtype]))

@@ -1,14 +1,8 @@
 """Checks that run in the first seconds of a command, before any work: never write over what a run reads, and never
 start a loop count whose memory the machine does not have.
 
-**Output directories** (:func:`check_output_dir`). After resolving symlinks, an output directory is refused when it
-
-* is, is inside, or contains a directory the command reads (the teacher, the student, the export), or
-* already holds a model of a kind the command does not write (:func:`model_kind`). Each command may replace only
-  its own earlier output: ``loopq.export`` an export, ``loopq.fit`` a student, ``loopq.testbed --outliers-out``
-  a stress variant, ``loopq.pretrain`` a teacher it trained (``training_record.json``; this is how the README
-  rebuilds the embedded teachers in place). A teacher, student or export of another origin is never written over.
-
+**Outputs.** A model directory is checked by :func:`loopq.artifacts.layout.check_output_dir` (the artifact layer
+knows what each kind of model directory holds).
 A run directory (``trainer.default_root_dir``, :func:`check_run_root`) holds logs and stage folders rather than a
 model: it may contain the teacher (the working directory, Lightning's default, usually does) but may not be it,
 be inside it, or be a model directory, and the folders a run writes (``checkpoints/``, ``student/``, ...) may not
@@ -27,11 +21,10 @@ estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,15 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
-from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.errors import LoopQError
+from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
+from loopq.errors import GuardError
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.io import architecture_for, read_config
 
-#: ``loopq.export.META`` (not imported: loopq.export imports this module)
-EXPORT_META = "loopq_export.json"
-TEACHER_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 #: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
 RUN_OUTPUTS = ("checkpoints", "student", "exported", "results", "report", "csv", "lightning_logs", "pipeline.json")
 ALLOW_LOW_MEMORY = "LOOPQ_ALLOW_LOW_MEMORY"
@@ -58,70 +47,7 @@ SAVED_PER_GROUP_INPUT = 8
 SAVED_PER_NORM = 2
 
 
-class GuardError(LoopQError):
-    """A command would overwrite something it reads, or cannot fit in memory; the message names the option."""
-
-
 # ---------------------------------------------------------------------------------------------------- outputs
-def model_kind(directory: Path) -> str | None:
-    """What model ``directory`` holds: ``export``, ``student``, ``stress variant`` (written by ``loopq.testbed
-    --outliers-out``), ``pretrained teacher`` (written by ``loopq.pretrain``), ``teacher`` (any other config.json or
-    weights), or None."""
-    if not directory.is_dir():
-        return None
-    if (directory / EXPORT_META).exists():
-        return "export"
-    if (directory / STUDENT_CONFIG).exists() or (directory / STUDENT_WEIGHTS).exists():
-        return "student"
-    if not any((directory / name).exists() for name in TEACHER_FILES):
-        return None
-    if "outliers" in _json_object(directory / "testbed.json"):
-        return "stress variant"
-    return "pretrained teacher" if (directory / "training_record.json").is_file() else "teacher"
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def relation(out: Path, other: Path) -> str | None:
-    """How ``out`` relates to ``other`` after resolving symlinks: ``is``, ``is inside``, ``contains`` or None."""
-    a, b = out.resolve(), other.resolve()
-    if a == b:
-        return "is"
-    if a.is_relative_to(b):
-        return "is inside"
-    return "contains" if b.is_relative_to(a) else None
-
-
-def local_dirs(paths: Iterable[str | os.PathLike[str] | None]) -> list[Path]:
-    """The given paths that exist on this machine (a hub id or a missing path cannot be overwritten here)."""
-    return [Path(p) for p in paths if p is not None and str(p) and Path(p).exists()]
-
-
-def check_output_dir(
-    out: str | os.PathLike[str],
-    reads: Iterable[str | os.PathLike[str] | None] = (),
-    key: str = "--out",
-    replaces: Sequence[str] = (),
-) -> Path:
-    """Refuse ``out`` if it is, is inside or contains a directory in ``reads``, or holds a model whose kind
-    (:func:`model_kind`) is not in ``replaces`` (the kinds this command writes itself); returns ``out``."""
-    out = Path(out)
-    for read in local_dirs(reads):
-        how = relation(out, read)
-        if how is not None:
-            raise GuardError(f"{key} {out}: {how} {read}, which this command reads; pass another directory")
-    kind = model_kind(out)
-    if kind is not None and kind not in replaces:
-        raise GuardError(f"{key} {out}: holds a {kind} that this command would overwrite; pass another directory")
-    return out
-
-
 def check_run_root(
     root: str | os.PathLike[str], teacher: str | os.PathLike[str] | None, key: str = "--trainer.default_root_dir"
 ) -> Path:
@@ -146,7 +72,7 @@ def check_run_root(
 
 def is_result(path: Path) -> bool:
     """Whether ``path`` is a results JSON of ``loopq.evaluate`` (the only file an evaluation may replace)."""
-    data = _json_object(path)
+    data = json_object(path)
     return "method" in data and "wikitext2_ppl" in data
 
 

@@ -43,11 +43,11 @@ from lightning.pytorch.cli import LightningCLI
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from loopq.artifacts.layout import check_output_dir
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, train_bpe
 from loopq.errors import run_cli
-from loopq.guards import check_output_dir
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
 

@@ -48,22 +48,20 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from loopq import fit
+from loopq.artifacts import check_student_teacher, export_student, load_quantized, load_student, read_student_meta
+from loopq.artifacts.layout import EXPORT_META, STUDENT_META, STUDENT_WEIGHTS
 from loopq.calib.checkpoint_io import newest_intact
-from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
-from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.calib.student_io import check_student_teacher, load_student, read_meta
 from loopq.callbacks.line_progress import LineProgress
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import LoopQError, OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.eval.tasks import check_tasks
 from loopq.evaluate import evaluate
-from loopq.export import META as EXPORT_META
-from loopq.export import export_student, footprint, load_quantized
 from loopq.files import atomic_write, read_json
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.provenance import teacher_fingerprint
 from loopq.quant import QuantConfig
+from loopq.quant.accounting import footprint
 from loopq.quant.config import bits_label
 from loopq.quant.packed import check_kernel_support
 from loopq.report import build_report, load_result, load_run
@@ -182,7 +180,7 @@ class Pipeline:
             self.eval_stage("evaluate RTN", {"model": self.teacher, "method": "RTN", "bits": self.bits}),
             self.eval_stage("evaluate LoopQ", {**loopq, "method": "LoopQ", "bits": self.bits}, made_by),
         ]
-        student_files = [self.student_dir / STUDENT_WEIGHTS, self.student_dir / STUDENT_CONFIG]
+        student_files = [self.student_dir / STUDENT_WEIGHTS, self.student_dir / STUDENT_META]
         everything = ("calibrate", *(stage.name for stage in evals))
         return [
             Stage("calibrate", self.student_dir, student_files, self.calibrate, self.calibration_settings()),
@@ -250,7 +248,7 @@ class Pipeline:
     def adopt_student(self, settings: dict[str, Any]) -> None:
         """A student ``python -m loopq.fit`` wrote (no record here) is reused if its quant config is the one asked
         and it was calibrated on this teacher (same content hash)."""
-        meta = read_meta(self.student_dir)
+        meta = read_student_meta(self.student_dir)
         check_student_teacher(self.student_dir, meta, resolve_model_dir(self.teacher))
         changed = differing_keys(meta["quant"], normalised(self.quant), prefix="model.quant.")
         if changed:

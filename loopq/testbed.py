@@ -32,12 +32,12 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from loopq.artifacts.layout import check_output_dir
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.files import atomic_write
-from loopq.guards import check_output_dir
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, prepare
 from loopq.regime import activation_regime, fresh_sharing_gaps, looped_group_inputs

@@ -13,7 +13,8 @@ import lightning as L
 import torch
 from safetensors.torch import load_file
 
-from loopq.calib.student_io import CONFIG, WEIGHTS
+from loopq.artifacts.layout import STUDENT_META as CONFIG
+from loopq.artifacts.layout import STUDENT_WEIGHTS as WEIGHTS
 from loopq.paths import REPO_ROOT
 
 #: the tiny calibration recipe every end-to-end test starts from
@@ -98,7 +99,7 @@ class SaveRankStudent(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         from safetensors.torch import save_file
 
-        from loopq.calib.student_io import quant_state
+        from loopq.artifacts.student import quant_state
 
         save_file(
             quant_state(pl_module.student),

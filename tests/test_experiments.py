@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from loopq import experiments
+from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 
 
 @pytest.fixture
@@ -52,7 +53,8 @@ def test_num_samples_sweep_sets_the_data_size(recorded, tmp_path):
 def test_loop_sweep_evaluates_fp_rtn_and_student_once_at_2t(recorded, tmp_path, monkeypatch):
     student = tmp_path / "student"
     student.mkdir()
-    (student / "loopq_quant.json").write_text(json.dumps({"calibrated_loops": 3}))
+    (student / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "calibrated_loops": 3}))
+    (student / STUDENT_WEIGHTS).write_bytes(b"not read: evaluate is replaced below")
 
     def evaluate(out, **kwargs):
         recorded["evaluate"].append(kwargs)

@@ -13,10 +13,10 @@ LAYERS: list[set[str]] = [
     {"errors", "paths", "files", "provenance", "qspec", "stats"},
     {"models", "kernels"},
     {"quant", "data"},
-    {"calib", "callbacks"},
-    {"export", "guards", "regime"},
+    {"calib", "callbacks", "artifacts"},
+    {"guards", "regime"},
     {"eval"},
-    {"evaluate", "report", "fit", "run", "experiments", "testbed", "pretrain"},
+    {"evaluate", "export", "report", "fit", "run", "experiments", "testbed", "pretrain"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loopq.calib.student_io import load_student, read_meta
-from loopq.export import export_student, load_quantized
+from loopq.artifacts import export_student, load_quantized, load_student
+from loopq.artifacts import read_student_meta as read_meta
 from loopq.fit import COSMETIC
 from loopq.paths import REPO_ROOT
 from loopq.provenance import (

@@ -38,9 +38,9 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from loopq.artifacts.student import student_meta, write_student
 from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
 from loopq.calib.losses import layerwise_loss, loopq_loss
-from loopq.calib.student_io import save_student
 from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
 from loopq.models import LoopLM, load_looplm
@@ -326,7 +326,10 @@ class LoopQCalibration(L.LightningModule):
         # under ZeRO-3 the student's parameters are partitioned: every rank takes part in gathering them
         with gathered(self.trainer.strategy, student_parameters(self.student)):
             if self.trainer.is_global_zero:
-                path = save_student(self, Path(out))
+                meta = student_meta(
+                    self.student, self.teacher_dir, out, self.promoted, self.mu.tolist(), self.provenance
+                )
+                path = write_student(self.student, meta, out)
                 print(f"[loopq] calibrated student written to {path}")
         self.trainer.strategy.barrier("loopq_student_written")
 

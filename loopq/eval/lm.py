@@ -17,7 +17,9 @@ simple and exact, meant for the short generations of the paper's tasks.
 
 Batches are sorted by length (longest first) and right-padded with the EOS id. The models are causal, so tokens
 after a sequence never change its logits (Parcae's seeded initial state depends only on seed and position).
-``pretrained`` may also be a directory written by ``python -m loopq.export`` (packed W4A4/W4A8 model).
+``pretrained`` is any model directory :func:`loopq.artifacts.load_artifact` loads: a teacher (or hub id), a
+student written by ``python -m loopq.fit`` (on its recorded teacher, whose tokenizer it uses) or an export written
+by ``python -m loopq.export`` (packed W4A4/W4A8 model).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from tokenizers import Tokenizer
 from torch import Tensor
 from tqdm import tqdm
 
+from loopq.artifacts import load_artifact, tokenizer_dir
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.models.base import LoopLM, LoopLMError
-from loopq.models.io import load_looplm
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +109,8 @@ class LoopQLM(TemplateLM):
         dtype: str | torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.model = self._resolve_model(pretrained, _dtype(dtype))
-        self.tokenizer = self._resolve_tokenizer(tokenizer, pretrained)
+        self.model, tokenizer_home = self._resolve_model(pretrained, _dtype(dtype))
+        self.tokenizer = self._resolve_tokenizer(tokenizer, tokenizer_home)
         if device is not None:
             self.model.to(_available(device))
         self.num_loops = None if num_loops in (None, "", "None") else _positive_int("num_loops", num_loops)
@@ -123,23 +125,23 @@ class LoopQLM(TemplateLM):
         return cls(pretrained=model, tokenizer=tokenizer, **kwargs)
 
     @staticmethod
-    def _resolve_model(pretrained: str | os.PathLike[str] | LoopLM, dtype: torch.dtype | None) -> LoopLM:
+    def _resolve_model(
+        pretrained: str | os.PathLike[str] | LoopLM, dtype: torch.dtype | None
+    ) -> tuple[LoopLM, Path | None]:
+        """The model, and the directory its tokenizer is in (None for an in-memory model)."""
         if isinstance(pretrained, LoopLM):
-            return pretrained.to(dtype=dtype).eval() if dtype is not None else pretrained.eval()
-        if (Path(pretrained) / "loopq_export.json").is_file():  # an exported packed W4A4/W4A8 model
-            from loopq.export import load_quantized
-
-            return load_quantized(pretrained, dtype=dtype)
-        return load_looplm(pretrained, dtype=dtype)
+            return (pretrained.to(dtype=dtype).eval() if dtype is not None else pretrained.eval()), None
+        artifact = load_artifact(pretrained, dtype=dtype)  # a teacher, a calibrated student or a packed export
+        return artifact.model.eval(), tokenizer_dir(pretrained, artifact)
 
     @staticmethod
-    def _resolve_tokenizer(tokenizer: str | os.PathLike[str] | Tokenizer | None, pretrained: Any) -> Tokenizer:
+    def _resolve_tokenizer(tokenizer: str | os.PathLike[str] | Tokenizer | None, home: Path | None) -> Tokenizer:
         if isinstance(tokenizer, Tokenizer):
             return tokenizer
         if tokenizer is None:
-            if isinstance(pretrained, LoopLM):
+            if home is None:
                 raise LoopLMError("model_args tokenizer is required when evaluating an in-memory model")
-            tokenizer = Path(pretrained) / "tokenizer.json"
+            tokenizer = home / "tokenizer.json"
         return load_tokenizer(tokenizer)
 
     def _check_vocab(self) -> None:

@@ -214,7 +214,7 @@ def test_pretrain_missing_config(tmp_path: Path):
 def test_experiments_missing_student(tmp_path: Path):
     out = tmp_path / "out"
     proc = cli("experiments", "loops", "--model", TEACHER, "--student", tmp_path / "student", "--out", out)
-    assert_one_line_error(proc, r"student/loopq_quant\.json: no such file")
+    assert_one_line_error(proc, r"student/loopq_quant\.json: missing - .* is not a LoopQ student directory")
     assert not out.exists()
 
 

@@ -23,11 +23,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from safetensors.torch import load_file
 
 from loopq import evaluate, export, fit, guards, pretrain, run, testbed
+from loopq.artifacts import layout
+from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.calib.checkpoint_io import CheckpointError, checkpoint_problem, newest_intact
-from loopq.calib.student_io import CONFIG, FORMAT, WEIGHTS
 from loopq.callbacks.stop_on_signal import StopOnSignal, exit_status
-from loopq.errors import LoopQError
-from loopq.guards import GuardError
+from loopq.errors import GuardError, LoopQError
 from loopq.paths import REPO_ROOT
 from tests.helpers import FIT_CONFIGS, assert_same_tensors, read_student, run_fit
 
@@ -61,8 +61,8 @@ def student(tmp_path: Path, teacher: Path) -> Path:
     """A student directory as loopq.fit writes it, as far as the guards read it (they act before loading it)."""
     directory = tmp_path / "student"
     directory.mkdir()
-    (directory / CONFIG).write_text(json.dumps({"format": FORMAT, "teacher": str(teacher)}))
-    (directory / WEIGHTS).write_bytes(b"not read before the guard")
+    (directory / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "teacher": str(teacher)}))
+    (directory / STUDENT_WEIGHTS).write_bytes(b"not read before the guard")
     return directory
 
 
@@ -93,12 +93,11 @@ def test_export_into_a_directory_it_reads_is_refused(teacher, student, tmp_path,
 def test_export_may_replace_an_earlier_export_but_no_other_model(tmp_path):
     earlier = tmp_path / "exported"
     earlier.mkdir()
-    (earlier / guards.EXPORT_META).write_text("{}")
+    (earlier / layout.EXPORT_META).write_text("{}")
     (earlier / "model.safetensors").write_bytes(b"packed")
-    assert guards.check_output_dir(earlier, [TINY], replaces=("export",)) == earlier
+    assert layout.check_output_dir(earlier, [TINY], replaces=("export",)) == earlier
     with pytest.raises(GuardError, match=r"--out .*stress: holds a stress variant that this command would overwrite"):
-        guards.check_output_dir(shutil.copytree(STRESS, tmp_path / "stress"), [TINY], replaces=("export",))
-    assert guards.EXPORT_META == export.META  # the guard recognises exports by the file export writes
+        layout.check_output_dir(shutil.copytree(STRESS, tmp_path / "stress"), [TINY], replaces=("export",))
 
 
 # ---------------------------------------------------------------------------------------------------- testbed
@@ -117,7 +116,7 @@ def test_testbed_outliers_out_replaces_only_an_earlier_stress_variant(teacher, t
         testbed.main(["--model", str(teacher), "--outliers-out", str(other)])
     assert snapshot(other) == before
     stress = shutil.copytree(STRESS, tmp_path / "stress")  # the README's rebuild writes over its own output
-    assert guards.check_output_dir(stress, [teacher], "--outliers-out", replaces=("stress variant",)) == stress
+    assert layout.check_output_dir(stress, [teacher], "--outliers-out", replaces=("stress variant",)) == stress
 
 
 # ---------------------------------------------------------------------------------------------------- fit / run
@@ -391,7 +390,7 @@ def test_sigterm_finishes_the_step_saves_last_ckpt_and_exits_then_resume_continu
     assert stopped.saved_step == 5 and not stopped.had_student  # the step in flight finished; no half student
     resumed = sigtermed.resumed.stdout + sigtermed.resumed.stderr
     assert f"Restoring states from the checkpoint path at {last}" in resumed
-    assert (sigtermed.root / "student" / WEIGHTS).is_file()
+    assert (sigtermed.root / "student" / STUDENT_WEIGHTS).is_file()
 
 
 @pytest.mark.slow

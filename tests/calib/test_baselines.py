@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from loopq.artifacts import load_student
 from loopq.calib.losses import layerwise_loss
 from loopq.calib.module import LoopQCalibration
-from loopq.calib.student_io import load_student
 from loopq.paths import ASSETS, REPO_ROOT
 from loopq.quant import QuantConfig, QuantConfigError, quant_groups
 

@@ -17,8 +17,8 @@ from functools import partial
 
 import pytest
 
+from loopq.artifacts import load_student
 from loopq.calib.deepspeed import SHM_ENV, SIDECAR
-from loopq.calib.student_io import load_student
 from tests.helpers import FIT_CONFIGS, assert_same_tensors, read_student, run_fit
 
 pytest.importorskip("deepspeed")

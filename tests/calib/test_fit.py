@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from loopq.calib.student_io import load_student
+from loopq.artifacts import load_student
 from tests.helpers import assert_same_tensors, read_student, run_fit
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from loopq.calib.student_io import FORMAT, load_student, write_student
-from loopq.export import load_quantized, main
+from loopq.artifacts import load_quantized, load_student, student_meta, write_student
+from loopq.export import main
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, looped_quant_groups, prepare, quant_groups
 from loopq.quant.modules import QuantLinearGroup
@@ -60,26 +60,14 @@ def make_student(teacher: LoopLM, a_bits: int, seed: int = 0) -> tuple[LoopLM, s
     return student, promoted
 
 
-def student_meta(student: LoopLM, teacher_dir: Path, promoted: str) -> dict:
-    loops = student.calibrated_loops
-    return {
-        "format": FORMAT,
-        "teacher": str(teacher_dir),
-        "arch": student.arch,
-        "quant": student.quant_config.to_dict(),
-        "promoted": [promoted],
-        "calibrated_loops": loops,
-        "mu": [1.0] * loops,
-    }
-
-
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-w4a{b}" for a, b in CASES])
 def exported(request, fixtures, tmp_path_factory) -> Exported:
     arch, a_bits = request.param
     teacher_dir = fixtures / ARCHS[arch]
     root = tmp_path_factory.mktemp(f"{arch}-w4a{a_bits}")
     student, promoted = make_student(load_looplm(teacher_dir), a_bits)
-    write_student(student, student_meta(student, teacher_dir, promoted), root / "student")
+    meta = student_meta(student, teacher_dir, root / "student", [promoted], [1.0] * student.calibrated_loops, None)
+    write_student(student, meta, root / "student")
     main(["--ckpt", str(root / "student"), "--out", str(root / "export")])
     student, meta = load_student(root / "student")
     model = load_quantized(root / "export")

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from loopq.export import META, export_student, load_quantized
+from loopq.artifacts import export_student, load_quantized
+from loopq.artifacts.layout import EXPORT_META as META
 from loopq.models import load_looplm
 from loopq.quant import QuantConfig, prepare, quant_groups
 from loopq.quant.prepare import prepare_static

@@ -20,23 +20,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loopq.calib.student_io import CONFIG as STUDENT_CONFIG
-from loopq.calib.student_io import WEIGHTS as STUDENT_WEIGHTS
-from loopq.calib.student_io import StudentFormatError
-from loopq.export import (
-    META,
-    ExportError,
-    convert,
-    export_student,
-    footprint,
-    load_quantized,
-    main,
-    tied_aliases,
-)
+from loopq.artifacts import ExportError, StudentFormatError, convert, export_student, load_quantized
+from loopq.artifacts.export import tied_aliases
+from loopq.artifacts.layout import EXPORT_META as META
+from loopq.artifacts.layout import STUDENT_META as STUDENT_CONFIG
+from loopq.artifacts.layout import STUDENT_WEIGHTS as STUDENT_WEIGHTS
+from loopq.export import main
 from loopq.models import load_looplm
 from loopq.models.ouro import OuroLM
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig, looped_quant_groups, prepare, quant_groups
+from loopq.quant.accounting import footprint
 from loopq.quant.packed import PackedLinearGroup
 
 from .conftest import make_student, use_kernel_numerics

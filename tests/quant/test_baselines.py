@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from loopq.calib.student_io import FORMAT, load_student, write_student
+from loopq.artifacts import load_student, write_student
+from loopq.artifacts.layout import STUDENT_FORMAT as FORMAT
 from loopq.models import load_looplm
 from loopq.quant import QuantConfig, QuantConfigError, init_diagonal_from_data, prepare, quant_groups
 from loopq.quant.baselines import input_absmax, smooth_scales, weight_absmax

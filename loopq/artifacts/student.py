@@ -1,8 +1,9 @@
-"""Saving and loading a calibrated student: safetensors of the quantization parameters + a JSON quant config.
+"""Writing and loading a calibrated student: safetensors of the quantization parameters + a JSON description.
 
-A student directory holds ``loopq_student.safetensors`` (transforms, clipping logits, adapters - everything the
-teacher does not have) and ``loopq_quant.json`` (QuantConfig, teacher directory, promoted groups, calibrated loop
-count, final mu_t, and the provenance: the teacher's content hash and the resolved calibration config).
+A student directory holds :data:`~loopq.artifacts.layout.STUDENT_WEIGHTS` (transforms, clipping logits, adapters -
+everything the teacher does not have) and :data:`~loopq.artifacts.layout.STUDENT_META` (:func:`student_meta`:
+QuantConfig, teacher directory, promoted groups, calibrated loop count, final mu_t, and the provenance: the
+teacher's content hash and the resolved calibration config).
 :func:`load_student` rebuilds structure first (prepare + re-promotion) and then loads the tensors strictly - no
 pickle anywhere. The teacher it loads (the recorded path, the same path relative to the student directory when the
 run directory was moved, or one the caller passes) must have the recorded content hash: a student is never put on
@@ -19,15 +20,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.errors import LoopQError
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models import LoopLM, load_looplm
 from loopq.provenance import ProvenanceError, teacher_fingerprint
 from loopq.quant import QuantConfig, prepare, quant_groups
 
-WEIGHTS = "loopq_student.safetensors"
-CONFIG = "loopq_quant.json"
-FORMAT = "loopq-student-v1"
 RECALIBRATE = "calibrate the student again with python -m loopq.fit"
 
 
@@ -39,37 +38,57 @@ def quant_state(student: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if p.requires_grad}
 
 
-def save_student(module: Any, directory: Path) -> Path:
-    """Write the student of a :class:`~loopq.calib.module.LoopQCalibration` (atomically, file by file)."""
-    teacher = Path(module.teacher_dir).resolve()
-    meta = {
-        "format": FORMAT,
+def student_meta(
+    student: LoopLM,
+    teacher_dir: str | Path,
+    directory: str | Path,
+    promoted: list[str],
+    mu: list[float],
+    provenance: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The :data:`STUDENT_META` of ``student`` calibrated on ``teacher_dir``, to be written to ``directory``: the
+    teacher as an absolute path and relative to ``directory`` (a moved run directory with its teacher beside it)."""
+    teacher = Path(teacher_dir).resolve()
+    return {
+        "format": STUDENT_FORMAT,
         "teacher": str(teacher),
         "teacher_relative": os.path.relpath(teacher, Path(directory).resolve()),
-        "provenance": module.provenance,
-        "arch": module.teacher.arch,
-        "quant": module.quant_config.to_dict(),
-        "promoted": list(module.promoted),
-        "calibrated_loops": module.num_loops,
-        "mu": module.mu.tolist(),
+        "provenance": provenance,
+        "arch": student.arch,
+        "quant": student.quant_config.to_dict(),
+        "promoted": list(promoted),
+        "calibrated_loops": student.calibrated_loops,
+        "mu": list(mu),
     }
-    return write_student(module.student, meta, directory)
 
 
-def write_student(student: torch.nn.Module, meta: dict[str, Any], directory: Path) -> Path:
+def write_student(student: torch.nn.Module, meta: dict[str, Any], directory: str | Path) -> Path:
+    """Write ``student``'s quantization parameters and ``meta`` (:func:`student_meta`), atomically file by file."""
+    directory = Path(directory)
     state = quant_state(student)
-    atomic_write(directory / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": FORMAT}))
-    atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(meta, indent=2) + "\n"))
+    atomic_write(directory / STUDENT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": STUDENT_FORMAT}))
+    atomic_write(directory / STUDENT_META, lambda p: p.write_text(json.dumps(meta, indent=2) + "\n"))
     return directory
 
 
-def read_meta(directory: Path) -> dict[str, Any]:
-    path = Path(directory) / CONFIG
+def check_student_dir(directory: str | Path) -> None:
+    """Both files of a student directory are there (before anything is loaded or written)."""
+    for name in (STUDENT_META, STUDENT_WEIGHTS):
+        if not (Path(directory) / name).is_file():
+            raise StudentFormatError(
+                f"{Path(directory) / name}: missing - {directory} is not a LoopQ student directory "
+                "(write one with python -m loopq.fit)"
+            )
+
+
+def read_student_meta(directory: str | Path) -> dict[str, Any]:
+    """The checked :data:`STUDENT_META` of a student directory."""
+    path = Path(directory) / STUDENT_META
     if not path.is_file():
         raise StudentFormatError(f"{path}: missing - {directory} is not a LoopQ student (run python -m loopq.fit)")
     meta = read_json(path, StudentFormatError, RECALIBRATE)
-    if meta.get("format") != FORMAT:
-        raise StudentFormatError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format") != STUDENT_FORMAT:
+        raise StudentFormatError(f"{path}: format {meta.get('format')!r} is not {STUDENT_FORMAT!r}")
     return meta
 
 
@@ -83,8 +102,8 @@ def teacher_dir_of(directory: Path, meta: dict[str, Any]) -> Path:
     if relative is not None and (directory / relative).is_dir():
         return (directory / relative).resolve()
     raise StudentFormatError(
-        f"{directory / CONFIG}: its teacher {recorded} is not there (nor at {relative!r} relative to the student); "
-        "pass the teacher directory (--teacher)"
+        f"{directory / STUDENT_META}: its teacher {recorded} is not there (nor at {relative!r} relative to the "
+        "student); pass the teacher directory (--teacher)"
     )
 
 
@@ -96,8 +115,8 @@ def check_student_teacher(directory: Path, meta: dict[str, Any], teacher_dir: st
     actual = teacher_fingerprint(teacher_dir)
     if actual != recorded:
         raise ProvenanceError(
-            f"{directory / CONFIG}: calibrated on teacher {recorded[:12]} but {teacher_dir} is {actual[:12]} (rebuilt "
-            "or another model); recalibrate on this teacher, or pass the original teacher directory"
+            f"{directory / STUDENT_META}: calibrated on teacher {recorded[:12]} but {teacher_dir} is {actual[:12]} "
+            "(rebuilt or another model); recalibrate on this teacher, or pass the original teacher directory"
         )
 
 
@@ -113,7 +132,7 @@ def load_student(
     ``teacher_dir``, else from where the student recorded it (:func:`teacher_dir_of`); a loaded teacher is checked
     against the recorded content hash unless ``check_teacher`` is off. ``meta["teacher"]`` is the directory used."""
     directory = Path(directory)
-    meta = read_meta(directory)
+    meta = read_student_meta(directory)
     if teacher is None:
         source = Path(teacher_dir) if teacher_dir is not None else teacher_dir_of(directory, meta)
         if check_teacher:
@@ -125,14 +144,16 @@ def load_student(
     groups = quant_groups(student)
     for name in meta["promoted"]:
         if name not in groups:
-            raise StudentFormatError(f"{directory / CONFIG}: promoted group {name!r} does not exist in the teacher")
+            raise StudentFormatError(
+                f"{directory / STUDENT_META}: promoted group {name!r} does not exist in the teacher"
+            )
         groups[name].promote()
-    state = read_safetensors(directory / WEIGHTS, StudentFormatError, RECALIBRATE)
+    state = read_safetensors(directory / STUDENT_WEIGHTS, StudentFormatError, RECALIBRATE)
     expected = {n for n, p in student.named_parameters() if p.requires_grad}
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise StudentFormatError(
-            f"{directory / WEIGHTS}: parameters do not match (missing {missing[:5]}, extra {extra[:5]})"
+            f"{directory / STUDENT_WEIGHTS}: parameters do not match (missing {missing[:5]}, extra {extra[:5]})"
         )
     student.load_state_dict(state, strict=False)
     return student.eval(), meta

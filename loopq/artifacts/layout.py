@@ -1,0 +1,104 @@
+"""What LoopQ's model directories are called and hold, and where a model may be written.
+
+Every file name and format version of a student or export directory is a constant here and nowhere else:
+
+* a **student** (``python -m loopq.fit``): :data:`STUDENT_WEIGHTS` (the quantization parameters: transforms, clipping
+  logits, adapters) and :data:`STUDENT_META` (QuantConfig, the teacher, promoted groups, calibrated loops, mu_t and
+  the provenance), format :data:`STUDENT_FORMAT`;
+* an **export** (``python -m loopq.export``): :data:`EXPORT_WEIGHTS` (every tensor of the packed model) and
+  :data:`EXPORT_META` (the layout, sealed by ``meta_sha256``), format :data:`EXPORT_FORMAT`, plus the teacher's
+  ``config.json`` and :data:`TOKENIZER_FILES`;
+* a **teacher**: any of :data:`TEACHER_FILES`; ``loopq.pretrain`` adds :data:`TRAINING_RECORD`, a stress variant
+  written by ``loopq.testbed --outliers-out`` has ``outliers`` in its :data:`TESTBED_RECORD`.
+
+:func:`model_kind` tells them apart; :func:`check_output_dir` refuses an output directory that is, contains or lies
+inside a directory the command reads, or holds a model of a kind the command does not write (each command may
+replace only its own earlier output: ``loopq.export`` an export, ``loopq.fit`` a student, ``loopq.testbed
+--outliers-out`` a stress variant, ``loopq.pretrain`` a teacher it trained). Symlinks are resolved first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from loopq.errors import GuardError
+
+STUDENT_WEIGHTS = "loopq_student.safetensors"
+STUDENT_META = "loopq_quant.json"
+STUDENT_FORMAT = "loopq-student-v1"
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_META = "loopq_export.json"
+EXPORT_FORMAT = "loopq-export-v1"
+MODEL_CONFIG = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "encoder.json", "vocab.bpe")
+TEACHER_FILES = (MODEL_CONFIG, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+TRAINING_RECORD = "training_record.json"
+TESTBED_RECORD = "testbed.json"
+
+#: what :func:`loopq.artifacts.load_artifact` loads
+ArtifactKind = Literal["teacher", "student", "export"]
+
+
+def model_kind(directory: Path) -> str | None:
+    """What model ``directory`` holds: ``export``, ``student``, ``stress variant`` (written by ``loopq.testbed
+    --outliers-out``), ``pretrained teacher`` (written by ``loopq.pretrain``), ``teacher`` (any other config.json or
+    weights), or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    if (directory / EXPORT_META).exists():
+        return "export"
+    if (directory / STUDENT_META).exists() or (directory / STUDENT_WEIGHTS).exists():
+        return "student"
+    if not any((directory / name).exists() for name in TEACHER_FILES):
+        return None
+    if "outliers" in json_object(directory / TESTBED_RECORD):
+        return "stress variant"
+    return "pretrained teacher" if (directory / TRAINING_RECORD).is_file() else "teacher"
+
+
+def json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or ``{}`` when it is missing, unreadable or not an object (a probe, not a read)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def relation(out: Path, other: Path) -> str | None:
+    """How ``out`` relates to ``other`` after resolving symlinks: ``is``, ``is inside``, ``contains`` or None."""
+    a, b = out.resolve(), other.resolve()
+    if a == b:
+        return "is"
+    if a.is_relative_to(b):
+        return "is inside"
+    return "contains" if b.is_relative_to(a) else None
+
+
+def local_dirs(paths: Iterable[str | os.PathLike[str] | None]) -> list[Path]:
+    """The given paths that exist on this machine (a hub id or a missing path cannot be overwritten here)."""
+    return [Path(p) for p in paths if p is not None and str(p) and Path(p).exists()]
+
+
+def check_output_dir(
+    out: str | os.PathLike[str],
+    reads: Iterable[str | os.PathLike[str] | None] = (),
+    key: str = "--out",
+    replaces: Sequence[str] = (),
+) -> Path:
+    """Refuse ``out`` if it is, is inside or contains a directory in ``reads``, or holds a model whose kind
+    (:func:`model_kind`) is not in ``replaces`` (the kinds this command writes itself); returns ``out``."""
+    out = Path(out)
+    for read in local_dirs(reads):
+        how = relation(out, read)
+        if how is not None:
+            raise GuardError(f"{key} {out}: {how} {read}, which this command reads; pass another directory")
+    kind = model_kind(out)
+    if kind is not None and kind not in replaces:
+        raise GuardError(f"{key} {out}: holds a {kind} that this command would overwrite; pass another directory")
+    return out

@@ -1,0 +1,87 @@
+"""The artifact layer (loopq.artifacts): one loader for teachers, students and exports, and file names in one place."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from loopq.artifacts import (
+    StudentFormatError,
+    artifact_kind,
+    layout,
+    load_artifact,
+    read_artifact_meta,
+    student_meta,
+    tokenizer_dir,
+    write_student,
+)
+from loopq.eval.lm import LoopQLM
+from loopq.models import load_looplm
+from loopq.paths import ASSETS, REPO_ROOT
+
+from .conftest import make_student
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_load_artifact_gives_each_kind_the_model_of_its_own_loader(exported):
+    ids = exported.ids()
+    student = load_artifact(exported.student_dir)
+    export = load_artifact(exported.out)
+    teacher = load_artifact(exported.teacher_dir)
+    assert (student.kind, export.kind, teacher.kind) == ("student", "export", "teacher")
+    assert torch.equal(logits(student.model, ids), logits(exported.student, ids))
+    assert torch.equal(logits(export.model, ids), logits(exported.model, ids))
+    assert torch.equal(logits(teacher.model, ids), logits(load_looplm(exported.teacher_dir), ids))
+    assert student.bits == export.bits == f"w4a{exported.a_bits}" and teacher.bits == "fp"
+    assert student.meta["promoted"] == exported.meta["promoted"] == export.meta["promoted"]
+    assert teacher.meta == {"arch": exported.arch, "teacher": str(exported.teacher_dir.resolve())}
+
+
+def test_tokenizer_of_a_student_is_its_teachers_and_an_export_carries_its_own(exported):
+    student = load_artifact(exported.student_dir)
+    assert tokenizer_dir(exported.student_dir, student) == exported.teacher_dir.resolve()
+    assert tokenizer_dir(exported.out, load_artifact(exported.out)) == exported.out
+
+
+def test_lm_eval_model_loads_a_student_directory(tmp_path):
+    """``model_args pretrained=<student dir>`` evaluates the fake-quant student with its teacher's tokenizer."""
+    teacher_dir = ASSETS / "tiny-ouro"
+    student, promoted = make_student(load_looplm(teacher_dir), a_bits=4)
+    loops = student.calibrated_loops
+    write_student(student, student_meta(student, teacher_dir, tmp_path, [promoted], [0.0] * loops, None), tmp_path)
+    lm = LoopQLM(pretrained=str(tmp_path))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(lm.model, ids), logits(student.eval(), ids))
+    assert lm.tokenizer.get_vocab() == LoopQLM(pretrained=str(teacher_dir)).tokenizer.get_vocab()
+
+
+@pytest.mark.parametrize("exported", [("parcae", 8)], indirect=True, ids=["parcae-w4a8"])
+def test_an_expected_kind_names_the_missing_file(exported, tmp_path):
+    with pytest.raises(StudentFormatError, match=rf"^{re.escape(str(exported.out / layout.STUDENT_META))}: missing"):
+        load_artifact(exported.out, kind="student")
+    moved = shutil.copytree(exported.student_dir, tmp_path / "student")
+    (moved / layout.STUDENT_WEIGHTS).unlink()
+    assert artifact_kind(moved) == "student"  # still recognised by its description ...
+    with pytest.raises(StudentFormatError, match=rf"{layout.STUDENT_WEIGHTS}: missing"):
+        read_artifact_meta(moved)  # ... and refused as incomplete before any model is built
+
+
+def test_file_names_are_spelled_only_in_the_layout_module():
+    """Every module that reads or writes a student or export directory takes its names from loopq.artifacts.layout."""
+    names = [layout.STUDENT_META, layout.STUDENT_WEIGHTS, layout.EXPORT_META]
+    names += [layout.STUDENT_FORMAT, layout.EXPORT_FORMAT]
+    spelled = {
+        f"{path.relative_to(REPO_ROOT)}: {name}"
+        for path in (REPO_ROOT / "loopq").rglob("*.py")
+        if path.name != "layout.py"
+        for name in names
+        if re.search(rf"[\"']{re.escape(name)}[\"']", path.read_text())
+    }
+    assert not spelled
