@@ -49,7 +49,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from loopq.errors import LoopQError, OneLineParser, run_cli
+from loopq.errors import LoopQError, OneLineParser
 from loopq.eval.tasks import PAPER_METRICS
 from loopq.files import atomic_write
 from loopq.files import read_json as read_json_file
@@ -714,7 +714,3 @@ def main(argv: list[str] | None = None) -> Path:
     report = build_report(results, runs, sweeps, args.out, [b.lower() for b in args.bits], args.loops)
     print(f"report written to {report}")
     return report
-
-
-if __name__ == "__main__":
-    run_cli(main)
