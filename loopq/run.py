@@ -25,22 +25,21 @@ recalibrated silently either: if the calibration config differs from the one tha
 in :data:`loopq.fit.COSMETIC` aside) or the teacher's content differs (a teacher rebuilt in place), the run stops
 and names the keys; a student that ``python -m loopq.fit`` wrote is reused
 if its quant config is the one asked. ``--force`` reruns every stage from scratch (files are replaced, nothing is
-deleted). All files are written atomically.
+deleted). All files are written atomically. The stage bookkeeping (``pipeline.json``, skipping, re-running) is the
+generic runner of :mod:`loopq.stages`; this module defines LoopQ's stages on it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,7 @@ from loopq.errors import LoopQError, OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.eval.tasks import check_tasks
 from loopq.evaluate import evaluate
-from loopq.files import atomic_write, read_json
+from loopq.files import read_json
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.provenance import teacher_fingerprint
 from loopq.quant import QuantConfig
@@ -65,6 +64,7 @@ from loopq.quant.accounting import footprint
 from loopq.quant.config import bits_label
 from loopq.quant.packed import check_kernel_support
 from loopq.report import build_report, load_result, load_run
+from loopq.stages import Manifest, Stage, StageRunner, clock, differing_keys, normalised, say
 
 DEFAULT_LIMIT = 10
 EXPORT_CHECK_WINDOWS = 8
@@ -87,19 +87,6 @@ class Options:
     force: bool = False
 
 
-@dataclass
-class Stage:
-    """One step: runs ``action`` (which returns a summary for ``pipeline.json``, ``note`` is printed) unless its
-    ``outputs`` exist and its ``settings`` and the outputs of the stages named in ``after`` are as recorded."""
-
-    name: str
-    target: Path  # shown
-    outputs: list[Path]
-    action: Callable[[], dict[str, Any]]
-    settings: dict[str, Any] = field(default_factory=dict)
-    after: tuple[str, ...] = ()
-
-
 class DeferredCLI(fit.LoopQCLI):
     """The calibration CLI, parsed and checked up front but built (teacher loaded, trainer created) only when a
     student has to be calibrated."""
@@ -115,41 +102,7 @@ class DeferredCLI(fit.LoopQCLI):
         self.model = self.datamodule = self.trainer = self.config_init = None  # type: ignore[assignment]
 
 
-class Manifest:
-    """``pipeline.json``: per stage, the inputs it ran with, its finish stamp (ns, None while running), its summary."""
-
-    def __init__(self, path: Path, fresh: bool = False) -> None:
-        self.path = path
-        self.stages: dict[str, dict[str, Any]] = {} if fresh or not path.is_file() else self._read()
-
-    def _read(self) -> dict[str, dict[str, Any]]:
-        try:
-            return dict(json.loads(self.path.read_text())["stages"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise PipelineError(f"{self.path}: unreadable ({err}); delete it or pass --force") from None
-
-    def is_done(self, name: str, inputs: dict[str, Any]) -> bool:
-        entry = self.stages.get(name)
-        return entry is not None and entry.get("finished") is not None and entry.get("inputs") == inputs
-
-    def start(self, name: str, inputs: dict[str, Any]) -> None:
-        """Record a (re)start; an unfinished attempt with the same inputs keeps its ``started`` stamp."""
-        entry = self.stages.get(name) or {}
-        resumed = entry.get("inputs") == inputs and entry.get("finished") is None and "started" in entry
-        started = entry["started"] if resumed else time.time_ns()
-        self.stages[name] = {"inputs": inputs, "started": started, "finished": None}
-        self.save()
-
-    def finish(self, name: str, summary: dict[str, Any], seconds: float) -> None:
-        self.stages[name].update(finished=time.time_ns(), seconds=round(seconds, 1), summary=summary)
-        self.save()
-
-    def save(self) -> None:
-        text = json.dumps({"stages": self.stages}, indent=2) + "\n"
-        atomic_write(self.path, lambda tmp: tmp.write_text(text))
-
-
-class Pipeline:
+class Pipeline(StageRunner):
     """The stages of one run directory (see module docstring)."""
 
     def __init__(self, cli: DeferredCLI, options: Options) -> None:
@@ -166,8 +119,7 @@ class Pipeline:
         #: content hash of the teacher: every stage's inputs include it, so a rebuilt teacher is never mixed in
         self.teacher_sha256 = teacher_fingerprint(resolve_model_dir(self.teacher))
         self.bits = bits_label(self.quant["w_bits"], self.quant["a_bits"])
-        self.manifest = Manifest(self.root / MANIFEST, fresh=options.force)
-        self.started = time.monotonic()
+        super().__init__(Manifest(self.root / MANIFEST, fresh=options.force, error=PipelineError))
 
     # ------------------------------------------------------------------ plan and run
     def stages(self) -> list[Stage]:
@@ -208,27 +160,9 @@ class Pipeline:
     def run(self) -> Path:
         stages = self.stages()
         self.check_calibration(stages[0].settings)
-        by_name = {stage.name: stage for stage in stages}
-        for i, stage in enumerate(stages, start=1):
-            self.execute(stage, f"[{i}/{len(stages)}] {stage.name}", [by_name[name] for name in stage.after])
+        self.run_stages(stages)
         self.print_summary()
         return self.report_path
-
-    def execute(self, stage: Stage, label: str, after: list[Stage]) -> None:
-        """Run ``stage`` unless it is done with the same settings and the same files of the stages it reads (their
-        modification times: a file rewritten by a re-run, or by hand, makes the stages reading it run again)."""
-        stamps = {f"after {dep.name}": [p.stat().st_mtime_ns for p in dep.outputs if p.exists()] for dep in after}
-        inputs = normalised({**stage.settings, **stamps})
-        if self.manifest.is_done(stage.name, inputs) and all(p.exists() for p in stage.outputs):
-            say(f"{label}: up to date, skipped ({stage.target})")
-            return
-        say(f"{label} -> {stage.target}  ({clock(time.monotonic() - self.started)} elapsed)")
-        start = time.monotonic()
-        self.manifest.start(stage.name, inputs)
-        summary = stage.action()
-        self.manifest.finish(stage.name, summary, time.monotonic() - start)
-        note = f" - {summary['note']}" if "note" in summary else ""
-        say(f"{label}: done in {clock(time.monotonic() - start)}{note}")
 
     def check_calibration(self, settings: dict[str, Any]) -> None:
         """Refuse to reuse a student or checkpoint made with another config; adopt a student ``loopq.fit`` wrote."""
@@ -323,27 +257,10 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def say(text: str) -> None:
-    print(f"[loopq] {text}", flush=True)
-
-
-def clock(seconds: float) -> str:
-    return str(timedelta(seconds=round(seconds)))
-
-
-def normalised(value: Any) -> Any:
-    """``value`` as JSON gives it back (tuples -> lists, paths -> strings), so it compares equal to a stored one."""
-    return json.loads(json.dumps(value, default=str, sort_keys=True))
-
-
 def asked_quant(config: Any) -> dict[str, Any]:
     """The QuantConfig the calibration config asks for, as a plain dict."""
     quant = config.model.quant
     return (QuantConfig.from_dict(quant.as_dict()) if quant is not None else QuantConfig()).to_dict()
-
-
-def differing_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    return [f"{prefix}{k}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
 def use_line_progress(trainer: Any) -> None:

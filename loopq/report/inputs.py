@@ -1,0 +1,246 @@
+"""The report's inputs: ``loopq.evaluate`` result JSONs (:class:`Result`) and ``loopq.fit`` calibration
+directories (:class:`Run`), read and checked; an unusable file is a :class:`ReportInputError` naming it.
+
+A result's *model* is its ``variant`` field if present, else the teacher of the student or export directory named in
+``model`` (read from its ``loopq_quant.json`` / ``loopq_export.json`` when that path exists here), else the last
+component of ``model``. A student's bit width is taken from its recorded quant config when available
+(``loopq.evaluate`` only records ``--bits`` as given).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loopq.artifacts import artifact_kind, read_export_meta, read_student_meta
+from loopq.artifacts.layout import STUDENT_META
+from loopq.errors import LoopQError
+from loopq.files import read_json as read_json_file
+from loopq.quant.config import bits_label
+
+#: the Table-1 column of the WikiText-2 perplexity under the PTQ protocol (``wikitext2_ppl`` of a result)
+PTQ_COLUMN = "WT2-PTQ"
+
+
+class ReportInputError(LoopQError):
+    """An input file or directory that cannot be used; the message names it."""
+
+
+# ---------------------------------------------------------------------------------------------------- results
+@dataclass
+class Result:
+    """One ``loopq.evaluate`` JSON, with the labels the report groups by."""
+
+    path: Path
+    data: dict[str, Any]
+    model: str
+    method: str
+    bits: str
+    num_loops: int | None
+    calibrated_loops: int | None = None
+
+    @property
+    def is_fp(self) -> bool:
+        return self.method.upper() == "FP" or self.bits == "fp"
+
+    @property
+    def series(self) -> tuple[str, str, str]:
+        return self.model, self.method, self.bits
+
+    def value(self, column: str) -> float | None:
+        """The Table-1 number of ``column`` (accuracies as stored, i.e. fractions), or None if not evaluated."""
+        if column == PTQ_COLUMN:
+            return self.data.get("wikitext2_ppl")
+        return (self.data.get("lm_eval") or {}).get("paper_metrics", {}).get(column)
+
+
+def read_json(path: Path) -> Any:
+    return read_json_file(path, ReportInputError, "pass a result JSON written by python -m loopq.evaluate")
+
+
+def model_meta(model: str | None) -> dict[str, Any] | None:
+    """The description of the student or export directory a result names; None for a teacher, a hub id, or a
+    directory that is gone or damaged since the evaluation (the result JSON itself is still reported)."""
+    if not model:
+        return None
+    try:
+        kind = artifact_kind(model)
+        if kind == "student":
+            return read_student_meta(model)
+        return read_export_meta(model) if kind == "export" else None
+    except LoopQError:
+        return None
+
+
+def model_label(model: str | None, meta: dict[str, Any] | None) -> str:
+    """A short model name: the teacher's directory name for students and exports, else the last path part."""
+    if meta and meta.get("teacher"):
+        return Path(str(meta["teacher"])).name
+    if not model:
+        return "?"
+    path = Path(model.rstrip("/"))
+    if path.name in ("student", "exported") and path.parent.name:
+        return path.parent.name  # a student directory that is not here to read: name it after its run
+    return path.name
+
+
+def load_result(path: Path) -> Result:
+    """Read and check one result JSON (:class:`ReportInputError` naming the file if it is not one)."""
+    data = read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("method"), str):
+        raise ReportInputError(f'{path}: not a loopq.evaluate result (no "method" field)')
+    for key in ("wikitext2_ppl", "num_loops", "slt_budget", "num_samples"):
+        if key in data and data[key] is not None and not isinstance(data[key], int | float):
+            raise ReportInputError(f"{path}: {key!r} is {data[key]!r}, not a number")
+    lm_eval = data.get("lm_eval")
+    metrics = lm_eval.get("paper_metrics", {}) if isinstance(lm_eval, dict) else {} if lm_eval is None else None
+    if not isinstance(metrics, dict) or not all(isinstance(v, int | float) for v in metrics.values()):
+        raise ReportInputError(f"{path}: 'lm_eval.paper_metrics' is not a mapping of numbers")
+    per_loop = data.get("wikitext2_per_loop_ppl", [])
+    if not isinstance(per_loop, list) or not all(isinstance(v, int | float) for v in per_loop):
+        raise ReportInputError(f"{path}: 'wikitext2_per_loop_ppl' is not a list of numbers")
+    meta = model_meta(data.get("model"))
+    bits = str(data.get("bits", "")).lower()
+    quant = (meta or {}).get("quant") or {}
+    if data["method"].upper() != "FP" and "w_bits" in quant and "a_bits" in quant:
+        bits = bits_label(quant["w_bits"], quant["a_bits"])
+    calibrated = data.get("calibrated_loops", (meta or {}).get("calibrated_loops"))
+    return Result(
+        path=path,
+        data=data,
+        model=str(data.get("variant") or model_label(data.get("model"), meta)),
+        method=data["method"],
+        bits=bits,
+        num_loops=int(data["num_loops"]) if data.get("num_loops") is not None else None,
+        calibrated_loops=int(calibrated) if isinstance(calibrated, int | float) else None,
+    )
+
+
+def expand(patterns: Iterable[str]) -> list[Path]:
+    """Paths as given; a pattern the shell left unexpanded (no such file, has wildcards) is globbed here."""
+    paths: list[Path] = []
+    for pattern in patterns:
+        if not Path(pattern).exists() and any(ch in pattern for ch in "*?["):
+            paths += [Path(p) for p in sorted(glob.glob(pattern))]
+        else:
+            paths.append(Path(pattern))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+@dataclass
+class Run:
+    """What the report reads from one calibration directory (None/empty where the run did not write it)."""
+
+    path: Path
+    name: str
+    errors: list[list[float]] | None = None  # [loop][layer] at errors_step
+    errors_step: int | None = None
+    promoted: list[str] = field(default_factory=list)
+    meta: dict[str, Any] | None = None
+    mu_steps: list[int] = field(default_factory=list)
+    mu: list[list[float]] = field(default_factory=list)  # [row][t]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def teacher(self) -> str | None:
+        return Path(str(self.meta["teacher"])).name if self.meta and self.meta.get("teacher") else None
+
+    @property
+    def calibrated_loops(self) -> int | None:
+        loops = (self.meta or {}).get("calibrated_loops")
+        return int(loops) if isinstance(loops, int | float) else None
+
+
+def version_dirs(root: Path) -> list[Path]:
+    """``root/version_*`` in numeric order."""
+    found = [p for p in root.glob("version_*") if p.is_dir() and p.name.removeprefix("version_").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("version_")))
+
+
+def read_loop_errors(path: Path) -> tuple[int | None, list[list[float]]] | None:
+    """The last complete ``{"step", "errors"}`` entry of a ``loop_errors.jsonl`` (a torn last line is skipped)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        errors = entry.get("errors") if isinstance(entry, dict) else None
+        try:
+            if not errors or len({len(row) for row in errors}) != 1:
+                raise ValueError("ragged")
+            return entry.get("step"), [[float(v) for v in row] for row in errors]
+        except (TypeError, ValueError):
+            raise ReportInputError(f"{path}: 'errors' is not a [loop][layer] matrix of numbers") from None
+    return None
+
+
+def read_mu(paths: Sequence[Path]) -> tuple[list[int], list[list[float]]]:
+    """``(steps, mu)`` from the ``mu/t*`` columns of ``metrics.csv`` files in version order; a resumed version
+    replaces the rows it logged again."""
+    steps: list[int] = []
+    rows: list[list[float]] = []
+    for path in paths:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            cols = sorted((c for c in reader.fieldnames or [] if re.fullmatch(r"mu/t\d+", c)), key=lambda c: int(c[4:]))
+            new_steps, new_rows = [], []
+            for line_no, row in enumerate(reader, start=2):
+                if not cols or any(row.get(c) in (None, "") for c in cols):
+                    continue
+                try:
+                    new_rows.append([float(row[c]) for c in cols])
+                    new_steps.append(int(float(row["step"])))
+                except (KeyError, TypeError, ValueError):
+                    raise ReportInputError(f"{path}: line {line_no}: bad 'step' or 'mu/t*' value") from None
+        if new_steps:
+            keep = [i for i, s in enumerate(steps) if s < new_steps[0]]
+            steps, rows = [steps[i] for i in keep] + new_steps, [rows[i] for i in keep] + new_rows
+    last = dict(zip(steps, rows, strict=True))  # several logging rows of one step: the last values
+    return list(last), list(last.values())
+
+
+def load_run(path: Path, name: str) -> Run:
+    """Read a ``loopq.fit`` directory; missing pieces become notes, unreadable files errors naming them."""
+    if not path.is_dir():
+        raise ReportInputError(f"{path}: run directory not found")
+    run = Run(path=path, name=name)
+    meta_path = path / "student" / STUDENT_META
+    if meta_path.is_file():
+        meta = read_student_meta(meta_path.parent)
+        if not isinstance(meta.get("promoted", []), list):
+            raise ReportInputError(f"{meta_path}: not a LoopQ student config (no 'promoted' list)")
+        run.meta, run.promoted = meta, [str(n) for n in meta.get("promoted", [])]
+    else:
+        run.notes.append(f"run `{name}`: no `student/{STUDENT_META}` (calibration unfinished?)")
+    for version in reversed(version_dirs(path / "lightning_logs")):
+        errors_path = version / "loop_errors.jsonl"
+        if errors_path.is_file() and (entry := read_loop_errors(errors_path)):
+            run.errors_step, run.errors = entry
+            break
+    else:
+        run.notes.append(f"run `{name}`: no `lightning_logs/version_*/loop_errors.jsonl` entry")
+    metrics = [v / "metrics.csv" for v in version_dirs(path / "csv") if (v / "metrics.csv").is_file()]
+    run.mu_steps, run.mu = read_mu(metrics)
+    if not run.mu:
+        run.notes.append(f"run `{name}`: no `mu/t*` values in `csv/version_*/metrics.csv`")
+    return run
+
+
+def run_names(paths: Sequence[Path]) -> list[str]:
+    """Directory names, or the whole path (slugged) where two runs share a name."""
+    counts = Counter(p.name for p in paths)
+    return [p.name if counts[p.name] == 1 else slug(str(p)) for p in paths]
+
+
+def slug(text: str) -> str:
+    """``text`` reduced to characters safe in a file name (``run`` if nothing is left)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
