@@ -5,8 +5,8 @@
 (markdown), plots with :mod:`~loopq.report.figures` (matplotlib, imported only there) and writes ``report.md`` with
 :mod:`~loopq.report.build`.
 
-The names below are re-exported here. Those of the inputs and tables are imported with the package; the figures,
-:func:`build_report` and :func:`main` only when first used, so reading and tabulating results needs no matplotlib.
+The package exports what other commands use: the inputs (imported with the package) and :func:`build_report` /
+:func:`main`, imported on first use, so reading and tabulating results needs no matplotlib.
 """
 
 from __future__ import annotations
@@ -14,108 +14,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from loopq.report.inputs import (
-    PTQ_COLUMN,
-    ReportInputError,
-    Result,
-    Run,
-    expand,
-    load_result,
-    load_run,
-    model_label,
-    model_meta,
-    read_json,
-    read_loop_errors,
-    read_mu,
-    run_names,
-    slug,
-    version_dirs,
-)
-from loopq.report.tables import (
-    COLUMNS,
-    DASH,
-    DEFAULT_BLOCKS,
-    LOWER_IS_BETTER,
-    best_values,
-    fmt,
-    method_order,
-    per_loop_table,
-    reference_loops,
-    runs_table,
-    subset_table,
-    table1,
-    table_results,
-)
+from loopq.report.inputs import ReportInputError, Result, Run, load_result, load_run
 
-#: re-exported names imported from their module on first use (the figures import matplotlib)
-LAZY: dict[str, str] = {
-    "build_report": "loopq.report.build",
-    "main": "loopq.report.cli",
-    "parse_args": "loopq.report.cli",
-    **dict.fromkeys(
-        [
-            "OURO_KINDS",
-            "SWEEP_FIELDS",
-            "heatmap",
-            "plot_loop_errors",
-            "plot_loop_sweep",
-            "plot_mu",
-            "plot_series",
-            "plot_slt",
-            "plot_sweep",
-            "save",
-            "series_points",
-            "slt_matrix",
-        ],
-        "loopq.report.figures",
-    ),
-}
+#: exported names imported from their module on first use (building a report imports matplotlib)
+LAZY: dict[str, str] = {"build_report": "loopq.report.build", "main": "loopq.report.cli"}
 
-__all__ = [
-    "COLUMNS",
-    "DASH",
-    "DEFAULT_BLOCKS",
-    "LOWER_IS_BETTER",
-    "OURO_KINDS",
-    "PTQ_COLUMN",
-    "SWEEP_FIELDS",
-    "ReportInputError",
-    "Result",
-    "Run",
-    "best_values",
-    "build_report",
-    "expand",
-    "fmt",
-    "heatmap",
-    "load_result",
-    "load_run",
-    "main",
-    "method_order",
-    "model_label",
-    "model_meta",
-    "parse_args",
-    "per_loop_table",
-    "plot_loop_errors",
-    "plot_loop_sweep",
-    "plot_mu",
-    "plot_series",
-    "plot_slt",
-    "plot_sweep",
-    "read_json",
-    "read_loop_errors",
-    "read_mu",
-    "reference_loops",
-    "run_names",
-    "runs_table",
-    "save",
-    "series_points",
-    "slt_matrix",
-    "slug",
-    "subset_table",
-    "table1",
-    "table_results",
-    "version_dirs",
-]
+__all__ = ["ReportInputError", "Result", "Run", "build_report", "load_result", "load_run", "main"]
 
 
 def __getattr__(name: str) -> Any:
