@@ -1,12 +1,19 @@
-"""Inputs shared by the kernel tests: exact round-half ties and exactly invertible transforms."""
+"""Inputs shared by the kernel tests: exact round-half ties and exactly invertible transforms; where they run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import Tensor
 
+from loopq.kernels import triton_interpreted
 from loopq.qspec import qrange
 from loopq.quant.transforms import kron_factors
+
+#: the compiled kernels run: a CUDA GPU and TRITON_INTERPRET unset or 0 (``python -m loopq.gpu_check``)
+ON_CUDA = torch.cuda.is_available() and not triton_interpreted()
+#: a case only the compiled kernels can run (bf16, which the interpreter lacks) or run fast (Ouro's real widths)
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="compiled kernels only: CUDA GPU with TRITON_INTERPRET=0")
 
 
 def tie_tokens(m: int, k: int, bits: int, seed: int = 0) -> Tensor:

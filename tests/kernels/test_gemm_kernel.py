@@ -1,12 +1,13 @@
-"""Triton W4A4 / W4A8 GEMMs (CPU interpreter) against the torch backend."""
+"""Triton W4A4 / W4A8 GEMMs (CPU interpreter; CUDA with TRITON_INTERPRET=0) against the torch backend."""
 
 import pytest
 import torch
 
 from loopq.kernels import gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight
+from tests.kernels.cases import cuda_only
 
 
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=cuda_only)])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 32, 64), (5, 48, 160), (33, 96, 128), (130, 40, 64)])
 def test_matches_torch_backend(m, n, k, bits, out_dtype, device):
@@ -28,3 +29,18 @@ def test_extreme_codes(device):
     s3, s40 = torch.ones(3, 2, device=device), torch.ones(40, 2, dtype=torch.float16, device=device)
     assert bool((gemm_w4a4(a4, s3, w, s40, backend="triton") == 2 * 32 * 64).all())
     assert bool((gemm_w4a8(a8, s3, w, s40, backend="triton") == 2 * 32 * 8 * 128).all())
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 2048), (16, 2048, 5632), (300, 11264, 2048)])
+def test_ouro_shapes_bf16(m, n, k, bits, device):
+    """Ouro-1.4B's linears (fused QKV, down_proj, fused gate+up) at decode, small-batch and calibration M, with the
+    bf16 output the exported model asks for; M = 1 and 16 take the decode tiles (16 x 32), M = 300 the largest."""
+    gen = torch.Generator().manual_seed(m + n + k + bits)
+    a, sa = quantize_activation(torch.randn(m, k, generator=gen).to(device, torch.bfloat16), clip=0.9, bits=bits)
+    w, sw = quantize_weight(torch.randn(n, k, generator=gen).to(device), 0.8)
+    gemm = gemm_w4a4 if bits == 4 else gemm_w4a8
+    ref = gemm(a, sa, w, sw, torch.float32, backend="torch")
+    torch.testing.assert_close(gemm(a, sa, w, sw, torch.float32, backend="triton"), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gemm(a, sa, w, sw, torch.bfloat16, backend="triton"), ref.to(torch.bfloat16))

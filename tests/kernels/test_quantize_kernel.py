@@ -6,7 +6,7 @@ import torch
 from loopq.kernels import quantize_activation, unpack_int4
 from loopq.qspec import quantize_codes
 from loopq.quant.transforms import kron_apply, kron_factors
-from tests.kernels.cases import random_transform, scaled_permutation, tie_tokens
+from tests.kernels.cases import cuda_only, random_transform, scaled_permutation, tie_tokens
 
 
 def _both(x, left, right, clip, bits):
@@ -15,7 +15,7 @@ def _both(x, left, right, clip, bits):
     return tri, ref
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=cuda_only)])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("transform", [False, True])
 @pytest.mark.parametrize(("m", "k"), [(1, 64), (5, 160), (33, 160), (33, 96), (33, 128), (33, 352)])
@@ -55,3 +55,16 @@ def test_missing_factor_is_identity(device):
     assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
     explicit = quantize_activation(x, torch.eye(8, device=device), right, 0.9, 4, backend="triton")
     assert torch.equal(codes, explicit[0]) and torch.equal(scales, explicit[1])
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k", [2048, 5632])
+def test_ouro_widths_bf16(k, bits, device):
+    """Ouro-1.4B's input widths with their transforms (K = 5632 = 64 x 88 takes the scratch compaction path), bf16
+    tokens as a calibrated model feeds them, enough rows for several programs."""
+    gen = torch.Generator().manual_seed(k + bits)
+    x = (3 * torch.randn(300, k, generator=gen)).to(device, torch.bfloat16)
+    left, right = (f.to(device) for f in random_transform(k, gen))
+    (codes, scales), (ref_codes, ref_scales) = _both(x, left, right, 0.9, bits)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)

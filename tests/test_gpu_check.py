@@ -1,0 +1,294 @@
+"""``python -m loopq.gpu_check`` / ``scripts/gpu_check.sh`` on a machine without a GPU: the no-GPU path and the
+argument errors as a user meets them (subprocesses), and everything the GPU run is made of that runs on CPU - the
+peak table and its arithmetic, the tables, the verdicts of each stage over fabricated outputs, the exit status, the
+stage loop with fake stages, and the kernel benchmark's correctness check under Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
+from loopq.errors import UsageError
+from loopq.gpu_check import cli, kernel_bench, stages
+from loopq.gpu_check.kernel_bench import KernelRow, check_row, format_rows, goal_for, summarize, worst_speedup
+from loopq.gpu_check.peaks import fraction, gemm_tera_ops, peaks_for, percent, weight_tb_s
+from loopq.gpu_check.table import BELOW_GOAL, FAIL, OK, SKIPPED, StageResult, exit_status, format_table, verdict
+from loopq.kernels import ops
+from loopq.paths import REPO_ROOT
+from tests.kernels.cases import ON_CUDA
+
+H100 = peaks_for("NVIDIA H100 80GB HBM3")
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    """A command from the repository root with no GPU visible, this interpreter as ``$PYTHON``."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("LOOPQ_DEBUG", None)
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+# ------------------------------------------------------------------------------------------ as a user runs it
+@pytest.mark.parametrize(
+    "cmd",
+    [("bash", "scripts/gpu_check.sh"), (sys.executable, "-m", "loopq.gpu_check", "--quick", "--skip", "step")],
+    ids=["script", "module"],
+)
+def test_without_a_gpu_it_says_so_and_exits_0(cmd):
+    proc = run(*cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [cli.NO_GPU]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--skip", "bogus"], "argument --skip: invalid choice: 'bogus'"), (["--out", "."], "--out .: is a directory")],
+)
+def test_a_bad_option_is_one_error_line_and_status_2(args, message):
+    proc = run("bash", "scripts/gpu_check.sh", *args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(f"error: {message}")
+
+
+def test_bench_kernels_still_exits_0_without_a_gpu():
+    proc = run(sys.executable, "bench/kernels.py", "--tokens", "1")
+    assert proc.returncode == 0 and proc.stdout.startswith("no GPU:"), proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------- peaks, arithmetic
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM5"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM4"),
+        ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe"),
+        ("NVIDIA A100-PCIE-40GB", "A100 40GB"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("Tesla T4", None),
+        ("NVIDIA A10G", None),  # not the A10: no row, so n/a rather than a wrong peak
+    ],
+)
+def test_peak_lookup_by_device_name(name, model):
+    peaks = peaks_for(name)
+    assert (peaks.model if peaks else None) == model
+
+
+def test_throughput_and_fractions_by_hand():
+    # 2 * 256 * 2048 * 2048 = 2_147_483_648 operations in 10 us -> 214.75 TOPS; H100 SXM5 int8 peak 1978.9
+    tops = gemm_tera_ops(256, 2048, 2048, 0.01)
+    assert tops == pytest.approx(214.7483648)
+    assert fraction(tops, H100.int8_tops) == pytest.approx(0.108519)
+    assert percent(fraction(tops, H100.int8_tops)) == "11%"
+    # 2048 x 2048 int4 weights + fp16 scales = 2_359_296 bytes in 1 us -> 2.36 TB/s = 70% of 3.35 TB/s
+    assert weight_tb_s(2048, 2048, kernel_bench.INT4_WEIGHT_BYTES, 0.001) == pytest.approx(2.359296)
+    assert percent(fraction(2.359296, H100.hbm_tb_s)) == "70%"
+    assert fraction(1.0, None) is None and percent(None) == "n/a"
+
+
+def test_goals_and_speedups():
+    assert [goal_for(m) for m in (1, 16, 255, 256, 4096)] == [2.5, None, None, 1.6, 1.6]
+    assert kernel_bench.speedup(0.03, 0.01) == pytest.approx(3.0) and kernel_bench.speedup(None, 0.01) is None
+
+
+# ----------------------------------------------------------------------------------------------------- tables
+RESULTS = [
+    StageResult("environment", OK, "NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB", 0.21),
+    StageResult("kernel-tests", OK, "212 passed, 3 skipped, 0 failed, 0 errors", 41.0),
+    StageResult("kernel-bench", FAIL, "15/16 shapes exact; MISMATCH at N=2048 K=5632 M=1", 12.34),
+    StageResult("calibration", SKIPPED, "--skip"),
+    StageResult("step", BELOW_GOAL, "FP fwd+bwd 80.0 ms", 100.0),
+]
+
+
+def test_stage_table_format():
+    assert format_table(RESULTS).splitlines() == [
+        "stage         status      seconds  key numbers",
+        "------------  ----------  -------  -------------------------------------------------",
+        "environment   ok              0.2  NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB",
+        "kernel-tests  ok             41.0  212 passed, 3 skipped, 0 failed, 0 errors",
+        "kernel-bench  FAIL           12.3  15/16 shapes exact; MISMATCH at N=2048 K=5632 M=1",
+        "calibration   skipped         0.0  --skip",
+        "step          below goal    100.0  FP fwd+bwd 80.0 ms",
+        "GPU check FAILED: kernel-bench (exit status 1)",
+    ]
+
+
+ROWS = [
+    KernelRow(
+        2048, 2048, 1, bf16_ms=0.03, w4a4_quant_ms=0.004, w4a4_gemm_ms=0.01, w4a8_quant_ms=0.004, w4a8_gemm_ms=0.012
+    ),
+    KernelRow(
+        2048, 2048, 256, bf16_ms=0.01, w4a4_quant_ms=0.005, w4a4_gemm_ms=0.008, w4a8_quant_ms=0.005, w4a8_gemm_ms=0.009
+    ),
+    KernelRow(2048, 5632, 16, problems=["W4A4 GEMM off by up to 1.00e-01"], max_abs_err=0.1),
+]
+
+
+def test_kernel_table_format():
+    lines = format_rows(ROWS, H100).splitlines()
+    assert lines[0].split() == [
+        *("N", "K", "M", "bf16", "us", "TFLOP/s", "%bf16", "pk", "A4", "q", "us", "A4", "mm", "us", "A4", "TOPS"),
+        *("%int8", "pk", "%HBM", "x", "mm", "x", "q+mm", "goal", "A8", "q", "us", "A8", "mm", "us", "%int8", "pk"),
+        *("x", "mm", "x", "q+mm", "check"),
+    ]
+    # M=1: 2.36 TB/s of weights = 7% of HBM... in 10 us; 3.00x = 30 / 10 us; M=256: 214.7 TFLOP/s = 22% of 989.4
+    assert lines[2].split() == [
+        *("2048", "2048", "1", "30.0", "0.3", "0%", "4.0", "10.0", "0.8", "0%", "7%", "3.00x", "2.14x", ">=2.5x"),
+        *("met", "4.0", "12.0", "0%", "2.50x", "1.88x", "exact"),
+    ]
+    assert lines[3].split()[3:6] == ["10.0", "214.7", "22%"] and ">=1.6x MISSED" in lines[3]
+    assert lines[4].split()[3:5] == ["-", "-"] and lines[4].endswith("W4A4 GEMM off by up to 1.00e-01")
+    assert "n/a" in format_rows(ROWS[:1], None).splitlines()[2].split()  # unknown device: no fractions
+
+
+# ---------------------------------------------------------------------------------------- verdicts, exit status
+def test_exit_status_is_1_only_when_a_stage_failed():
+    assert exit_status(RESULTS) == 1
+    passing = [r for r in RESULTS if r.status != FAIL]
+    assert exit_status(passing) == 0 and verdict(passing) == "GPU check passed; below goal: step"
+    assert verdict(RESULTS[:2]) == "GPU check passed"
+    with pytest.raises(ValueError, match="status='fine'"):
+        StageResult("step", "fine", "")
+
+
+def test_kernel_bench_verdicts():
+    status, line = summarize(ROWS, H100)
+    assert status == FAIL and "2/3 shapes exact; MISMATCH at N=2048 K=5632 M=16" in line
+    assert "M=1 3.00x (goal 2.5x), M>=256 1.25x (goal 1.6x)" in line and "268 TOPS = 14% of int8 peak" in line
+    assert summarize(ROWS[:2], H100)[0] == BELOW_GOAL
+    fast = KernelRow(2048, 2048, 256, bf16_ms=0.02, w4a4_gemm_ms=0.01)
+    assert summarize([ROWS[0], fast], None)[0] == OK
+    assert worst_speedup(ROWS, lambda m: m >= 256) == pytest.approx(1.25) and worst_speedup([], bool) is None
+
+
+def test_kernel_tests_verdicts(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest" tests="10" failures="1" errors="0" skipped="2"/></testsuites>'
+    )
+    counts = stages.junit_counts(report)
+    assert counts == {"tests": 10, "failures": 1, "errors": 0, "skipped": 2, "passed": 7}
+    assert stages.kernel_tests_result(1, counts, "").status == FAIL
+    ok = stages.kernel_tests_result(0, {**counts, "failures": 0}, "")
+    assert ok.status == OK and ok.summary.startswith("7 passed, 2 skipped, 0 failed, 0 errors")
+    assert stages.kernel_tests_result(0, {**counts, "failures": 0, "passed": 0}, "").status == FAIL
+    assert stages.kernel_tests_result(4, None, "no tests ran").summary.endswith("(exit status 4): no tests ran")
+
+
+def fake_run(root: Path, losses: list[str], student: bool = True) -> Path:
+    """A ``loopq.fit`` run directory: ``train/loss`` rows in the CSV log, optionally a student."""
+    (root / "csv" / "version_0").mkdir(parents=True)
+    rows = ["epoch,step,train/loss,train/kl", *(f"0,{i},{v},1.0" for i, v in enumerate(losses)), "0,9,,2.0"]
+    (root / "csv" / "version_0" / "metrics.csv").write_text("\n".join(rows) + "\n")
+    if student:
+        (root / "student").mkdir()
+        (root / "student" / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT}))
+        (root / "student" / STUDENT_WEIGHTS).write_bytes(b"")
+    return root
+
+
+def test_calibration_verdicts(tmp_path):
+    good = stages.calibration_result(0, fake_run(tmp_path / "a", ["5.25", "4.5"]), 2, "")
+    assert good.status == OK and "2 steps" in good.summary and "loss 5.25 -> 4.5 (all 2 finite)" in good.summary
+    assert stages.calibration_result(0, fake_run(tmp_path / "b", ["5.2", "nan"]), 2, "").status == FAIL
+    assert stages.calibration_result(0, fake_run(tmp_path / "c", []), 2, "").status == FAIL
+    with pytest.raises(ValueError, match="missing"):  # no student written: the stage fails with the file named
+        stages.calibration_result(0, fake_run(tmp_path / "d", ["5.2"], student=False), 2, "")
+    failed = stages.calibration_result(2, tmp_path, 2, "Seed set to 0\nerror: data.sources: no files\n")
+    assert failed.status == FAIL and failed.summary.endswith("status 2: error: data.sources: no files")
+
+
+def test_step_verdict():
+    times = {"student_ms": 300.0, "compiled_student_ms": 150.0, "fp_ms": 100.0}
+    result = stages.step_result(times, {"student_peak_gib": 12.34, "losses": [10.9, 10.8]}, 4)
+    assert result.status == OK
+    assert "4 of 24 layers" in result.summary and "W4A4 student 300.0 ms (3.00x)" in result.summary
+    assert "compiled quantizers 150.0 ms (1.50x); student peak 12.3 GiB" in result.summary
+    assert stages.step_result(times, {"student_peak_gib": 1.0, "losses": [float("inf")]}, 4).status == FAIL
+
+
+# --------------------------------------------------------------------------------------- the stage loop (faked)
+def test_stage_loop_table_json_and_exit_status(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "triton_interpreted", lambda: False)
+    for name in stages.STAGES:
+        status = FAIL if name == "step" else OK
+        monkeypatch.setitem(stages.STAGES, name, lambda ctx, n=name, s=status: StageResult(n, s, f"{n} numbers"))
+    out = tmp_path / "results" / "gpu.json"
+    assert cli.main(["--quick", "--skip", "calibration", "--out", str(out)]) == 1
+    table = capsys.readouterr().out
+    assert "calibration   skipped" in table and "step          FAIL" in table
+    saved = json.loads(out.read_text())
+    assert saved["exit_status"] == 1 and saved["quick"] is True
+    assert [(s["stage"], s["status"]) for s in saved["stages"]] == [
+        ("environment", OK),
+        ("kernel-tests", OK),
+        ("kernel-bench", OK),
+        ("calibration", SKIPPED),
+        ("step", FAIL),
+    ]
+    monkeypatch.setitem(stages.STAGES, "step", lambda ctx: 1 / 0)  # a crashing stage is that stage's failure
+    assert cli.main(["--skip", "environment", "kernel-tests", "kernel-bench", "calibration"]) == 1
+    assert "step          FAIL" in capsys.readouterr().out
+
+
+def test_interpreted_triton_on_a_gpu_machine_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "triton_interpreted", lambda: True)
+    with pytest.raises(UsageError, match="TRITON_INTERPRET=0"):
+        cli.main([])
+
+
+# --------------------------------------------------------------------- the benchmark's check, under the interpreter
+DEVICE = "cuda" if ON_CUDA else "cpu"
+DTYPE = torch.bfloat16 if ON_CUDA else torch.float32  # the interpreter has no bf16
+
+
+@pytest.mark.parametrize("transform", [True, False])
+def test_benchmark_check_passes_on_the_kernels(transform):
+    row = check_row(64, 128, 3, DEVICE, DTYPE, transform=transform)
+    assert row.problems == [] and row.max_abs_err <= 1e-5
+
+
+def test_benchmark_check_catches_a_wrong_kernel(monkeypatch):
+    wrong_gemm = ops._GEMM_W4A4["triton"]
+    monkeypatch.setitem(ops._GEMM_W4A4, "triton", lambda *args: wrong_gemm(*args) + 0.01)
+    wrong_quant = ops._QUANTIZE["triton"]
+    monkeypatch.setitem(ops._QUANTIZE, "triton", lambda *args: (lambda c, s: (c, 2 * s))(*wrong_quant(*args)))
+    row = check_row(64, 128, 3, DEVICE, DTYPE)
+    assert row.problems == [
+        "W4A4 quantizer not bit-exact",
+        "W4A4 GEMM off by up to 1.00e-02",
+        "W4A8 quantizer not bit-exact",
+    ]
+    assert summarize([row], None)[0] == FAIL
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_step_trains_the_students_quantization_parameters_only():
+    """The timed step on a tiny Ouro (on CPU, where the cuda autocast is a no-op): a finite loss, gradients reach the
+    student's quantization parameters during backward, and none are kept afterwards."""
+    config = stages.OuroConfig(64, 64, 96, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    student = stages.prepare(stages.OuroLM.from_config(config, seed=0), stages.STUDENT)
+    seen = []
+    for p in student.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda grad: seen.append(bool(grad.abs().sum() > 0)) or grad)
+    losses: list[float] = []
+    stages.train_step(student, torch.randint(0, 64, (2, 16)), losses)()
+    assert len(losses) == 1 and losses[0] == pytest.approx(torch.log(torch.tensor(64.0)).item(), rel=0.2)
+    assert seen and any(seen) and all(p.grad is None for p in student.parameters())
