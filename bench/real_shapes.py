@@ -1,0 +1,196 @@
+"""Real-shape rehearsal on CPU: every stage of a LoopQ calibration of an Ouro-1.4B / 2.6B-shaped model.
+
+A randomly initialised Ouro with the published config (hidden 2048, MLP 5632, 16/16 heads of 128, vocab 49152,
+rope theta 1e6, untied embeddings, 4 loops; 24 layers for 1.4B, 48 for 2.6B) goes through what a user's run does,
+in the paper config's settings (``model.quant`` of ``configs/ouro1.4b.yaml``: W4A4, group 32, LAS, SLT budget
+promoted up front, CTA rank 8, top-1000 targets, seq 256):
+
+    build     the bf16 teacher (random weights: values do not change shapes, bytes or cost)
+    write     the published layout: sharded ``model-0000i-of-0000n.safetensors`` + index (``--shard_gb``)
+    load      ``load_looplm`` of that directory in bf16
+    prepare   ``LoopQCalibration`` (teacher load + fake-quant student: transforms, clips, LAS, CTA, SLT promoted)
+    targets   the teacher targets of ``--batch`` samples (top-k logits + every loop's state, fp16)
+    step      one calibration step: student forward over T loops + Eq. 6 loss + backward + AdamW, with per-loop
+              activation checkpointing (``model.checkpoint_loops``)
+    export    ``export_student`` (weights folded in float64, int4 packed) and ``load_quantized`` of the export,
+              plus one forward of the packed model (torch reference kernels on CPU)
+
+Each stage prints its wall time, the process's resident memory after it and the peak so far (``ru_maxrss``);
+the end prints parameter and byte counts. ``--layers`` reduces the depth where the machine cannot hold the full
+model (say so when quoting numbers). Numbers of a run go to ``docs/benchmarks.md``.
+
+    OMP_NUM_THREADS=1 python bench/real_shapes.py                      # Ouro-1.4B, 24 layers
+    OMP_NUM_THREADS=1 python bench/real_shapes.py --layers 48          # Ouro-2.6B
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loopq.artifacts import export_student, load_quantized, student_meta
+from loopq.calib.module import LoopQCalibration
+from loopq.calib.targets import compute_targets
+from loopq.models.io import load_looplm
+from loopq.models.ouro import OuroLM
+from loopq.paths import REPO_ROOT
+from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups
+from loopq.quant.accounting import footprint, format_footprint, parameter_report
+
+#: the published Ouro-1.4B config.json (ByteDance/Ouro-1.4B); Ouro-2.6B differs only in num_hidden_layers (48)
+OURO_1P4B: dict[str, Any] = {
+    "architectures": ["OuroForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_ouro.OuroConfig",
+        "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+    },
+    "model_type": "ouro",
+    "vocab_size": 49152,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "total_ut_steps": 4,
+    "early_exit_threshold": 1.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (1.4B: 24, 2.6B: 48)")
+    parser.add_argument("--config", type=Path, default=REPO_ROOT / "configs/ouro1.4b.yaml", help="paper config")
+    parser.add_argument("--batch", type=int, default=1, help="samples per step (per GPU in the torchrun recipe)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--shard_gb", type=float, default=2.0, help="max shard size of the written checkpoint")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: tmp)")
+    return parser.parse_args(argv)
+
+
+def rss_gib() -> tuple[float, float]:
+    """Resident memory now and the process's peak so far, GiB (Linux: /proc/self/statm, ru_maxrss in KiB)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    now = pages * resource.getpagesize() / 2**30
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def stage(name: str, fn: Callable[[], Any], rows: list[tuple[str, float, float, float]]) -> Any:
+    """Run ``fn``, print and record its wall time and memory."""
+    gc.collect()
+    start = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - start
+    now, peak = rss_gib()
+    rows.append((name, seconds, now, peak))
+    print(f"  {name:8s} {seconds:8.1f} s   RSS {now:6.2f} GiB   peak {peak:6.2f} GiB", flush=True)
+    return out
+
+
+def paper_quant(config: Path) -> QuantConfig:
+    """``model.quant`` of a paper config, SLT budget promoted up front by the rehearsal."""
+    quant = yaml.safe_load(config.read_text())["model"]["quant"]
+    return QuantConfig(**quant)
+
+
+def build_teacher(layers: int) -> OuroLM:
+    """The bf16 Ouro teacher of the published shape with ``layers`` layers, built directly in bf16."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return OuroLM.from_config({**OURO_1P4B, "num_hidden_layers": layers}, seed=0).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def calibration_step(module: LoopQCalibration, ids: torch.Tensor) -> float:
+    opt = torch.optim.AdamW(module.param_groups(), weight_decay=0.0)
+    loss = module.compute_loss([torch.arange(len(ids)), ids])["loss"]
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+    opt.step()
+    return float(loss)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="loopq-real-shapes-"))
+    teacher_dir, export_dir = work / "teacher", work / "exported"
+    quant = paper_quant(args.config)
+    print(
+        f"Ouro-1.4B shape with {args.layers} layers x {OURO_1P4B['total_ut_steps']} loops, batch {args.batch} x "
+        f"{args.seq} tokens, {args.config.name} quant ({quant.bits_label}), threads {torch.get_num_threads()}"
+    )
+    rows: list[tuple[str, float, float, float]] = []
+    try:
+        built = [stage("build", lambda: build_teacher(args.layers), rows)]
+        teacher_params = built[0].num_parameters
+        shard_bytes = int(args.shard_gb * 2**30)
+        stage("write", lambda: built.pop().save_pretrained(teacher_dir, max_shard_size=shard_bytes), rows)
+        shards = sorted(teacher_dir.glob("*.safetensors"))
+        loaded = stage("load", lambda: load_looplm(teacher_dir, dtype=torch.bfloat16), rows)
+        del loaded
+        ids = torch.randint(0, OURO_1P4B["vocab_size"], (args.batch, args.seq), generator=torch.Generator())
+
+        def prepare() -> LoopQCalibration:
+            module = LoopQCalibration(str(teacher_dir), quant, topk=1000, checkpoint_loops=True)
+            init_clipping_from_data(module.student, ids)
+            for name in list(looped_quant_groups(module.student))[: quant.slt_budget]:
+                module.promote(name)
+            return module
+
+        module = stage("prepare", prepare, rows)
+        module.targets = stage("targets", lambda: compute_targets(module.teacher, ids, 1000, module.num_loops), rows)
+        module.mu.fill_(0.5)
+        loss = stage("step", lambda: calibration_step(module, ids), rows)
+        counts = parameter_report(module.student)
+
+        def export() -> dict[str, float]:
+            loops = module.num_loops
+            meta = student_meta(module.student, teacher_dir, work / "student", module.promoted, [0.5] * loops, None)
+            export_student(module.student, meta, export_dir)
+            packed = load_quantized(export_dir, dtype=torch.bfloat16)
+            with torch.no_grad():
+                packed(ids[:, :32])
+            return footprint(packed)
+
+        size = stage("export", export, rows)
+        print(
+            f"\n  loss after one step {loss:.4f}; teacher {teacher_params / 1e9:.3f} B parameters, {len(shards)} shards"
+        )
+        print(f"  trainable quantization parameters {counts.as_dict()}")
+        print(format_footprint(size))
+        print("\n| stage | seconds | RSS after (GiB) | peak so far (GiB) |\n|---|---|---|---|")
+        for name, seconds, now, peak in rows:
+            print(f"| {name} | {seconds:.1f} | {now:.2f} | {peak:.2f} |")
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
