@@ -36,14 +36,10 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from loopq.errors import LoopQError
 from loopq.files import atomic_write
+from loopq.models.errors import LoopLMError
 
 ConfigT = TypeVar("ConfigT")
-
-
-class LoopLMError(LoopQError):
-    """Bad model input (config, checkpoint, arguments): the message names the file or key and the fix."""
 
 
 @dataclass
