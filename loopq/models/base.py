@@ -32,12 +32,12 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from loopq.files import atomic_write
 from loopq.models.errors import LoopLMError
+from loopq.models.shards import write_weights
 
 ConfigT = TypeVar("ConfigT")
 
@@ -171,8 +171,6 @@ class LoopLM(nn.Module):
     fp_module_patterns: ClassVar[tuple[str, ...]] = ()
     #: per layer: RMSNorm (with a weight) -> the group whose input it produces (outlier/smoothing folds)
     norm_feeds: ClassVar[dict[str, str]] = {}
-    #: weights file name of the native format
-    weights_name: ClassVar[str] = "model.safetensors"
     #: the config dataclass (native ``config.json`` keys as fields, all other keys kept in its ``extra`` field)
     config_class: ClassVar[type[Any]]
     #: keys that mark a native ``config.json`` as this architecture's; written on save, checked by :meth:`matches`
@@ -390,8 +388,19 @@ class LoopLM(nn.Module):
         plain = {internal_to_native_key(k, groups): v for k, v in self.state_dict().items()}
         return self.export_native(plain)
 
-    def load_native_state_dict(self, native: Mapping[str, Tensor], source: str = "<state dict>") -> None:
-        """Strictly load a native state dict; missing/unexpected keys or shapes raise naming ``source``."""
+    def load_native_state_dict(
+        self, native: Mapping[str, Tensor], source: str = "<state dict>", origins: Mapping[str, Any] | None = None
+    ) -> None:
+        """Strictly load a native state dict (copying into this model's parameters); a missing, unexpected or
+        misshapen tensor raises naming ``source`` (or the file ``origins`` gives for that key)."""
+        self.load_state_dict(self.match_native(native, source, origins), strict=True)
+
+    def match_native(
+        self, native: Mapping[str, Tensor], source: str = "<state dict>", origins: Mapping[str, Any] | None = None
+    ) -> dict[str, Tensor]:
+        """A native state dict under this model's own parameter names, after every check of a strict load: the
+        architecture's :meth:`import_native`, then exactly the expected keys with the expected shapes. Errors are one
+        line naming the file (``origins[key]``, else ``source``)."""
         native = self.import_native(native, source)
         groups = list(self.linear_groups())
         own = self.state_dict()
@@ -402,20 +411,23 @@ class LoopLM(nn.Module):
             raise LoopLMError(
                 f"{source}: checkpoint keys do not match the {self.arch} architecture "
                 f"(missing: {missing[:8]}{'...' if len(missing) > 8 else ''}; "
-                f"unexpected: {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}); "
+                f"unexpected: {_located(unexpected[:8], source, origins)}{'...' if len(unexpected) > 8 else ''}); "
                 "check that config.json describes these weights"
             )
         for nkey, tensor in native.items():
             want = own[by_native[nkey]].shape
             if tuple(tensor.shape) != tuple(want):
                 raise LoopLMError(
-                    f"{source}: tensor {nkey!r} has shape {tuple(tensor.shape)} but config.json implies "
-                    f"{tuple(want)}; the config does not describe these weights"
+                    f"{(origins or {}).get(nkey, source)}: tensor {nkey!r} has shape {tuple(tensor.shape)} but "
+                    f"config.json implies {tuple(want)}; the config does not describe these weights"
                 )
-        self.load_state_dict({by_native[k]: v for k, v in native.items()}, strict=True)
+        return {by_native[k]: v for k, v in native.items()}
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json`` + weights in the native format (readable by :func:`load_looplm`)."""
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str | None = None) -> Path:
+        """Write ``config.json`` + weights in the native format (readable by :func:`load_looplm`), each tensor in its
+        own dtype. ``max_shard_size`` (bytes, or ``"5GB"`` / ``"500MB"`` / ``"2GiB"`` as ``transformers`` reads it)
+        splits weights that exceed it into ``model-0000i-of-0000n.safetensors`` shards plus
+        ``model.safetensors.index.json``; by default they go to one ``model.safetensors``."""
         directory = Path(directory)
         state: dict[str, Tensor] = {}
         seen: set[int] = set()
@@ -425,7 +437,7 @@ class LoopLM(nn.Module):
                 value = value.clone()
             seen.add(value.data_ptr())
             state[key] = value
-        atomic_write(directory / self.weights_name, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        write_weights(directory, state, max_shard_size)
         atomic_write(directory / "config.json", lambda p: p.write_text(self.config_json() + "\n"))
         return directory
 
@@ -435,3 +447,13 @@ class LoopLM(nn.Module):
 
     def config_json(self) -> str:
         return json.dumps(self.config_to_dict(), indent=2, sort_keys=True)
+
+
+def _located(keys: Sequence[str], source: str, origins: Mapping[str, Any] | None) -> str:
+    """``['a', 'b']``, each key followed by the file holding it when that is not ``source`` (a shard)."""
+    where = origins or {}
+    return (
+        "["
+        + ", ".join(f"{k!r}" + (f" in {where[k]}" if str(where.get(k, source)) != source else "") for k in keys)
+        + "]"
+    )
