@@ -395,6 +395,51 @@ class LoopLM(nn.Module):
         misshapen tensor raises naming ``source`` (or the file ``origins`` gives for that key)."""
         self.load_state_dict(self.match_native(native, source, origins), strict=True)
 
+    @classmethod
+    def from_native(
+        cls,
+        config: Any,
+        native: Mapping[str, Tensor],
+        source: str = "<state dict>",
+        dtype: torch.dtype = torch.float32,
+        origins: Mapping[str, Any] | None = None,
+    ) -> LoopLM:
+        """A model whose parameters are the checkpoint's tensors in ``dtype`` (checked as by :meth:`match_native`).
+
+        The model is built on the meta device and each tensor is cast (or copied) once into its parameter, so loading
+        holds the checkpoint plus one model in ``dtype``: no random init, and a bf16 checkpoint loaded in bf16 never
+        has an fp32 copy. Tied parameters are tied again after the assignment."""
+        with torch.device("meta"):
+            model = cls(config)
+        tied = model.tied_parameter_names()
+        state: dict[str, Tensor] = {}
+        copies: dict[int, Tensor] = {}  # a tensor stored once for two tied names is copied once
+        for key, value in model.match_native(native, source, origins).items():
+            if id(value) not in copies:
+                copies[id(value)] = value.to(dtype, copy=True) if value.is_floating_point() else value.clone()
+            state[key] = copies[id(value)]
+        model.load_state_dict(state, strict=True, assign=True)
+        model.tie_parameters(tied)
+        return model
+
+    def tied_parameter_names(self) -> list[list[str]]:
+        """Names of each parameter registered under more than one name (tied weights), the first the owner."""
+        names: dict[int, list[str]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        return [group for group in names.values() if len(group) > 1]
+
+    def tie_parameters(self, tied: list[list[str]]) -> None:
+        """Make every name of each group (owner first, as :meth:`tied_parameter_names` gives) the owner's parameter;
+        refuse a model left with a tensor on the meta device (one no checkpoint tensor was assigned to)."""
+        for owner, *aliases in tied:
+            for alias in aliases:
+                module, _, name = alias.rpartition(".")
+                setattr(self.get_submodule(module), name, self.get_parameter(owner))
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(f"{type(self).__name__}: tensors not set by the checkpoint: {left[:4]}")
+
     def match_native(
         self, native: Mapping[str, Tensor], source: str = "<state dict>", origins: Mapping[str, Any] | None = None
     ) -> dict[str, Tensor]:

@@ -117,16 +117,17 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
 
 def load_looplm(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LoopLM:
     """Load a looped LM from a directory in its native format (or a hub id, see :func:`resolve_model_dir`);
-    eval mode, fp32 unless ``dtype`` is given (whatever ``config.json``'s ``torch_dtype`` says)."""
+    eval mode, fp32 unless ``dtype`` is given (whatever ``config.json``'s ``torch_dtype`` says). The checkpoint's
+    tensors become the parameters in that dtype directly (:meth:`LoopLM.from_native`): a bf16 checkpoint loaded with
+    ``dtype=torch.bfloat16`` is never copied to fp32."""
     directory = resolve_model_dir(path)
     if not directory.is_dir():
         raise LoopLMError(f"{directory}: not a directory; pass the folder holding config.json and the weights")
     config = read_config(directory)
     cls = architecture_for(config, str(directory / "config.json"))
     weights = read_weight_files(directory)
-    model = cls(cls.config_from_dict(config))
-    model.load_native_state_dict(weights.tensors, str(weights.source), weights.origins)
-    model.to(dtype=dtype or torch.float32)
+    config_obj = cls.config_from_dict(config)
+    model = cls.from_native(config_obj, weights.tensors, str(weights.source), dtype or torch.float32, weights.origins)
     return model.eval()
 
 
