@@ -388,6 +388,12 @@ class LoopLM(nn.Module):
         plain = {internal_to_native_key(k, groups): v for k, v in self.state_dict().items()}
         return self.export_native(plain)
 
+    def derived_buffers(self) -> dict[str, tuple[Tensor, str]]:
+        """Buffers a published checkpoint may carry although ``config.json`` determines them (RoPE inverse frequencies),
+        by native key: the values the config implies and the config keys that imply them. Loading accepts exactly these
+        keys, only with these values (to the checkpoint dtype's precision), and then drops them. Default: none."""
+        return {}
+
     def load_native_state_dict(
         self, native: Mapping[str, Tensor], source: str = "<state dict>", origins: Mapping[str, Any] | None = None
     ) -> None:
@@ -444,9 +450,10 @@ class LoopLM(nn.Module):
         self, native: Mapping[str, Tensor], source: str = "<state dict>", origins: Mapping[str, Any] | None = None
     ) -> dict[str, Tensor]:
         """A native state dict under this model's own parameter names, after every check of a strict load: the
-        architecture's :meth:`import_native`, then exactly the expected keys with the expected shapes. Errors are one
-        line naming the file (``origins[key]``, else ``source``)."""
+        architecture's :meth:`import_native`, the :meth:`derived_buffers` allow-list, then exactly the expected keys
+        with the expected shapes. Errors are one line naming the file (``origins[key]``, else ``source``)."""
         native = self.import_native(native, source)
+        native = self._drop_derived_buffers(native, source, origins or {})
         groups = list(self.linear_groups())
         own = self.state_dict()
         by_native = {internal_to_native_key(k, groups): k for k in own}
@@ -467,6 +474,23 @@ class LoopLM(nn.Module):
                     f"config.json implies {tuple(want)}; the config does not describe these weights"
                 )
         return {by_native[k]: v for k, v in native.items()}
+
+    def _drop_derived_buffers(
+        self, native: Mapping[str, Tensor], source: str, origins: Mapping[str, Any]
+    ) -> dict[str, Tensor]:
+        """``native`` without the :meth:`derived_buffers` it carries, each checked against the config's values."""
+        allowed = self.derived_buffers()
+        state = dict(native)
+        for key in sorted(set(state) & set(allowed)):
+            got = state.pop(key)
+            want, implied_by = allowed[key]
+            if not _same_values(got, want):
+                raise LoopLMError(
+                    f"{origins.get(key, source)}: {key!r} (shape {tuple(got.shape)}) is not what config.json implies "
+                    f"({implied_by}: shape {tuple(want.shape)}); these weights were trained with another config: "
+                    "fix config.json"
+                )
+        return state
 
     def save_pretrained(self, directory: str | Path, max_shard_size: int | str | None = None) -> Path:
         """Write ``config.json`` + weights in the native format (readable by :func:`load_looplm`), each tensor in its
@@ -502,3 +526,11 @@ def _located(keys: Sequence[str], source: str, origins: Mapping[str, Any] | None
         + ", ".join(f"{k!r}" + (f" in {where[k]}" if str(where.get(k, source)) != source else "") for k in keys)
         + "]"
     )
+
+
+def _same_values(got: Tensor, want: Tensor) -> bool:
+    """Whether a stored buffer holds ``want`` up to the rounding of the dtype it was stored in."""
+    if tuple(got.shape) != tuple(want.shape) or not got.is_floating_point():
+        return False
+    tol = 4 * torch.finfo(got.dtype).eps
+    return torch.allclose(got.float(), want.to(got.dtype).float(), rtol=tol, atol=0)

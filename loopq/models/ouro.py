@@ -121,9 +121,14 @@ class OuroDecoderLayer(nn.Module):
         return h + self.post_attention_layernorm_2(m)
 
 
+def rope_inv_freq(dh: int, theta: float, device: torch.device | None = None) -> Tensor:
+    """fp32 ``[dh/2]`` inverse frequencies ``theta^(-2i/dh)`` of the default RoPE (``transformers``' ``inv_freq``)."""
+    return 1.0 / (theta ** (torch.arange(0, dh, 2, dtype=torch.int64, device=device).float() / dh))
+
+
 def rope_tables(dh: int, theta: float, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin ``[S, dh]`` of the default (non-interleaved, rotate-half) RoPE, computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, dtype=torch.int64, device=positions.device).float() / dh))
+    inv_freq = rope_inv_freq(dh, theta, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -227,6 +232,15 @@ class OuroLM(LoopLM):
         if self.config.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
+
+    def derived_buffers(self) -> dict[str, tuple[Tensor, str]]:
+        """RoPE ``inv_freq`` under the names ``transformers`` has registered it (the model-wide rotary embedding and,
+        in older versions, one per attention layer): harmless in a checkpoint when it is what ``rope_theta`` and the
+        head dim imply, refused otherwise."""
+        c = self.config
+        value, implied_by = rope_inv_freq(c.dh, c.rope_theta), f"rope_theta={c.rope_theta}, head_dim={c.dh}"
+        layers = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(c.num_hidden_layers)]
+        return {name: (value, implied_by) for name in ["model.rotary_emb.inv_freq", *layers]}
 
     def init_std(self, name: str) -> float:
         return self.config.initializer_range
