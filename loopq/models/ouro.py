@@ -153,7 +153,20 @@ class _Model(nn.Module):
 
 
 class OuroLM(LoopLM):
-    """Ouro looped LM with the upstream exit-gate readouts (``exit_mode`` = last | expected | threshold)."""
+    """Ouro looped LM with the upstream exit-gate readouts (``exit_mode`` = last | expected | threshold).
+
+    Which one matches what the Hugging Face remote code (``OuroForCausalLM.forward``) returns:
+
+    * ``model(ids, labels=...)``: ``.logits`` is the expected-exit mixture, ``exit_mode="expected"``, and ``.loss``
+      is transformers' causal-LM loss of those logits (shifted cross-entropy, mean over labels != -100), so a
+      perplexity computed from ``.loss`` compares with ``exit_mode="expected"``;
+    * ``model(ids)`` with the published config (``early_exit_threshold`` 1.0, no ``early_exit_step``): the
+      per-token threshold exit, ``exit_mode="threshold"``. The default ``"last"`` (what LoopQ's lm-eval model and
+      perplexity use) gives the same logits only while no token's cumulative exit probability reaches the threshold
+      before the last loop: bit-identical on the fp32 reference fixture, not guaranteed in general.
+
+    Both are checked against upstream outputs in ``tests/models/test_ouro.py``; see ``docs/models.md``.
+    """
 
     arch = "ouro"
     config_class = OuroConfig
