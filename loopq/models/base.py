@@ -32,18 +32,14 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from loopq.errors import LoopQError
 from loopq.files import atomic_write
+from loopq.models.errors import LoopLMError
+from loopq.models.shards import write_weights
 
 ConfigT = TypeVar("ConfigT")
-
-
-class LoopLMError(LoopQError):
-    """Bad model input (config, checkpoint, arguments): the message names the file or key and the fix."""
 
 
 @dataclass
@@ -175,8 +171,6 @@ class LoopLM(nn.Module):
     fp_module_patterns: ClassVar[tuple[str, ...]] = ()
     #: per layer: RMSNorm (with a weight) -> the group whose input it produces (outlier/smoothing folds)
     norm_feeds: ClassVar[dict[str, str]] = {}
-    #: weights file name of the native format
-    weights_name: ClassVar[str] = "model.safetensors"
     #: the config dataclass (native ``config.json`` keys as fields, all other keys kept in its ``extra`` field)
     config_class: ClassVar[type[Any]]
     #: keys that mark a native ``config.json`` as this architecture's; written on save, checked by :meth:`matches`
@@ -394,9 +388,72 @@ class LoopLM(nn.Module):
         plain = {internal_to_native_key(k, groups): v for k, v in self.state_dict().items()}
         return self.export_native(plain)
 
-    def load_native_state_dict(self, native: Mapping[str, Tensor], source: str = "<state dict>") -> None:
-        """Strictly load a native state dict; missing/unexpected keys or shapes raise naming ``source``."""
+    def derived_buffers(self) -> dict[str, tuple[Tensor, str]]:
+        """Buffers a published checkpoint may carry although ``config.json`` determines them (RoPE inverse frequencies),
+        by native key: the values the config implies and the config keys that imply them. Loading accepts exactly these
+        keys, only with these values (to the checkpoint dtype's precision), and then drops them. Default: none."""
+        return {}
+
+    def load_native_state_dict(
+        self, native: Mapping[str, Tensor], source: str = "<state dict>", origins: Mapping[str, Any] | None = None
+    ) -> None:
+        """Strictly load a native state dict (copying into this model's parameters); a missing, unexpected or
+        misshapen tensor raises naming ``source`` (or the file ``origins`` gives for that key)."""
+        self.load_state_dict(self.match_native(native, source, origins), strict=True)
+
+    @classmethod
+    def from_native(
+        cls,
+        config: Any,
+        native: Mapping[str, Tensor],
+        source: str = "<state dict>",
+        dtype: torch.dtype = torch.float32,
+        origins: Mapping[str, Any] | None = None,
+    ) -> LoopLM:
+        """A model whose parameters are the checkpoint's tensors in ``dtype`` (checked as by :meth:`match_native`).
+
+        The model is built on the meta device and each tensor is cast (or copied) once into its parameter, so loading
+        holds the checkpoint plus one model in ``dtype``: no random init, and a bf16 checkpoint loaded in bf16 never
+        has an fp32 copy. Tied parameters are tied again after the assignment."""
+        with torch.device("meta"):
+            model = cls(config)
+        tied = model.tied_parameter_names()
+        state: dict[str, Tensor] = {}
+        copies: dict[int, Tensor] = {}  # a tensor stored once for two tied names is copied once
+        for key, value in model.match_native(native, source, origins).items():
+            if id(value) not in copies:
+                copies[id(value)] = value.to(dtype, copy=True) if value.is_floating_point() else value.clone()
+            state[key] = copies[id(value)]
+        model.load_state_dict(state, strict=True, assign=True)
+        model.tie_parameters(tied)
+        return model
+
+    def tied_parameter_names(self) -> list[list[str]]:
+        """Names of each parameter registered under more than one name (tied weights), the first the owner."""
+        names: dict[int, list[str]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        return [group for group in names.values() if len(group) > 1]
+
+    def tie_parameters(self, tied: list[list[str]]) -> None:
+        """Make every name of each group (owner first, as :meth:`tied_parameter_names` gives) the owner's parameter;
+        refuse a model left with a tensor on the meta device (one no checkpoint tensor was assigned to)."""
+        for owner, *aliases in tied:
+            for alias in aliases:
+                module, _, name = alias.rpartition(".")
+                setattr(self.get_submodule(module), name, self.get_parameter(owner))
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(f"{type(self).__name__}: tensors not set by the checkpoint: {left[:4]}")
+
+    def match_native(
+        self, native: Mapping[str, Tensor], source: str = "<state dict>", origins: Mapping[str, Any] | None = None
+    ) -> dict[str, Tensor]:
+        """A native state dict under this model's own parameter names, after every check of a strict load: the
+        architecture's :meth:`import_native`, the :meth:`derived_buffers` allow-list, then exactly the expected keys
+        with the expected shapes. Errors are one line naming the file (``origins[key]``, else ``source``)."""
         native = self.import_native(native, source)
+        native = self._drop_derived_buffers(native, source, origins or {})
         groups = list(self.linear_groups())
         own = self.state_dict()
         by_native = {internal_to_native_key(k, groups): k for k in own}
@@ -406,20 +463,40 @@ class LoopLM(nn.Module):
             raise LoopLMError(
                 f"{source}: checkpoint keys do not match the {self.arch} architecture "
                 f"(missing: {missing[:8]}{'...' if len(missing) > 8 else ''}; "
-                f"unexpected: {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}); "
+                f"unexpected: {_located(unexpected[:8], source, origins)}{'...' if len(unexpected) > 8 else ''}); "
                 "check that config.json describes these weights"
             )
         for nkey, tensor in native.items():
             want = own[by_native[nkey]].shape
             if tuple(tensor.shape) != tuple(want):
                 raise LoopLMError(
-                    f"{source}: tensor {nkey!r} has shape {tuple(tensor.shape)} but config.json implies "
-                    f"{tuple(want)}; the config does not describe these weights"
+                    f"{(origins or {}).get(nkey, source)}: tensor {nkey!r} has shape {tuple(tensor.shape)} but "
+                    f"config.json implies {tuple(want)}; the config does not describe these weights"
                 )
-        self.load_state_dict({by_native[k]: v for k, v in native.items()}, strict=True)
+        return {by_native[k]: v for k, v in native.items()}
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json`` + weights in the native format (readable by :func:`load_looplm`)."""
+    def _drop_derived_buffers(
+        self, native: Mapping[str, Tensor], source: str, origins: Mapping[str, Any]
+    ) -> dict[str, Tensor]:
+        """``native`` without the :meth:`derived_buffers` it carries, each checked against the config's values."""
+        allowed = self.derived_buffers()
+        state = dict(native)
+        for key in sorted(set(state) & set(allowed)):
+            got = state.pop(key)
+            want, implied_by = allowed[key]
+            if not _same_values(got, want):
+                raise LoopLMError(
+                    f"{origins.get(key, source)}: {key!r} (shape {tuple(got.shape)}) is not what config.json implies "
+                    f"({implied_by}: shape {tuple(want.shape)}); these weights were trained with another config: "
+                    "fix config.json"
+                )
+        return state
+
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str | None = None) -> Path:
+        """Write ``config.json`` + weights in the native format (readable by :func:`load_looplm`), each tensor in its
+        own dtype. ``max_shard_size`` (bytes, or ``"5GB"`` / ``"500MB"`` / ``"2GiB"`` as ``transformers`` reads it)
+        splits weights that exceed it into ``model-0000i-of-0000n.safetensors`` shards plus
+        ``model.safetensors.index.json``; by default they go to one ``model.safetensors``."""
         directory = Path(directory)
         state: dict[str, Tensor] = {}
         seen: set[int] = set()
@@ -429,7 +506,7 @@ class LoopLM(nn.Module):
                 value = value.clone()
             seen.add(value.data_ptr())
             state[key] = value
-        atomic_write(directory / self.weights_name, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        write_weights(directory, state, max_shard_size)
         atomic_write(directory / "config.json", lambda p: p.write_text(self.config_json() + "\n"))
         return directory
 
@@ -439,3 +516,21 @@ class LoopLM(nn.Module):
 
     def config_json(self) -> str:
         return json.dumps(self.config_to_dict(), indent=2, sort_keys=True)
+
+
+def _located(keys: Sequence[str], source: str, origins: Mapping[str, Any] | None) -> str:
+    """``['a', 'b']``, each key followed by the file holding it when that is not ``source`` (a shard)."""
+    where = origins or {}
+    return (
+        "["
+        + ", ".join(f"{k!r}" + (f" in {where[k]}" if str(where.get(k, source)) != source else "") for k in keys)
+        + "]"
+    )
+
+
+def _same_values(got: Tensor, want: Tensor) -> bool:
+    """Whether a stored buffer holds ``want`` up to the rounding of the dtype it was stored in."""
+    if tuple(got.shape) != tuple(want.shape) or not got.is_floating_point():
+        return False
+    tol = 4 * torch.finfo(got.dtype).eps
+    return torch.allclose(got.float(), want.to(got.dtype).float(), rtol=tol, atol=0)

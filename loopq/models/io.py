@@ -1,10 +1,13 @@
 """Loading looped LMs from each architecture's native published format.
 
-Weights are read with safetensors (single file or a sharded ``*.safetensors.index.json``). A published
-``pytorch_model.bin`` (Parcae releases one) is read with ``torch.load(weights_only=True)`` only - never a
-full unpickle. Writing is :meth:`LoopLM.save_pretrained` (``config.json`` + ``model.safetensors``,
-atomically). The generic file helpers (``atomic_write``, ``read_json``, ``read_safetensors``) live in
-:mod:`loopq.files` and are re-exported here for older imports.
+A model directory is ``config.json`` plus weights in the Hugging Face layout (:mod:`loopq.models.shards`): one
+``model.safetensors`` or shards with ``model.safetensors.index.json``, checked against each other; bf16 or any other
+dtype, shards in any order. ``config.json`` fields that only serve ``transformers`` (``auto_map`` to remote code,
+``architectures``, ``torch_dtype`` / ``dtype``, ``transformers_version``) are kept but never executed or obeyed: the
+model is fp32 unless ``dtype`` is passed. A published ``pytorch_model.bin`` (Parcae releases one) is read with
+``torch.load(weights_only=True)`` only - never a full unpickle. Writing is :meth:`LoopLM.save_pretrained`
+(atomically; sharded with ``max_shard_size``). The generic file helpers (``atomic_write``, ``read_json``,
+``read_safetensors``) live in :mod:`loopq.files` and are re-exported here for older imports.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import Tensor
 
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models.base import LoopLM, LoopLMError
+from loopq.models.shards import INDEX_FILE, SINGLE_FILE, Weights, read_sharded, read_single
 
 
 def architectures() -> dict[str, type[LoopLM]]:
@@ -48,10 +52,6 @@ def architecture_for(config: Mapping[str, Any], source: str = "config.json") -> 
     return found[0]
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
-    return read_safetensors(path, LoopLMError, "re-download the model (or re-export it)")
-
-
 def _read_torch_bin(path: Path) -> dict[str, Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -62,25 +62,39 @@ def _read_torch_bin(path: Path) -> dict[str, Tensor]:
     return state
 
 
-def read_weights(directory: Path) -> dict[str, Tensor]:
-    """Read a model directory's weights (safetensors, sharded safetensors, or weights-only torch .bin)."""
-    single = directory / "model.safetensors"
-    index = directory / "model.safetensors.index.json"
+def read_weight_files(directory: Path) -> Weights:
+    """A model directory's tensors with the file that describes them and the file of each tensor: ``model.safetensors``
+    (preferred, as ``transformers`` does), else the sharded layout (index checked against its shards), else a
+    weights-only ``pytorch_model.bin``."""
+    single, index = directory / SINGLE_FILE, directory / INDEX_FILE
     if single.is_file():
-        return _read_safetensors(single)
+        return read_single(single)
     if index.is_file():
-        shards = sorted(set(read_json(index, LoopLMError, "re-download the model")["weight_map"].values()))
-        state: dict[str, Tensor] = {}
-        for shard in shards:
-            state.update(_read_safetensors(directory / shard))
-        return state
+        return read_sharded(directory)
     binary = directory / "pytorch_model.bin"
     if binary.is_file():
-        return _read_torch_bin(binary)
-    raise LoopLMError(f"{directory}: no model.safetensors (or index / pytorch_model.bin) found")
+        tensors = _read_torch_bin(binary)
+        return Weights(tensors, binary, dict.fromkeys(tensors, binary))
+    raise LoopLMError(f"{directory}: no {SINGLE_FILE} (or {INDEX_FILE} / pytorch_model.bin) found")
 
 
-HUB_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "pytorch_model.bin"]
+def read_weights(directory: Path) -> dict[str, Tensor]:
+    """A model directory's tensors by native name (see :func:`read_weight_files`)."""
+    return read_weight_files(directory).tensors
+
+
+#: what a hub id downloads: config, weights (single, sharded or .bin), tokenizer, its config (the chat template of
+#: the Thinking variants; newer ``transformers`` save it as ``chat_template.jinja``) and the generation defaults
+HUB_FILES = [
+    "config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model.bin",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
 
 
 def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -103,15 +117,17 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
 
 def load_looplm(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LoopLM:
     """Load a looped LM from a directory in its native format (or a hub id, see :func:`resolve_model_dir`);
-    eval mode, fp32 unless ``dtype`` is given."""
+    eval mode, fp32 unless ``dtype`` is given (whatever ``config.json``'s ``torch_dtype`` says). The checkpoint's
+    tensors become the parameters in that dtype directly (:meth:`LoopLM.from_native`): a bf16 checkpoint loaded with
+    ``dtype=torch.bfloat16`` is never copied to fp32."""
     directory = resolve_model_dir(path)
     if not directory.is_dir():
         raise LoopLMError(f"{directory}: not a directory; pass the folder holding config.json and the weights")
     config = read_config(directory)
     cls = architecture_for(config, str(directory / "config.json"))
-    model = cls(cls.config_from_dict(config))
-    model.load_native_state_dict(read_weights(directory), source=str(directory))
-    model.to(dtype=dtype or torch.float32)
+    weights = read_weight_files(directory)
+    config_obj = cls.config_from_dict(config)
+    model = cls.from_native(config_obj, weights.tensors, str(weights.source), dtype or torch.float32, weights.origins)
     return model.eval()
 
 
@@ -123,6 +139,7 @@ __all__ = [
     "read_config",
     "read_json",
     "read_safetensors",
+    "read_weight_files",
     "read_weights",
     "resolve_model_dir",
 ]

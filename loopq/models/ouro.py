@@ -121,9 +121,14 @@ class OuroDecoderLayer(nn.Module):
         return h + self.post_attention_layernorm_2(m)
 
 
+def rope_inv_freq(dh: int, theta: float, device: torch.device | None = None) -> Tensor:
+    """fp32 ``[dh/2]`` inverse frequencies ``theta^(-2i/dh)`` of the default RoPE (``transformers``' ``inv_freq``)."""
+    return 1.0 / (theta ** (torch.arange(0, dh, 2, dtype=torch.int64, device=device).float() / dh))
+
+
 def rope_tables(dh: int, theta: float, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin ``[S, dh]`` of the default (non-interleaved, rotate-half) RoPE, computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, dtype=torch.int64, device=positions.device).float() / dh))
+    inv_freq = rope_inv_freq(dh, theta, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -148,7 +153,20 @@ class _Model(nn.Module):
 
 
 class OuroLM(LoopLM):
-    """Ouro looped LM with the upstream exit-gate readouts (``exit_mode`` = last | expected | threshold)."""
+    """Ouro looped LM with the upstream exit-gate readouts (``exit_mode`` = last | expected | threshold).
+
+    Which one matches what the Hugging Face remote code (``OuroForCausalLM.forward``) returns:
+
+    * ``model(ids, labels=...)``: ``.logits`` is the expected-exit mixture, ``exit_mode="expected"``, and ``.loss``
+      is transformers' causal-LM loss of those logits (shifted cross-entropy, mean over labels != -100), so a
+      perplexity computed from ``.loss`` compares with ``exit_mode="expected"``;
+    * ``model(ids)`` with the published config (``early_exit_threshold`` 1.0, no ``early_exit_step``): the
+      per-token threshold exit, ``exit_mode="threshold"``. The default ``"last"`` (what LoopQ's lm-eval model and
+      perplexity use) gives the same logits only while no token's cumulative exit probability reaches the threshold
+      before the last loop: bit-identical on the fp32 reference fixture, not guaranteed in general.
+
+    Both are checked against upstream outputs in ``tests/models/test_ouro.py``; see ``docs/models.md``.
+    """
 
     arch = "ouro"
     config_class = OuroConfig
@@ -227,6 +245,15 @@ class OuroLM(LoopLM):
         if self.config.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
+
+    def derived_buffers(self) -> dict[str, tuple[Tensor, str]]:
+        """RoPE ``inv_freq`` under the names ``transformers`` has registered it (the model-wide rotary embedding and,
+        in older versions, one per attention layer): harmless in a checkpoint when it is what ``rope_theta`` and the
+        head dim imply, refused otherwise."""
+        c = self.config
+        value, implied_by = rope_inv_freq(c.dh, c.rope_theta), f"rope_theta={c.rope_theta}, head_dim={c.dh}"
+        layers = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(c.num_hidden_layers)]
+        return {name: (value, implied_by) for name in ["model.rotary_emb.inv_freq", *layers]}
 
     def init_std(self, name: str) -> float:
         return self.config.initializer_range

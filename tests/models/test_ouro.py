@@ -72,3 +72,37 @@ def test_layer_states_end_in_loop_state(ouro):
     assert [len(x) for x in out.layer_states] == [2, 2, 2]
     # Ouro's loop state is model.norm applied to the last layer's output
     torch.testing.assert_close(model.model.norm(out.layer_states[1][-1]), out.loop_states[1])
+
+
+def test_hf_loss_with_labels_is_the_loss_of_the_expected_exit_logits(ouro):
+    """Upstream ``model(ids, labels=ids)`` returns the expected-exit mixture as ``.logits`` (the fixture's
+    ``expected_exit_logits``) and transformers' causal-LM loss of them as ``.loss``: the same loss function on
+    ``exit_mode="expected"`` gives the same number, so perplexities compare (docs/models.md)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model, ref = ouro
+    ids = ref["input_ids"]
+    with torch.no_grad():
+        ours = model(ids, exit_mode="expected").logits
+    hf_loss = ForCausalLMLoss(ref["expected_exit_logits"], ids, vocab_size=128)
+    torch.testing.assert_close(ForCausalLMLoss(ours, ids, vocab_size=128), hf_loss, atol=1e-5, rtol=1e-5)
+    shifted = torch.nn.functional.cross_entropy(ours[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(shifted, hf_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_last_loop_equals_the_hf_default_call_only_while_no_token_exits_early(ouro):
+    """Without labels upstream exits per token at ``early_exit_threshold`` (1.0): ``exit_mode="threshold"``. The
+    default ``"last"`` gives the same logits on the fixture, but not once a gate saturates and a token's cumulative
+    exit probability reaches 1.0 before the last loop."""
+    model, ref = ouro
+    ids = ref["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref["default_call_logits"], atol=ATOL, rtol=RTOL)
+        bias = model.model.early_exit_gate.bias
+        kept = bias.clone()
+        bias.add_(50.0)  # sigmoid(g) == 1.0 in fp32: every token exits at loop 1
+        try:
+            last, threshold = model(ids).logits, model(ids, exit_mode="threshold")
+        finally:
+            bias.copy_(kept)
+    assert (threshold.extras["exit_steps"] == 0).all() and not torch.allclose(last, threshold.logits)
