@@ -29,7 +29,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration
-from loopq.callbacks.stop_on_signal import StopOnSignal, exit_status
+from loopq.callbacks.stop_on_signal import exit_status
+from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
 from loopq.guards import check_calibration
@@ -84,8 +85,7 @@ class LoopQCLI(LightningCLI):
                 cb.dirpath = str(root / "checkpoints")
         if not any(isinstance(lg, CSVLogger) for lg in trainer.loggers):
             trainer.loggers = [*trainer.loggers, CSVLogger(str(root), name="csv")]
-        if not any(isinstance(cb, StopOnSignal) for cb in trainer.callbacks):
-            trainer.callbacks.append(StopOnSignal())  # SIGTERM / SIGINT: finish the step, save, exit
+        install_stop_on_signal(trainer)  # SIGTERM / SIGINT: finish the step, save, exit
 
 
 def main(args: list[str] | None = None) -> LoopQCalibration:

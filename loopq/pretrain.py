@@ -40,10 +40,13 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from loopq.artifacts.layout import check_output_dir
+from loopq.callbacks.stop_on_signal import exit_status
+from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, train_bpe
@@ -273,6 +276,10 @@ class PretrainCLI(LightningCLI):
             root = self.config.data.root or data_dir()
             check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=("pretrained teacher",))
 
+    def after_instantiate_classes(self) -> None:
+        """SIGTERM / SIGINT finish the step, save ``last.ckpt`` and exit 143 / 130 (a multi-hour run resumes)."""
+        install_stop_on_signal(self.trainer)
+
 
 def main(args: list[str] | None = None) -> None:
     cli = PretrainCLI(
@@ -284,7 +291,10 @@ def main(args: list[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": False, "exit_on_error": False},
     )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.callbacks.stop_on_signal)
+        raise SystemExit(exit_status(cli.trainer)) from None
 
 
 if __name__ == "__main__":

@@ -114,3 +114,39 @@ def test_post_norm_init_sets_only_the_sandwich_gains():
         if n.endswith(("input_layernorm_2.weight", "post_attention_layernorm_2.weight"))
     )
     assert module.model.model.layers[0].input_layernorm.weight.eq(1).all()  # pre-norms untouched
+
+
+def test_sigterm_during_pretraining_saves_last_ckpt_and_exits_143(data, tmp_path):
+    """A multi-hour pretraining stopped by SIGTERM finishes the step in flight, saves ``last.ckpt`` and exits 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from loopq.paths import REPO_ROOT
+
+    marker, ckpts = tmp_path / "at-step-2", tmp_path / "ckpt"
+    waiter = {
+        "class_path": "tests.bad_inputs.signals.WaitForSignalAtStep",
+        "init_args": {"step": 2, "marker": str(marker)},
+    }
+    checkpoint = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(ckpts), "every_n_train_steps": 100, "save_last": True},
+    }
+    cmd = [sys.executable, "-m", "loopq.pretrain", "--data.sources", '["calibration/tinyshakespeare_input.txt"]',
+           "--data.vocab_size", "300", "--data.seq_len", "16", "--data.batch_size", "4",
+           "--model.hidden_size", "16", "--model.intermediate_size", "32", "--model.num_attention_heads", "2",
+           "--model.num_key_value_heads", "1", "--model.total_ut_steps", "2", "--model.out_dir", str(tmp_path / "t"),
+           "--trainer.max_steps", "50", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+           "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+           "--trainer.default_root_dir", str(tmp_path),
+           "--trainer.callbacks", json.dumps([checkpoint, waiter])]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    while not marker.exists() and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 3  # the step in flight finished
+    assert "stopped by SIGTERM after step 3" in stderr and not (tmp_path / "t").exists()  # no half-trained teacher

@@ -1,4 +1,5 @@
-"""Stop a calibration cleanly on SIGTERM or SIGINT: finish the current step, save ``last.ckpt``, exit with one line.
+"""Stop a training run (calibration, pretraining) cleanly on SIGTERM or SIGINT: finish the current step, save
+``last.ckpt``, exit with one line.
 
 What Lightning 2.6 already does, and this callback uses: in every run (not only under SLURM) its signal connector
 installs a SIGTERM handler right before training that sets ``trainer.received_sigterm``; the training loop then
@@ -9,7 +10,8 @@ raises ``KeyboardInterrupt`` wherever the step happens to be, and nothing is sav
 What it adds: SIGINT takes the same route as SIGTERM (Lightning's handler), the signal is acknowledged at once on
 stderr, ``SIGTERMException`` saves ``last.ckpt`` in the run's checkpoint folder (atomically, through the trainer's
 checkpoint IO; a collective save under DeepSpeed, so every rank takes part), and :func:`exit_status` gives
-``loopq.fit`` the shell's 128 + signal number to exit with. A second signal stops at once without saving (the
+``loopq.fit`` / ``loopq.pretrain`` the shell's 128 + signal number to exit with (:func:`install` adds the callback
+to a trainer that has none). A second signal stops at once without saving (the
 previous checkpoint stays). Before training starts (teacher targets, setup) SIGTERM keeps its default - the process
 ends at once - since there is nothing to save yet.
 """
@@ -75,6 +77,12 @@ def checkpoint_dir(trainer: L.Trainer) -> Path:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:
             return Path(callback.dirpath)
     return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def install(trainer: L.Trainer) -> None:
+    """Add a :class:`StopOnSignal` to ``trainer`` unless its callbacks already hold one."""
+    if not any(isinstance(cb, StopOnSignal) for cb in trainer.callbacks):
+        trainer.callbacks.append(StopOnSignal())
 
 
 def exit_status(trainer: L.Trainer) -> int:
