@@ -11,6 +11,9 @@ but the :data:`COSMETIC` ones) is refused, naming the differing keys; ``--allow_
 the student then records the new config.
 Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``trainer.strategy`` set to
 ``ddp_find_unused_parameters_true`` or a DeepSpeed config.
+
+Precision: ``model.teacher_dtype: auto`` is resolved here from ``trainer.precision`` (bf16 under a bf16 precision,
+fp32 otherwise) before the module is built, so the saved config and the provenance record the dtype used.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.deepspeed import read_sidecar
-from loopq.calib.module import LoopQCalibration
+from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.callbacks.stop_on_signal import StopOnSignal, exit_status
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
@@ -71,8 +74,11 @@ class LoopQCLI(LightningCLI):
         parser.link_arguments("model.teacher", "data.tokenizer")
 
     def before_instantiate_classes(self) -> None:
-        """Before the teacher loads: output folders that overlap the teacher, loop counts that cannot fit."""
+        """Before the teacher loads: output folders that overlap the teacher, loop counts that cannot fit;
+        ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies."""
         check_calibration(self.config)
+        model = self.config.model
+        model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
 
     def after_instantiate(self) -> None:
         """Everything of a run lives under ``trainer.default_root_dir``: checkpoints (so ``--ckpt_path last``
