@@ -1,7 +1,7 @@
 """bf16 where it belongs (README, "Calibrating a real looped model" - Precision): a few ``bf16-mixed`` calibration
 steps of the tiny teacher hold the teacher (and the student's frozen weights, which are the teacher's) in bf16, the
 quantization parameters and their AdamW states in fp32, the cached targets in fp16, run the step under autocast, and
-write a student that loads back."""
+write a student that loads back - in one process and under DeepSpeed ZeRO-2 (configs/ouro2.6b.yaml's strategy)."""
 
 import json
 import math
@@ -17,7 +17,7 @@ from tests.helpers import FIT_CONFIGS, run_fit
 DEEPSPEED = ("--config", "tests/configs/fit-deepspeed.yaml")
 
 
-@pytest.mark.parametrize("strategy", ["single"])
+@pytest.mark.parametrize("strategy", ["single", "deepspeed"])
 def test_bf16_mixed_calibration_keeps_each_part_in_its_dtype(tmp_path, strategy):
     record = tmp_path / "precision.json"
     recorder = json.dumps({"class_path": "tests.helpers.RecordPrecision", "init_args": {"path": str(record)}})
