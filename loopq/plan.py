@@ -609,8 +609,7 @@ def plan_shape(
 def settings_from_config(config: Any) -> RunSettings:
     """:class:`RunSettings` of a parsed ``loopq.fit`` config (a jsonargparse namespace)."""
     trainer, model, data = config.trainer, config.model, config.data
-    devices = trainer.devices if isinstance(trainer.devices, int) and trainer.devices > 0 else 1
-    processes = devices * int(trainer.num_nodes or 1)
+    processes = device_count(trainer.devices) * int(trainer.num_nodes or 1)
     precision = normalise_precision(trainer.precision)
     quant = model.quant
     return RunSettings(
@@ -628,6 +627,14 @@ def settings_from_config(config: Any) -> RunSettings:
         on_cpu=str(trainer.accelerator) == "cpu",
         target_cache=bool(model.target_cache_dir),
     )
+
+
+def device_count(devices: Any) -> int:
+    """``trainer.devices`` as a count: an int, its string, or a list of indices; ``auto`` / -1 count as 1."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices)
+    return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
 def quant_of(config: Any) -> QuantConfig:
