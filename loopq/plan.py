@@ -21,16 +21,19 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
   for the backward pass: (L + (T - 1) L_slt) 4 c_w in a training step, (L + (T - 1) L_loop) 4 c_w in an SLT probe
   step (every shared looped group gets per-loop perturbations). ZeRO-3 computes them per call, i.e. per loop
   (T L_loop) unless ``checkpoint_loops`` recomputes one loop at a time.
-* **activations** (:func:`activations`): :func:`loopq.guards.loop_plan` (B S D T 4 factor; with ``checkpoint_loops``
-  one loop's worth plus every loop's input) plus the quantized groups outside the loop (Parcae's prelude and coda)
-  once; x :data:`ACTIVATION_FRACTION` for bf16 numerics (bf16 and fp32 tensors) or compiled chains.
-* **logits and loss** (:func:`loss_bytes`): B S (5 V + T D) 4 - the fp32 log-softmax of the logits and its input,
+* **activations** (:func:`activation_parts`): B S D T 4 factor, the factor of :func:`loopq.guards.activation_factor`
+  (tested there against autograd); with ``checkpoint_loops`` every loop's input, B S D T 4, plus one loop's B S D 4
+  factor while it is recomputed - after the loss's backward, so the two are not added (:class:`Pass`); the quantized
+  groups outside the loop (Parcae's prelude and coda) once; x :data:`ACTIVATION_FRACTION` for bf16 numerics (bf16
+  and fp32 tensors) or compiled chains.
+* **logits and loss** (:func:`logit_bytes`): B S (5 V + T D) 4 - the fp32 log-softmax of the logits and its input,
   three logit-sized gradients as the backward pass starts, the trajectory differences - and the batch's targets on
-  the device, B S (12 k + 4 T D) (fp32 values, int64 ids, fp32 states).
+  the device (:func:`batch_target_bytes`), B S (12 k + 4 T D) (fp32 values, int64 ids, fp32 states).
 * **setup** (:func:`clip_init_bytes`): LAS's clip initialisation records every group's input per loop slot on the
   first global batch: min(B N S, 4096) 4 sum_g in_g slots_g.
 * **teacher targets** (:func:`target_bytes`): M S k (2 + b_id) + M T S D 2 - fp16 top-k logits, int16/int32 ids,
-  fp16 loop states - held in host memory (twice while they are concatenated), and the cache file on disk.
+  fp16 loop states - held in host memory (twice while they are concatenated; a cache file is read back whole), and
+  the cache file on disk.
 
 The peak is the largest phase: setup, the training step, or (with an SLT budget) the probe step. On a CPU run the
 host rows (the targets) share the same memory and are added. The constants below were measured with autograd's
@@ -55,7 +58,8 @@ from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.io import architecture_for
 from loopq.quant import QuantConfig, prepare
 from loopq.quant.accounting import ParameterReport, parameter_report
-from loopq.quant.prepare import looped_quant_groups, quant_groups
+from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.prepare import is_fp_module, looped_quant_groups, quant_groups
 
 #: how a forward's numbers are held, the key of the two tables below: ``fp32``; ``autocast`` (``*-mixed`` precision
 #: under Lightning's autocast; a bf16 teacher); ``bf16`` (a bf16 model without autocast: the SLT probe step of a bf16
@@ -236,7 +240,7 @@ def build_meta(native: dict[str, Any], quant: QuantConfig) -> tuple[LoopLM, Loop
     return teacher, student
 
 
-def promotion_size(group: Any) -> int:
+def promotion_size(group: QuantLinearGroup) -> int:
     """Parameters a group's SLT promotion adds (T per-loop transforms and weight clips)."""
     per_slot = sum(p.numel() for p in group.transform.parameters()) if group.transform is not None else 0
     return group.slots * (per_slot + group.weight_clip.numel())
@@ -264,8 +268,6 @@ def model_counts(native: dict[str, Any], quant: QuantConfig) -> ModelCounts:
 def outside_shape(model: LoopLM) -> LoopShape:
     """A :class:`~loopq.guards.LoopShape` of the quantizable groups and norms of the decoder layers outside the loop
     (Parcae's prelude and coda; nothing for Ouro and LoopFormer), each run once per forward."""
-    from loopq.quant.prepare import is_fp_module
-
     looped = set(model.looped_group_names())
     groups = [g for n, g in model.linear_groups().items() if n not in looped and not is_fp_module(model, n)]
     layers = [m for n, m in model.decoder_layers().items() if not n.startswith(model.loop_layers_prefix + ".")]
