@@ -11,10 +11,18 @@ but the :data:`COSMETIC` ones) is refused, naming the differing keys; ``--allow_
 the student then records the new config.
 Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``trainer.strategy`` set to
 ``ddp_find_unused_parameters_true`` or a DeepSpeed config.
+
+Memory, before starting: ``--print_plan`` prints the predicted peak memory per GPU of the configured run (teacher,
+quantization state, activations, targets; :mod:`loopq.plan`) from the teacher's ``config.json`` alone and exits
+without loading anything; ``--plan_config <config.json>`` supplies the shapes of a hub teacher that is not on disk
+(the paper's four teachers are embedded).
+Precision: ``model.teacher_dtype: auto`` is resolved here from ``trainer.precision`` (bf16 under a bf16 precision,
+fp32 otherwise) before the module is built, so the saved config and the provenance record the dtype used.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,12 +36,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.deepspeed import read_sidecar
-from loopq.calib.module import LoopQCalibration
+from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.callbacks.stop_on_signal import exit_status
 from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
 from loopq.guards import check_calibration
+from loopq.plan import format_plan, plan_from_config
 from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record
 
 #: options that do not change the calibrated student: a resume or a loopq.run re-run may differ in them
@@ -46,6 +55,8 @@ COSMETIC = frozenset(
         "trainer.enable_progress_bar",
         "trainer.enable_model_summary",
         "trainer.log_every_n_steps",
+        "print_plan",
+        "plan_config",
     }
 )
 
@@ -69,11 +80,25 @@ class LoopQCLI(LightningCLI):
             default=False,
             help="resume even if the checkpoint was made with another config or teacher (the student records the new)",
         )
+        parser.add_argument(
+            "--print_plan",
+            action="store_true",
+            help="print the run's predicted memory per GPU (loopq.plan) and exit without loading the teacher",
+        )
+        parser.add_argument(
+            "--plan_config", type=str | None, default=None, help="--print_plan: the teacher's config.json to plan with"
+        )
         parser.link_arguments("model.teacher", "data.tokenizer")
 
     def before_instantiate_classes(self) -> None:
-        """Before the teacher loads: output folders that overlap the teacher, loop counts that cannot fit."""
+        """Before the teacher loads: ``--print_plan`` (then exit), output folders that overlap the teacher, loop
+        counts that cannot fit; ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies."""
+        if self.config.get("print_plan"):
+            print_plan(self.config)
+            raise SystemExit(0)
         check_calibration(self.config)
+        model = self.config.model
+        model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
 
     def after_instantiate(self) -> None:
         """Everything of a run lives under ``trainer.default_root_dir``: checkpoints (so ``--ckpt_path last``
@@ -86,6 +111,15 @@ class LoopQCLI(LightningCLI):
         if not any(isinstance(lg, CSVLogger) for lg in trainer.loggers):
             trainer.loggers = [*trainer.loggers, CSVLogger(str(root), name="csv")]
         install_stop_on_signal(trainer)  # SIGTERM / SIGINT: finish the step, save, exit
+
+
+def print_plan(config: Any) -> None:
+    """``--print_plan``: the memory plan of the parsed config (rank 0 only under torchrun)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    source, plan = plan_from_config(config, config.get("plan_config"))
+    title = " ".join(str(c) for c in config.get("config") or []) or str(config.model.teacher)
+    print(format_plan(plan, title, source), flush=True)
 
 
 def main(args: list[str] | None = None) -> LoopQCalibration:

@@ -105,3 +105,41 @@ class SaveRankStudent(L.Callback):
             quant_state(pl_module.student),
             os.path.join(trainer.default_root_dir, f"rank{trainer.global_rank}.safetensors"),
         )
+
+
+class RecordPrecision(L.Callback):
+    """Write to ``path`` (JSON) the dtypes a calibration held its parts in: the teacher's parameters, the student's
+    frozen group weights (and whether they are the teacher's storage), the trainable quantization parameters, their
+    AdamW states, the cached teacher targets, the logits of the training steps (bf16 under autocast), and the losses."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.losses: list[float] = []
+        self.logits: set[str] = set()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.student.lm_head.register_forward_hook(lambda m, a, out: self.logits.add(str(out.dtype)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from loopq.calib.module import student_parameters
+        from loopq.quant import quant_groups
+
+        teacher = {p.untyped_storage().data_ptr() for p in pl_module.teacher.parameters()}
+        frozen = [w for g in quant_groups(pl_module.student).values() for w in g.weights()]
+        states = [t for s in trainer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)]
+        targets = pl_module.targets
+        record = {
+            "teacher": sorted({str(p.dtype) for p in pl_module.teacher.parameters()}),
+            "student_frozen": sorted({str(w.dtype) for w in frozen}),
+            "frozen_shared": all(w.untyped_storage().data_ptr() in teacher for w in frozen),
+            "quant_params": sorted({str(p.dtype) for p in student_parameters(pl_module.student)}),
+            "optimizer_states": sorted({str(t.dtype) for t in states if t.dim() > 0}),
+            "targets": {k: str(getattr(targets, k).dtype) for k in ("values", "indices", "states")},
+            "logits": sorted(self.logits),
+            "losses": self.losses,
+        }
+        with open(self.path, "w") as f:
+            json.dump(record, f)

@@ -14,7 +14,7 @@ LAYERS: list[set[str]] = [
     {"models", "kernels"},
     {"quant", "data"},
     {"calib", "callbacks", "artifacts"},
-    {"guards", "regime"},
+    {"guards", "regime", "plan"},
     {"eval"},
     {"evaluate", "export", "report", "fit", "run", "experiments", "testbed", "pretrain", "gpu_check"},
 ]

@@ -20,6 +20,9 @@ What is specific to LoopQ:
   mu_t) that :class:`~loopq.calib.module.LoopQCalibration` reads in ``setup`` to re-promote them first.
   DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``); ``--ckpt_path last`` finds them like files.
 * **ZeRO-3** partitions parameters: :func:`gathered` collects the student's for writing it at the end.
+* **bf16-mixed** runs DeepSpeed's fp32 engine under torch autocast (its ``torch_autocast`` section) instead of its
+  ``bf16`` mode, which would cast every parameter to bf16: the quantization parameters and their optimizer states
+  stay fp32 as under DDP, and the frozen teacher keeps the dtype it was loaded in (``model.teacher_dtype``).
 * **CPU start-up.** On first use DeepSpeed JIT-compiles a shared-memory all-reduce op for CPU processes
   (40-66 s; cached afterwards). It only speeds up CPU collectives; ``LOOPQ_DEEPSPEED_SHM=0`` skips it (plain gloo
   collectives, ~2 s start-up). The tests set it. GPUs never use the op.
@@ -76,6 +79,14 @@ class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
         if os.environ.get(SHM_ENV, "1") == "0":
             disable_shm_comm()
         self._init_deepspeed_distributed()
+
+    def _format_config(self) -> None:
+        """``bf16-mixed`` (unless the config sets ``bf16`` itself): autocast to bf16 around the engine's forward,
+        parameters fp32 (module docstring); everything else as Lightning formats it."""
+        if self.config is not None and self.precision_plugin.precision == "bf16-mixed" and "bf16" not in self.config:
+            self.config["bf16"] = {"enabled": False}
+            self.config.setdefault("torch_autocast", {"enabled": True, "dtype": "bfloat16"})
+        super()._format_config()
 
     def _device_rank(self) -> int:
         index = self.root_device.index

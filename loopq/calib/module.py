@@ -25,6 +25,16 @@ Optimisation follows FlatQuant / paper Table 5: AdamW, transforms and adapters a
 Speed and memory switches: ``checkpoint_loops`` recomputes each loop in the backward pass (memory flat in the loop
 count); ``compile_quantizers`` runs the per-call transform + fake-quant chains as ``torch.compile``-d functions
 (:mod:`loopq.quant.fused`: ~4x faster chains, ~20-45 s of compilation per shape, so for real calibrations).
+
+Precision policy (``teacher_dtype``, README "Calibrating a real looped model"): the frozen teacher is held in
+``teacher_dtype`` - ``bf16``, ``fp32``, or ``auto`` = bf16 when ``trainer.precision`` is a bf16 one (``loopq.fit``
+resolves it from the trainer; a module built directly treats ``auto`` as fp32). ``prepare`` *shares* the teacher's
+tensors with the student (its frozen weights are the teacher's storage, not a copy), so the teacher's dtype is the
+frozen weights' dtype and a bf16 teacher halves what both take. The quantization parameters (transforms, clips,
+adapters) are created in fp32 whatever the teacher's dtype, and so are AdamW's states (Lightning's ``bf16-mixed`` is
+autocast: it casts no parameter). The training step runs under autocast: the quantizer chains take fp32 copies of
+their inputs and weights (:func:`loopq.qspec.at_least_fp32`), autocast runs their matmuls in bf16, and the loss is
+computed in fp32. The teacher targets are stored in fp16 (:mod:`loopq.calib.targets`).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
 from loopq.calib.losses import layerwise_loss, loopq_loss
 from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
+from loopq.errors import UsageError
 from loopq.models import LoopLM, load_looplm
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
@@ -58,6 +69,8 @@ from loopq.quant.accounting import parameter_report
 from loopq.quant.config import METHODS, QuantConfigError
 
 OBJECTIVES = ("trajectory", "layerwise")
+#: ``model.teacher_dtype`` -> the dtype of the frozen teacher (and of the student's frozen weights, which it shares)
+TEACHER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,7 @@ class LoopQCalibration(L.LightningModule):
         init_clipping: bool = True,
         checkpoint_loops: bool = False,
         compile_quantizers: bool = False,
+        teacher_dtype: str = "auto",
         target_cache_dir: str | None = None,
         output_dir: str | None = None,
         objective: str = "trajectory",
@@ -111,7 +125,7 @@ class LoopQCalibration(L.LightningModule):
         self.save_hyperparameters(ignore=["quant"])
         self.hparams["quant"] = quant.to_dict()  # plain types only: checkpoints load with weights_only=True
         self.quant_config = quant
-        self.teacher = load_teacher(teacher)
+        self.teacher = load_teacher(teacher, TEACHER_DTYPES[resolve_teacher_dtype(teacher_dtype)])
         self.teacher_dir = str(resolve_model_dir(teacher))
         self.teacher_sha256 = teacher_fingerprint(self.teacher_dir)
         #: teacher fingerprint + resolved config (loopq.fit sets the config), stored in checkpoints and the student
@@ -357,11 +371,21 @@ def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> 
     return wanted
 
 
-def load_teacher(path: str) -> LoopLM:
-    """Load and freeze the FP teacher (a clear error for a directory that is not a looped LM)."""
+def resolve_teacher_dtype(name: str, precision: str | int | None = None) -> str:
+    """``model.teacher_dtype`` as ``bf16`` or ``fp32``: ``auto`` is bf16 under a bf16 ``trainer.precision``
+    (``bf16-mixed``, ``bf16-true``, ``bf16``) and fp32 under any other (or unknown) precision."""
+    if name == "auto":
+        return "bf16" if str(precision).startswith("bf16") else "fp32"
+    if name not in TEACHER_DTYPES:
+        raise UsageError(f"model.teacher_dtype={name!r}: use one of {['auto', *TEACHER_DTYPES]}")
+    return name
+
+
+def load_teacher(path: str, dtype: torch.dtype = torch.float32) -> LoopLM:
+    """Load and freeze the FP teacher in ``dtype`` (a clear error for a directory that is not a looped LM)."""
     directory = resolve_model_dir(path)
     architecture_for(read_config(directory), str(directory / "config.json"))
-    teacher = load_looplm(directory)
+    teacher = load_looplm(directory, dtype=dtype)
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher.eval()
