@@ -276,10 +276,6 @@ class PretrainCLI(LightningCLI):
             root = self.config.data.root or data_dir()
             check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=("pretrained teacher",))
 
-    def after_instantiate_classes(self) -> None:
-        """SIGTERM / SIGINT finish the step, save ``last.ckpt`` and exit 143 / 130 (a multi-hour run resumes)."""
-        install_stop_on_signal(self.trainer)
-
 
 def main(args: list[str] | None = None) -> None:
     cli = PretrainCLI(
@@ -291,6 +287,7 @@ def main(args: list[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": False, "exit_on_error": False},
     )
+    install_stop_on_signal(cli.trainer)  # SIGTERM / SIGINT: finish the step, save last.ckpt, exit 143 / 130
     try:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.callbacks.stop_on_signal)
