@@ -47,6 +47,7 @@ from loopq.calib.targets import compute_targets
 from loopq.models.io import load_looplm
 from loopq.models.ouro import OuroLM
 from loopq.paths import REPO_ROOT
+from loopq.plan import plan_shape
 from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups
 from loopq.quant.accounting import footprint, format_footprint, parameter_report
 
@@ -109,10 +110,11 @@ def stage(name: str, fn: Callable[[], Any], rows: list[tuple[str, float, float, 
     return out
 
 
-def paper_quant(config: Path) -> QuantConfig:
-    """``model.quant`` of a paper config, SLT budget promoted up front by the rehearsal."""
-    quant = yaml.safe_load(config.read_text())["model"]["quant"]
-    return QuantConfig(**quant)
+def paper_model(config: Path) -> tuple[QuantConfig, dict[str, Any]]:
+    """``model.quant`` of a paper config and its memory switches (``checkpoint_weights``, ``teacher_dtype``)."""
+    model = yaml.safe_load(config.read_text())["model"]
+    switches = {key: model[key] for key in ("checkpoint_weights", "teacher_dtype") if key in model}
+    return QuantConfig(**model["quant"]), switches
 
 
 def build_teacher(layers: int) -> OuroLM:
@@ -139,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="loopq-real-shapes-"))
     teacher_dir, export_dir = work / "teacher", work / "exported"
-    quant = paper_quant(args.config)
+    quant, switches = paper_model(args.config)
     print(
         f"Ouro-1.4B shape with {args.layers} layers x {OURO_1P4B['total_ut_steps']} loops, batch {args.batch} x "
-        f"{args.seq} tokens, {args.config.name} quant ({quant.bits_label}), threads {torch.get_num_threads()}"
+        f"{args.seq} tokens, {args.config.name}: {quant.bits_label} {switches}, threads {torch.get_num_threads()}"
     )
     rows: list[tuple[str, float, float, float]] = []
     try:
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, OURO_1P4B["vocab_size"], (args.batch, args.seq), generator=torch.Generator())
 
         def prepare() -> LoopQCalibration:
-            module = LoopQCalibration(str(teacher_dir), quant, topk=1000, checkpoint_loops=True)
+            module = LoopQCalibration(str(teacher_dir), quant, topk=1000, checkpoint_loops=True, **switches)
             init_clipping_from_data(module.student, ids)
             for name in list(looped_quant_groups(module.student))[: quant.slt_budget]:
                 module.promote(name)
@@ -183,6 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"  trainable quantization parameters {counts.as_dict()}")
         print(format_footprint(size))
+        plan = plan_shape(
+            hidden=OURO_1P4B["hidden_size"], layers=args.layers, loops=OURO_1P4B["total_ut_steps"],
+            mlp=OURO_1P4B["intermediate_size"], heads=OURO_1P4B["num_attention_heads"], vocab=OURO_1P4B["vocab_size"],
+            batch=args.batch, seq_len=args.seq, checkpoint_loops=True, samples=args.batch, quant=quant,
+            checkpoint_weights=bool(switches.get("checkpoint_weights")),
+            teacher_dtype=str(switches.get("teacher_dtype", "fp32")),
+        )  # fmt: skip
+        predicted = plan.phases["training step"] / 2**30
+        measured = next(peak for name, _, _, peak in rows if name == "step")
+        print(f"  training step: predicted {predicted:.2f} GiB (loopq.plan), measured peak RSS {measured:.2f} GiB "
+              f"({measured / predicted:.2f}x; RSS also holds the Python/torch runtime)")  # fmt: skip
         print("\n| stage | seconds | RSS after (GiB) | peak so far (GiB) |\n|---|---|---|---|")
         for name, seconds, now, peak in rows:
             print(f"| {name} | {seconds:.1f} | {now:.2f} | {peak:.2f} |")

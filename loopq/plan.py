@@ -221,6 +221,7 @@ class ModelCounts:
     frozen_looped: int  # L_loop: of those, inside the loop
     frozen_promoted: int  # L_slt: of those, in the SLT-promoted groups
     promoted_groups: int
+    largest_group: int  # elements of the largest group's frozen weights (one chain recomputed at a time)
     clip_inputs: int  # sum over groups of in_features x slots (what the clip initialisation records per token)
     trainable: int  # Q: trainable quantization parameters after SLT promotion
     report: ParameterReport  # the paper's Table 3 (shared / loop-dependent)
@@ -259,6 +260,7 @@ def model_counts(native: dict[str, Any], quant: QuantConfig) -> ModelCounts:
         frozen_looped=sum(frozen[n] for n, g in groups.items() if g.looped),
         frozen_promoted=sum(frozen[n] for n, g in groups.items() if g.promoted),
         promoted_groups=sum(g.promoted for g in groups.values()),
+        largest_group=max(frozen.values(), default=0),
         clip_inputs=sum(g.in_features * g.slots for g in groups.values()),
         trainable=sum(p.numel() for p in student.parameters() if p.requires_grad),
         report=parameter_report(student),
@@ -296,6 +298,7 @@ class RunSettings:
     precision: str = "32-true"
     teacher_dtype: str = "fp32"  # bf16 | fp32
     checkpoint_loops: bool = False
+    checkpoint_weights: bool = False  # model.checkpoint_weights
     compiled: bool = False  # model.compile_quantizers
     on_cpu: bool = False  # host and device memory are one
     target_cache: bool = False
@@ -399,10 +402,18 @@ def optimizer_bytes(trainable: int, strategy: str, processes: int, param_bytes: 
     return trainable * param_bytes + math.ceil(trainable * sharded / processes)
 
 
-def weight_chain_bytes(elements: int, numerics: tuple[str, bool]) -> int:
+def weight_chain_bytes(
+    elements: int, numerics: tuple[str, bool], recomputed: bool = False, largest_group: int = 0
+) -> int:
     """What autograd keeps of one forward's transformed, fake-quantized weights: ``elements`` x 4 x c_w
-    (:data:`WEIGHT_CHAIN_COPIES` of (numerics, compiled))."""
-    return math.ceil(elements * 4 * WEIGHT_CHAIN_COPIES[numerics])
+    (:data:`WEIGHT_CHAIN_COPIES` of (numerics, compiled)); with ``checkpoint_weights`` (``recomputed``) the fp32
+    quantized weights alone, ``elements`` x 4, plus one group's chain while the backward pass recomputes it,
+    ``largest_group`` x 4 x c_w (measured: the chain keeps 8.2 fp32 copies, recomputed 0.03,
+    ``tests/quant/test_checkpoint_weights.py``)."""
+    copies = WEIGHT_CHAIN_COPIES[numerics]
+    if recomputed:
+        return math.ceil(elements * 4 + largest_group * 4 * copies)
+    return math.ceil(elements * 4 * copies)
 
 
 def chain_elements(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> int:
@@ -537,7 +548,9 @@ def training_pass(counts: ModelCounts, loops: int, settings: RunSettings, probe:
     s, d = settings, counts.shape.hidden
     kept, recompute = activation_parts(counts, loops, s, probe)
     return Pass(
-        weights=weight_chain_bytes(chain_elements(counts, loops, s, probe), s.numerics(probe)),
+        weights=weight_chain_bytes(
+            chain_elements(counts, loops, s, probe), s.numerics(probe), s.checkpoint_weights, counts.largest_group
+        ),
         kept=kept,
         recompute=recompute,
         logits=logit_bytes(s.batch, s.seq_len, counts.vocab, d, loops),
@@ -579,6 +592,7 @@ def plan_shape(
     checkpoint_loops: bool = False,
     compiled: bool = False,
     precision: str = "32-true",
+    checkpoint_weights: bool = False,
     teacher_dtype: str = "auto",
     samples: int = 1024,
     processes: int = 1,
@@ -601,6 +615,7 @@ def plan_shape(
         precision=precision,
         teacher_dtype=resolve_teacher_dtype(teacher_dtype, precision),
         checkpoint_loops=checkpoint_loops,
+        checkpoint_weights=checkpoint_weights,
         compiled=compiled,
         on_cpu=on_cpu,
     )
@@ -625,6 +640,7 @@ def settings_from_config(config: Any) -> RunSettings:
         precision=precision,
         teacher_dtype=resolve_teacher_dtype(model.teacher_dtype, precision),
         checkpoint_loops=bool(model.checkpoint_loops),
+        checkpoint_weights=bool(getattr(model, "checkpoint_weights", False)),
         compiled=bool(model.compile_quantizers),
         on_cpu=str(trainer.accelerator) == "cpu",
         target_cache=bool(model.target_cache_dir),
@@ -672,7 +688,8 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
         f"  teacher: {c.shape.parameters / 1e6:.1f}M parameters, hidden {c.shape.hidden}, {plan.loops} loops "
         f"(trained {c.shape.trained_loops}), vocab {c.vocab}",
         f"  run: {s.strategy} x {s.processes}, {s.precision}, teacher {s.teacher_dtype}, checkpoint_loops "
-        f"{on(s.checkpoint_loops)}, compile_quantizers {on(s.compiled)}, batch {s.batch} x {s.seq_len} per process",
+        f"{on(s.checkpoint_loops)}, checkpoint_weights {on(s.checkpoint_weights)}, compile_quantizers "
+        f"{on(s.compiled)}, batch {s.batch} x {s.seq_len} per process",
         head,
     ]
     rows = [

@@ -210,3 +210,13 @@ def test_plan_predicts_the_measured_peak_memory_of_real_calibration_steps(tmp_pa
     ratio = (measured["peak"] - measured["baseline"]) / predicted.peak
     low, high = TOLERANCE[precision]
     assert low <= ratio <= high, f"measured / predicted = {ratio:.3f}"
+
+
+def test_recomputed_weight_chains_keep_the_quantized_weights_and_one_chain_by_hand():
+    from loopq.plan import WEIGHT_CHAIN_COPIES, weight_chain_bytes
+
+    c_w = WEIGHT_CHAIN_COPIES["fp32", False]
+    assert weight_chain_bytes(1000, ("fp32", False)) == math.ceil(1000 * 4 * c_w)
+    assert weight_chain_bytes(1000, ("fp32", False), recomputed=True, largest_group=100) == math.ceil(
+        1000 * 4 + 100 * 4 * c_w
+    )

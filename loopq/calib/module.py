@@ -23,7 +23,10 @@ Optimisation follows FlatQuant / paper Table 5: AdamW, transforms and adapters a
 ``clip_lr_mult * lr``, cosine schedule, gradient clipping 1.0 (set on the Trainer).
 
 Speed and memory switches: ``checkpoint_loops`` recomputes each loop in the backward pass (memory flat in the loop
-count); ``compile_quantizers`` runs the per-call transform + fake-quant chains as ``torch.compile``-d functions
+count); ``checkpoint_weights`` recomputes each group's weight transform + fake-quant chain in the backward pass
+(autograd keeps one fp32 quantized weight per group instead of ~8 fp32 copies: the term that dominates a real-size
+model's memory, ``docs/benchmarks.md``; same numbers, one more chain per group and step); ``compile_quantizers``
+runs the per-call transform + fake-quant chains as ``torch.compile``-d functions
 (:mod:`loopq.quant.fused`: ~4x faster chains, ~20-45 s of compilation per shape, so for real calibrations).
 
 Precision policy (``teacher_dtype``, README "Calibrating a real looped model"): the frozen teacher is held in
@@ -101,6 +104,7 @@ class LoopQCalibration(L.LightningModule):
         warmup_steps: int = 0,
         init_clipping: bool = True,
         checkpoint_loops: bool = False,
+        checkpoint_weights: bool = False,
         compile_quantizers: bool = False,
         teacher_dtype: str = "auto",
         target_cache_dir: str | None = None,
@@ -134,6 +138,7 @@ class LoopQCalibration(L.LightningModule):
         self.student.checkpoint_loops = checkpoint_loops
         for group in quant_groups(self.student).values():
             group.compiled = compile_quantizers  # torch.compile the quantizer chains (loopq.quant.fused)
+            group.checkpoint_weights = checkpoint_weights
         self.num_loops = self.student.calibrated_loops
         self.register_buffer("mu", torch.zeros(self.num_loops), persistent=False)
         self.promoted: list[str] = []

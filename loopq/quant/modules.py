@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from loopq.models.base import LinearGroup
 from loopq.qspec import at_least_fp32, quantize_codes
@@ -71,6 +72,9 @@ class QuantLinearGroup(nn.Module):
         self.kernel_numerics = False
         #: run the per-call quantizer chains as torch.compile-d functions (``model.compile_quantizers``)
         self.compiled = False
+        #: recompute the weight's transform + fake-quant chain in the backward pass (``model.checkpoint_weights``):
+        #: autograd then keeps the fp32 quantized weight only, not the chain's ~8 fp32 copies of it
+        self.checkpoint_weights = False
         self._cache: dict[int, SlotTensors] = {}
         self._cache_state: tuple | None = None
 
@@ -159,11 +163,19 @@ class QuantLinearGroup(nn.Module):
                 p1, p2 = base[id(tr)] if base is not None and id(tr) in base else (tr.left.matrix(), tr.right.matrix())
                 p1, p2 = p1 + self.probe[0][slot], p2 + self.probe[1][slot]
                 mats = (p1, p2, torch.linalg.inv(p1), torch.linalg.inv(p2))
-        weight = torch.cat([at_least_fp32(w) for w in self.weights()])
-        if mats is not None:
-            weight = tr.weight(weight, mats[2], mats[3])  # type: ignore[union-attr]
-        weight = quantizers(self.compiled)[1](weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+        inverses = () if mats is None else (mats[2], mats[3])
+        if self.checkpoint_weights and torch.is_grad_enabled():
+            weight = checkpoint(self._weight_chain, slot, *inverses, use_reentrant=False)
+        else:
+            weight = self._weight_chain(slot, *inverses)
         return SlotTensors(mats, weight, inv_d, clip_ratio(self.act_clip))
+
+    def _weight_chain(self, slot: int, *inverses: Tensor) -> Tensor:
+        """Q_w(W P^{-T}; r) of ``slot`` (Eq. 3's weight side) from the frozen weights and (P1^-1, P2^-1)."""
+        weight = torch.cat([at_least_fp32(w) for w in self.weights()])
+        if inverses:
+            weight = self.transform_for(slot).weight(weight, *inverses)  # type: ignore[union-attr]
+        return quantizers(self.compiled)[1](weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
 
     def begin_forward(self) -> None:
         """Compute every distinct slot's transform matrices and quantized weight for the coming model forward."""
