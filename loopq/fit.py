@@ -123,7 +123,17 @@ def print_plan(config: Any) -> None:
 
 
 def main(args: list[str] | None = None) -> LoopQCalibration:
-    return calibrate(build_cli(args))
+    try:
+        return calibrate(build_cli(args))
+    finally:
+        close_process_group()
+
+
+def close_process_group() -> None:
+    """Destroy the torchrun process group before the interpreter exits: Lightning leaves it open, and tearing down a
+    live gloo group at exit can abort a rank ("terminate called without an active exception") after a finished run."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCLI) -> LoopQCLI:
