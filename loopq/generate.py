@@ -24,7 +24,7 @@ from loopq.artifacts import load_artifact, tokenizer_dir
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.errors import OneLineParser, UsageError, run_cli
 from loopq.models import LoopLM
-from loopq.models.generation import check_sampling, generate
+from loopq.models.generation import check_prompt, check_sampling, generate
 
 __all__ = ["generate", "main"]
 
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     for prompt in read_prompts(args.prompt, args.prompts_file):
         ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], device=args.device)
 
+        check_prompt(model, ids, None, args.max_new_tokens)  # before anything is printed
         write(prompt)
         new = generate(
             model,
