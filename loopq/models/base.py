@@ -255,11 +255,7 @@ class LoopLM(nn.Module):
         if input_ids.dim() != 2:
             raise LoopLMError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         step = self._decode_step(input_ids, cache, attention_mask)
-        h, ctx = (
-            self.embed(input_ids, num_loops, **kwargs)
-            if step is None
-            else self.embed(input_ids, num_loops, step=step, **kwargs)
-        )
+        h, ctx = self.embed(input_ids, num_loops, **kwargs, **({} if step is None else {"step": step}))
         ctx["num_loops"] = num_loops
         states: list[Tensor] = []
         transitions: list[Tensor] = []
