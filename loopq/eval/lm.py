@@ -12,8 +12,10 @@ What is computed, for a context ``c`` and a continuation ``x`` tokenized as lm-e
 
 ``loglikelihood_rolling`` splits a document into lm-eval's disjoint rolling windows (first window prefixed with the
 EOS id, each later window conditions on the one token before it, every token predicted exactly once) and sums the
-window scores. ``generate_until`` is greedy decoding without a KV cache (the full looped forward per new token):
-simple and exact, meant for the short generations of the paper's tasks.
+window scores. ``generate_until`` is greedy decoding with the looped KV cache
+(:func:`loopq.models.generation.generate`): the context keeps its last ``max_length`` tokens, is run once, and every
+new token is one cached step; generation stops at the first ``until`` string, after ``max_gen_toks`` tokens, or at the
+model's last position.
 
 Batches are sorted by length (longest first) and right-padded with the EOS id. The models are causal, so tokens
 after a sequence never change its logits (Parcae's seeded initial state depends only on seed and position).
@@ -43,6 +45,7 @@ from tqdm import tqdm
 from loopq.artifacts import load_artifact, tokenizer_dir
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.models.base import LoopLM, LoopLMError
+from loopq.models.generation import generate
 
 logger = logging.getLogger(__name__)
 
@@ -243,15 +246,18 @@ class LoopQLM(TemplateLM):
         return outputs
 
     def greedy(self, context: str, until: Sequence[str], max_new_tokens: int) -> str:
-        """Greedy continuation of ``context`` cut before the first stop string (context kept to fit max_length)."""
-        tokens = self.tok_encode(context) or [self.prefix_token_id]
+        """Greedy continuation of the last ``max_length`` tokens of ``context``, cut before the first stop string."""
+        tokens = (self.tok_encode(context) or [self.prefix_token_id])[-self.max_length :]
         new: list[int] = []
-        for _ in range(max_new_tokens):
-            window = (tokens + new)[-self.max_length :]
-            new.append(int(self.log_probs(torch.tensor([window]))[0, -1].argmax()))
-            text = self.tok_decode(new)
-            if any(stop in text for stop in until):
-                break
+
+        def stop(token: Tensor) -> bool:
+            new.append(int(token[0]))
+            return any(s in self.tok_decode(new) for s in until)
+
+        room = self.model.max_positions - len(tokens)
+        if room >= 1:
+            ids = torch.tensor([tokens], device=self.device)
+            generate(self.model, ids, max_new_tokens=min(max_new_tokens, room), num_loops=self.num_loops, on_token=stop)
         return _cut_at_stop(self.tok_decode(new), until)
 
 

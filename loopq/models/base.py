@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loopq.files import atomic_write
 from loopq.models.errors import LoopLMError
+from loopq.models.kv_cache import DecodeStep, LoopKVCache, decode_step
 from loopq.models.shards import write_weights
 
 ConfigT = TypeVar("ConfigT")
@@ -139,6 +140,21 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+def attention(module: nn.Module, t: int | None, q: Tensor, k: Tensor, v: Tensor, ctx: dict[str, Any]) -> Tensor:
+    """Causal attention of a decoder layer's ``module`` in loop ``t`` on ``[B, H, S, Dh]``: plain
+    :func:`causal_attention` for a full forward; with a :class:`~loopq.models.kv_cache.DecodeStep` in ``ctx`` the new
+    K/V first join the cache entry of (``t``, this layer), and the step's mask (causal, padding excluded) applies."""
+    step: DecodeStep | None = ctx.get("step")
+    if step is None:
+        return causal_attention(q, k, v)
+    if step.cache is not None:
+        k, v = step.cache.extend(module, t, k, v)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+
+
 def config_from_native(config_class: type[ConfigT], native: Mapping[str, Any]) -> ConfigT:
     """The config dataclass from a native ``config.json`` dict: its fields by name; every other key is kept verbatim
     in the dataclass's ``extra`` field, so that :func:`config_to_native` writes it back."""
@@ -214,6 +230,11 @@ class LoopLM(nn.Module):
         """Architecture-specific extra outputs (Ouro's exit gate); default: nothing."""
         return out
 
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence (prompt + generated tokens) the model has positions for."""
+        raise NotImplementedError
+
     # ----------------------------------------------------------------- the recurrence
     def forward(
         self,
@@ -221,13 +242,20 @@ class LoopLM(nn.Module):
         num_loops: int | None = None,
         return_trajectory: bool = False,
         return_layer_states: bool = False,
+        cache: LoopKVCache | None = None,
+        attention_mask: Tensor | None = None,
         **kwargs: Any,
     ) -> LoopLMOutput:
-        """Run ``num_loops`` loops (default: the trained count) over ``input_ids`` ``[B, S]``."""
+        """Run ``num_loops`` loops (default: the trained count) over ``input_ids`` ``[B, S]``.
+
+        ``cache`` (:class:`~loopq.models.kv_cache.LoopKVCache`): ``input_ids`` are the tokens after the cached ones;
+        their K/V are appended to it. ``attention_mask`` ``[B, S]`` (1 = token, 0 = left padding): positions count
+        real tokens only. Without both, this is the plain full forward."""
         num_loops = self.resolve_num_loops(num_loops, **kwargs)
         if input_ids.dim() != 2:
             raise LoopLMError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        h, ctx = self.embed(input_ids, num_loops, **kwargs)
+        step = self._decode_step(input_ids, cache, attention_mask)
+        h, ctx = self.embed(input_ids, num_loops, **kwargs, **({} if step is None else {"step": step}))
         ctx["num_loops"] = num_loops
         states: list[Tensor] = []
         transitions: list[Tensor] = []
@@ -247,7 +275,22 @@ class LoopLM(nn.Module):
             transition_states=transitions if (return_trajectory and self.transition is not None) else None,
             layer_states=layer_states,
         )
+        if cache is not None and step is not None:
+            cache.advance(step)  # after the head: Parcae's coda layers append to the cache there
         return self.finalize(out, ctx)
+
+    def _decode_step(
+        self, input_ids: Tensor, cache: LoopKVCache | None, attention_mask: Tensor | None
+    ) -> DecodeStep | None:
+        """The cached / padded forward's positions and mask, or None for the plain full forward."""
+        if cache is not None:
+            cache.check(self, input_ids)
+            return cache.step(attention_mask, input_ids)
+        if attention_mask is None:
+            return None
+        b = input_ids.shape[0]
+        none_past = torch.zeros(b, 0, dtype=torch.bool, device=input_ids.device)
+        return decode_step(input_ids, attention_mask, none_past, input_ids.new_zeros(b), None)
 
     def resolve_num_loops(self, num_loops: int | None, **kwargs: Any) -> int:
         """The loop count of a forward call: ``num_loops``, else the trained count. ``kwargs`` are the forward's

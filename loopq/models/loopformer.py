@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, causal_attention, rms_norm
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, attention, rms_norm
+from loopq.models.kv_cache import DecodeStep
 
 #: size of the sinusoidal time embedding (``TimestepEmbedder.frequency_embedding_size``, fixed upstream)
 FREQUENCY_EMBEDDING_SIZE = 256
@@ -127,11 +128,11 @@ class CausalSelfAttention(nn.Module):
         self.qkv = LinearGroup(c_attn=nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias))
         self.out = LinearGroup(c_proj=nn.Linear(c.n_embd, c.n_embd, bias=c.bias))
 
-    def forward(self, x: Tensor, t: int | None) -> Tensor:
+    def forward(self, x: Tensor, t: int | None, ctx: dict[str, Any]) -> Tensor:
         b, s, d = x.shape
         (qkv,) = self.qkv(x, t)
         q, k, v = (z.view(b, s, self.n_head, -1).transpose(1, 2) for z in qkv.split(d, dim=2))
-        y = causal_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        y = attention(self, t, q, k, v, ctx).transpose(1, 2).reshape(b, s, d)
         return self.out(y, t)[0]
 
 
@@ -157,7 +158,7 @@ class LoopFormerBlock(nn.Module):
     def forward(self, h: Tensor, t: int, ctx: dict[str, Any]) -> Tensor:
         modulation = self.adaLN_modulation(ctx["cond"][t]).unsqueeze(1)
         gate_attn, gate_mlp, scale_attn, scale_mlp = modulation.chunk(4, dim=-1)
-        h = h + gate_attn * self.attn(rms_norm(h, None, None) * (1 + scale_attn), t)
+        h = h + gate_attn * self.attn(rms_norm(h, None, None) * (1 + scale_attn), t, ctx)
         return h + gate_mlp * self.mlp(rms_norm(h, None, None) * (1 + scale_mlp), t)
 
 
@@ -224,19 +225,28 @@ class LoopFormerLM(LoopLM):
             num_loops = len(step_schedule(steps, num_loops))
         return super().resolve_num_loops(num_loops)
 
+    @property
+    def max_positions(self) -> int:
+        return self.config.block_size
+
     def embed(
-        self, input_ids: Tensor, num_loops: int, steps: Sequence[float] | Tensor | None = None
+        self,
+        input_ids: Tensor,
+        num_loops: int,
+        steps: Sequence[float] | Tensor | None = None,
+        step: DecodeStep | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
         schedule = step_schedule(steps, num_loops)
         batch, seq = input_ids.shape
+        seq = seq if step is None else int(step.positions.max()) + 1
         if seq > self.config.block_size:
             raise LoopLMError(
                 f"input has {seq} tokens but config.json block_size={self.config.block_size} (rows of wpe); "
                 "crop the input to block_size tokens"
             )
-        positions = torch.arange(seq, device=input_ids.device)
+        positions = torch.arange(seq, device=input_ids.device) if step is None else step.positions
         h = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        return h, {"steps": schedule, "cond": self.loop_conditioning(schedule, batch, h)}
+        return h, {"steps": schedule, "cond": self.loop_conditioning(schedule, batch, h), "step": step}
 
     def loop_conditioning(self, steps: Sequence[float], batch: int, like: Tensor) -> list[Tensor]:
         """``c_r = TE(tau_r) + DE(dt_r)`` ``[batch, n_embd]`` per loop, tau accumulated in ``like.dtype``."""

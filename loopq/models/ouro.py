@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, RMSNorm, causal_attention
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, RMSNorm, attention
+from loopq.models.kv_cache import DecodeStep
 
 EXIT_MODES = ("last", "expected", "threshold")
 
@@ -78,14 +79,15 @@ class OuroAttention(nn.Module):
         )
         self.o_proj = LinearGroup(o_proj=nn.Linear(self.n_heads * self.dh, c.hidden_size, bias=False))
 
-    def forward(self, x: Tensor, t: int | None, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, t: int | None, ctx: dict[str, Any]) -> Tensor:
         b, s, _ = x.shape
+        cos, sin = ctx["cos"], ctx["sin"]
         q, k, v = self.qkv_proj(x, t)
         q = q.view(b, s, self.n_heads, self.dh).transpose(1, 2)
         k = k.view(b, s, self.n_kv, self.dh).transpose(1, 2)
         v = v.view(b, s, self.n_kv, self.dh).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        y = attention(self, t, q, k, v, ctx).transpose(1, 2).reshape(b, s, -1)
         return self.o_proj(y, t)[0]
 
 
@@ -115,7 +117,7 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(c.hidden_size, eps)
 
     def forward(self, h: Tensor, t: int | None, ctx: dict[str, Any]) -> Tensor:
-        a = self.self_attn(self.input_layernorm(h), t, ctx["cos"], ctx["sin"])
+        a = self.self_attn(self.input_layernorm(h), t, ctx)
         h = h + self.input_layernorm_2(a)
         m = self.mlp(self.post_attention_layernorm(h), t)
         return h + self.post_attention_layernorm_2(m)
@@ -127,9 +129,10 @@ def rope_inv_freq(dh: int, theta: float, device: torch.device | None = None) -> 
 
 
 def rope_tables(dh: int, theta: float, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin ``[S, dh]`` of the default (non-interleaved, rotate-half) RoPE, computed in fp32."""
+    """cos/sin ``[*positions.shape, dh]`` of the default (non-interleaved, rotate-half) RoPE, computed in fp32
+    (``positions`` ``[S]`` for a full forward, ``[B, S]`` per row for a cached or padded one)."""
     inv_freq = rope_inv_freq(dh, theta, positions.device)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -196,12 +199,21 @@ class OuroLM(LoopLM):
     def loop_layers(self) -> nn.ModuleList:
         return self.model.layers
 
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
     def embed(
-        self, input_ids: Tensor, num_loops: int, exit_mode: str = "last", exit_threshold: float | None = None
+        self,
+        input_ids: Tensor,
+        num_loops: int,
+        exit_mode: str = "last",
+        exit_threshold: float | None = None,
+        step: DecodeStep | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
         if exit_mode not in EXIT_MODES:
             raise LoopLMError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
-        seq = input_ids.shape[1]
+        seq = input_ids.shape[1] if step is None else int(step.positions.max()) + 1
         if seq > self.config.max_position_embeddings:
             raise LoopLMError(
                 f"input has {seq} tokens but config.json max_position_embeddings="
@@ -209,10 +221,15 @@ class OuroLM(LoopLM):
                 "max_position_embeddings tokens"
             )
         h = self.model.embed_tokens(input_ids)
-        positions = torch.arange(seq, device=input_ids.device)
-        cos, sin = rope_tables(self.config.dh, self.config.rope_theta, positions, h.dtype)
+        if step is None:
+            positions = torch.arange(seq, device=input_ids.device)
+            cos, sin = rope_tables(self.config.dh, self.config.rope_theta, positions, h.dtype)
+        else:  # per row [B, S, dh] -> [B, 1, S, dh], broadcast over heads
+            cos, sin = (
+                x[:, None] for x in rope_tables(self.config.dh, self.config.rope_theta, step.positions, h.dtype)
+            )
         threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
-        return h, {"cos": cos, "sin": sin, "exit_mode": exit_mode, "exit_threshold": threshold}
+        return h, {"cos": cos, "sin": sin, "exit_mode": exit_mode, "exit_threshold": threshold, "step": step}
 
     def end_loop(self, h: Tensor, t: int, ctx: dict[str, Any]) -> Tensor:
         return self.model.norm(h)

@@ -58,7 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, causal_attention
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, attention
+from loopq.models.kv_cache import DecodeStep
 
 #: upstream ``CausalSelfAttention.ve_gate_channels``: the gate reads the first 32 channels of the block input
 VE_GATE_CHANNELS = 32
@@ -273,7 +274,8 @@ class ParcaeAttention(nn.Module):
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, self.dh))
         self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.kv_heads, bias=False) if s.ve_gate else None
 
-    def forward(self, x: Tensor, t: int | None, rope: Tensor, ve: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, t: int | None, ctx: dict[str, Any], ve: Tensor | None) -> Tensor:
+        rope = ctx["rope"]
         b, s, _ = x.shape
         q, k, v = self.qkv(x, t)
         q = q.view(b, s, self.heads, self.dh)
@@ -291,7 +293,7 @@ class ParcaeAttention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.qk_norm:
             q, k = F.rms_norm(q, (self.dh,)), F.rms_norm(k, (self.dh,))
-        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        y = attention(self, t, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx)
         return self.out(y.transpose(1, 2).reshape(b, s, -1), t)[0]
 
 
@@ -326,7 +328,7 @@ class ParcaeBlock(nn.Module):
 
     def forward(self, h: Tensor, t: int | None, ctx: dict[str, Any]) -> Tensor:
         ve = ctx["value_embeds"][self.ve_key] if self.ve_key is not None else None
-        h = h + self.attn(self.norm_1(h), t, ctx["rope"], ve)
+        h = h + self.attn(self.norm_1(h), t, ctx, ve)
         return h + self.mlp(self.norm_2(h), t)
 
 
@@ -443,13 +445,26 @@ class ParcaeLM(LoopLM):
         c, rope = self.config, self.config.rope_settings
         return rope_table(c.head_dim, c.rope_length, rope["rope_base"], rope["rope_condense_ratio"])
 
+    @property
+    def max_positions(self) -> int:
+        return self.config.rope_length
+
     def embed(
-        self, input_ids: Tensor, num_loops: int, h0: Tensor | None = None, seed: int | None = None
+        self,
+        input_ids: Tensor,
+        num_loops: int,
+        h0: Tensor | None = None,
+        seed: int | None = None,
+        step: DecodeStep | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
-        """Run wte + prelude (+ ln_prelude) to get ``e``; return the initial state ``h0`` or a seeded draw."""
+        """Run wte + prelude (+ ln_prelude) to get ``e``; return the initial state ``h0`` or a seeded draw.
+
+        The seeded draw is one vector per *position* (shared by the batch), so a cached or left-padded forward
+        (``step``) takes each token's row at its own position: decoding is deterministic and equals the full forward
+        of the unpadded sequence under the same seed."""
         c = self.config
         b, s = input_ids.shape
-        if s > c.rope_length:
+        if (s if step is None else int(step.positions.max()) + 1) > c.rope_length:
             raise LoopLMError(
                 f"input has {s} positions but the model's RoPE table has {c.rope_length} (config.json block_size); "
                 "shorten the input"
@@ -458,9 +473,11 @@ class ParcaeLM(LoopLM):
         _, embed_scale, _ = c.scales
         if embed_scale != 1:
             x = x * embed_scale
+        table = self.rope_table()
         ctx: dict[str, Any] = {
-            "rope": self.rope_table()[:, :s].to(x.device),
+            "rope": (table[:, :s] if step is None else table[0, step.positions.cpu()]).to(x.device),
             "value_embeds": {key: emb(input_ids) for key, emb in self.value_embeds.items()},
+            "step": step,
         }
         for block in self.transformer.prelude:
             x = block(x, None, ctx)
@@ -471,8 +488,9 @@ class ParcaeLM(LoopLM):
         if h0 is None:
             # one draw per position over the whole RoPE length, shared by the batch: every sequence's state depends
             # only on (seed, position), so results do not depend on batch composition or sequence length
-            table = self.initial_state((c.rope_length, c.recurrent_embedding_dimension), 0 if seed is None else seed)
-            return table[:s].expand(want).to(device=x.device, dtype=x.dtype), ctx
+            draw = self.initial_state((c.rope_length, c.recurrent_embedding_dimension), 0 if seed is None else seed)
+            h = draw[:s].expand(want) if step is None else draw[step.positions.cpu()]
+            return h.to(device=x.device, dtype=x.dtype), ctx
         if not isinstance(h0, Tensor) or tuple(h0.shape) != want:
             got = tuple(h0.shape) if isinstance(h0, Tensor) else type(h0).__name__
             raise LoopLMError(

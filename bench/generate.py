@@ -1,0 +1,165 @@
+"""Decode benchmark on the embedded tiny teacher: prefill / decode speed and memory, with and without the KV cache.
+
+(a) **models x cache**: the FP teacher and its W4A4 and W4A8 exports (packed int4 weights; a student straight out of
+    ``loopq.quant.prepare``, uncalibrated - speed does not depend on the calibration), one prompt of ``--prompt_len``
+    tokens, ``--new_tokens`` greedy tokens. Prefill: tokens/s of the prompt's forward. Decode: generated tokens/s,
+    cached (one token's looped forward per step, :mod:`loopq.models.kv_cache`) or re-run (the full looped forward over
+    prompt + generated tokens per step, as ``generate(use_cache=False)``). Peak memory above the state before the
+    phase: ``torch.cuda.max_memory_allocated`` on GPU, on CPU the peak of the running sum of the tensor allocations
+    ``torch.profiler`` records (as ``bench/calibration.py``), over the prefill and 8 decode steps.
+(b) **prefix curve**: time per decoded token of the FP teacher after a prefix of 64, 256 and 1024 tokens, cached
+    against re-run, and the speed-up (the issue's bar: >= 5x at 1024).
+
+    python bench/generate.py [--device cuda] [--prompt_len 128] [--new_tokens 32] [--prefixes 64 256 1024]
+
+Ratios come from one run on one machine. On CPU the exported models run the torch *reference* kernels (unpacking,
+integer GEMM emulated in fp32), which are correct but not fast: their absolute CPU numbers say nothing about the
+Triton kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loopq.artifacts import export_student, load_quantized, student_meta
+from loopq.models import LoopLM, load_looplm
+from loopq.models.kv_cache import LoopKVCache
+from loopq.paths import REPO_ROOT
+from loopq.quant import QuantConfig, prepare
+
+TEACHER = REPO_ROOT / "loopq" / "assets" / "tiny-ouro"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--prompt_len", type=int, default=128, help="prompt tokens of (a)")
+    parser.add_argument("--new_tokens", type=int, default=32, help="generated tokens of (a)")
+    parser.add_argument("--prefixes", type=int, nargs="+", default=[64, 256, 1024], help="prefix lengths of (b)")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per prefix in (b)")
+    return parser.parse_args(argv)
+
+
+def exported(teacher: LoopLM, a_bits: int, root: Path, device: str) -> LoopLM:
+    """The W4A{a_bits} export of an uncalibrated student of ``teacher``, written under ``root`` and loaded back."""
+    student = prepare(teacher, QuantConfig(w_bits=4, a_bits=a_bits, group_size=32, transform_init="random", seed=0))
+    meta = student_meta(student, TEACHER, root / f"student-a{a_bits}", [], [1.0] * student.calibrated_loops, None)
+    return load_quantized(export_student(student, meta, root / f"export-a{a_bits}"), device=device).eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def peak_bytes(fn: Callable[[], object], device: str) -> int:
+    """Peak memory allocated while ``fn`` runs, above what was allocated when it started."""
+    if device.startswith("cuda"):
+        sync(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        sync(device)
+        return torch.cuda.max_memory_allocated() - base
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return max(itertools.accumulate((e.self_cpu_memory_usage for e in events), initial=0))
+
+
+class Decoder:
+    """Greedy decoding of one prompt, split into its prefill and its decode steps (cached or re-run)."""
+
+    def __init__(self, model: LoopLM, ids: torch.Tensor, cached: bool) -> None:
+        self.model, self.ids, self.cached = model, ids, cached
+        self.cache = LoopKVCache.for_model(model, ids.shape[0]) if cached else None
+        self.token: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        logits = self.model(self.ids, cache=self.cache).logits
+        self.token = logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def decode(self, steps: int) -> None:
+        for _ in range(steps):
+            assert self.token is not None
+            if self.cached:
+                logits = self.model(self.token, cache=self.cache).logits
+            else:
+                self.ids = torch.cat([self.ids, self.token], dim=1)
+                logits = self.model(self.ids).logits
+            self.token = logits[:, -1].argmax(-1, keepdim=True)
+
+
+def models_by_cache(models: dict[str, LoopLM], args: argparse.Namespace) -> None:
+    print(f"(a) prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, batch 1, device {args.device}")
+    print(
+        f"    {'model':6} {'cache':6} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill MB':>11} {'decode MB':>10}"
+    )
+    ids = torch.randint(0, 2048, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(args.device)
+    for (name, model), cached in itertools.product(models.items(), (True, False)):
+        Decoder(model, ids, cached).prefill()  # warm-up
+        prefill = min(timed(Decoder(model, ids, cached).prefill, args.device) for _ in range(3))
+        run = Decoder(model, ids, cached)
+        run.prefill()
+        decode = timed(lambda run=run: run.decode(args.new_tokens - 1), args.device)
+        mem = Decoder(model, ids, cached)
+        prefill_mb = peak_bytes(mem.prefill, args.device) / 2**20
+        decode_mb = peak_bytes(lambda mem=mem: mem.decode(8), args.device) / 2**20
+        print(
+            f"    {name:6} {'on' if cached else 'off':6} {args.prompt_len / prefill:14.1f} "
+            f"{(args.new_tokens - 1) / decode:13.1f} {prefill_mb:11.2f} {decode_mb:10.2f}"
+        )
+
+
+def prefix_curve(model: LoopLM, args: argparse.Namespace) -> None:
+    print(f"\n(b) FP teacher, ms per decoded token after a prefix (mean of {args.steps} steps)")
+    print(f"    {'prefix':>6} {'cached':>9} {'re-run':>9} {'speed-up':>9}")
+    for prefix in args.prefixes:
+        ids = torch.randint(0, 2048, (1, prefix), generator=torch.Generator().manual_seed(prefix)).to(args.device)
+        per_token = {}
+        for cached in (True, False):
+            run = Decoder(model, ids, cached)
+            run.prefill()
+            run.decode(1)  # warm-up
+            per_token[cached] = timed(lambda run=run: run.decode(args.steps), args.device) / args.steps * 1e3
+        print(
+            f"    {prefix:6d} {per_token[True]:9.2f} {per_token[False]:9.2f} {per_token[False] / per_token[True]:8.1f}x"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    teacher = load_looplm(TEACHER).to(args.device).eval()
+    longest = max([*args.prefixes, args.prompt_len]) + max(args.new_tokens, args.steps + 1)
+    if longest > teacher.max_positions:
+        raise SystemExit(f"--prefixes/--prompt_len + decoded tokens exceed the teacher's {teacher.max_positions}")
+    with tempfile.TemporaryDirectory() as tmp:
+        cpu_teacher = load_looplm(TEACHER).eval()
+        models = {"FP": teacher, **{f"W4A{a}": exported(cpu_teacher, a, Path(tmp), args.device) for a in (4, 8)}}
+    models_by_cache(models, args)
+    prefix_curve(teacher, args)
+
+
+if __name__ == "__main__":
+    main()

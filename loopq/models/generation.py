@@ -1,0 +1,141 @@
+"""Autoregressive decoding of any :class:`~loopq.models.base.LoopLM`: prefill once, then one token per step.
+
+With ``use_cache`` (default) the prompt runs once through the full looped forward, filling a
+:class:`~loopq.models.kv_cache.LoopKVCache` (one K/V entry per (loop, layer)), and every new token runs all T loops
+on that token alone: a step costs T x L single-token layer calls plus attention over the cache, instead of the whole
+looped forward over prompt + generated tokens (``use_cache=False``, kept for comparison; it gives the same tokens).
+
+The next token is the argmax of the last position's logits (``temperature=0``, default) or a draw from
+``softmax(logits / temperature)`` restricted to the top-p nucleus. Prompts of different lengths are left padded and
+marked by ``attention_mask`` (see :mod:`loopq.models.kv_cache`). Quantization is inside the model's linear groups,
+so the FP teacher, a fake-quant student and an exported packed model decode through this same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loopq.models.base import LoopLM
+from loopq.models.errors import LoopLMError
+from loopq.models.kv_cache import LoopKVCache
+
+#: called after every step with the new tokens ``[B]``; returning True stops the generation
+OnToken = Callable[[Tensor], bool | None]
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """One line per bad decoding option, naming it (the CLI flag has the same name)."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise LoopLMError(f"--max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise LoopLMError(f"--temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise LoopLMError(f"--top_p must be in (0, 1] (1 = no nucleus cut), got {top_p!r}")
+
+
+def check_prompt(model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int) -> None:
+    """Refuse an empty prompt, or one that with ``max_new_tokens`` more tokens exceeds the model's positions."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise LoopLMError(f"--prompt is empty (input_ids of shape {tuple(input_ids.shape)}); give at least one token")
+    lengths = attention_mask.long().sum(dim=1) if attention_mask is not None else torch.full((1,), input_ids.shape[1])
+    if int(lengths.min()) == 0:
+        raise LoopLMError("--prompt is empty for a row of the batch (all padding); give at least one token per prompt")
+    longest, limit = int(lengths.max()), model.max_positions
+    if longest + max_new_tokens > limit:
+        raise LoopLMError(
+            f"--prompt of {longest} tokens + --max_new_tokens {max_new_tokens} exceeds the model's context of {limit} "
+            "positions (config.json); shorten the prompt or lower --max_new_tokens"
+        )
+
+
+def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+    """``logits`` ``[B, V]`` with every token outside the smallest set of cumulative probability >= ``top_p`` at -inf
+    (the most likely token always stays)."""
+    if top_p >= 1:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def next_token(
+    logits: Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> Tensor:
+    """The next token ``[B]`` from last-position ``logits`` ``[B, V]``: argmax at temperature 0, else a draw."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = top_p_filter(logits.float() / temperature, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model: LoopLM,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    num_loops: int | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    use_cache: bool = True,
+    on_token: OnToken | None = None,
+    **forward_kwargs: Any,
+) -> Tensor:
+    """The generated tokens ``[B, n]`` (n <= ``max_new_tokens``) after ``input_ids`` ``[B, S]`` (left padded where
+    ``attention_mask`` has zeros). Stops early when every row has produced ``eos_token_id`` (rows that finished
+    repeat it) or ``on_token`` returns True. ``forward_kwargs`` go to every forward (LoopFormer's ``steps``...)."""
+    check_sampling(max_new_tokens, temperature, top_p)
+    check_prompt(model, input_ids, attention_mask, max_new_tokens)
+    kwargs = {"num_loops": num_loops, **forward_kwargs}
+    step = (_cached_steps if use_cache else _rerun_steps)(model, input_ids, attention_mask, kwargs)
+    new: list[Tensor] = []
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    logits = step(None)
+    for _ in range(max_new_tokens):
+        token = next_token(logits[:, -1], temperature, top_p, generator)
+        if eos_token_id is not None:
+            token = torch.where(done, torch.full_like(token, eos_token_id), token)
+            done |= token == eos_token_id
+        new.append(token)
+        if (on_token is not None and on_token(token)) or bool(done.all()) or len(new) == max_new_tokens:
+            break
+        logits = step(token)
+    return torch.stack(new, dim=1)
+
+
+def _cached_steps(
+    model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None, kwargs: dict[str, Any]
+) -> Callable[[Tensor | None], Tensor]:
+    """Logits of the prompt (``None``), then of each new token alone against the cache."""
+    cache = LoopKVCache.for_model(model, input_ids.shape[0])
+
+    def step(token: Tensor | None) -> Tensor:
+        if token is None:
+            return model(input_ids, cache=cache, attention_mask=attention_mask, **kwargs).logits
+        return model(token[:, None], cache=cache, **kwargs).logits
+
+    return step
+
+
+def _rerun_steps(
+    model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None, kwargs: dict[str, Any]
+) -> Callable[[Tensor | None], Tensor]:
+    """Logits of the whole sequence so far, recomputed from scratch at every step (no cache)."""
+    ids, mask = input_ids, attention_mask
+
+    def step(token: Tensor | None) -> Tensor:
+        nonlocal ids, mask
+        if token is not None:
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            mask = None if mask is None else torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        return model(ids, attention_mask=mask, **kwargs).logits
+
+    return step

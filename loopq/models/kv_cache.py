@@ -1,0 +1,143 @@
+"""KV cache for looped LMs: one K/V entry per (loop, layer), so decoding costs one token's forward per new token.
+
+A looped model applies the same layer f_l in every loop t, but on a different input H_{t,l-1}, so each loop's
+attention has its own keys and values: the cache holds one entry per (t, layer) of the shared stack, plus one per
+non-looped layer (Parcae's prelude and coda, key ``(None, name)``). Per sequence that is
+
+    T x L x 2 x S x d_kv   values        (T loops, L shared layers, S cached tokens, d_kv = kv_heads x head_dim)
+
+- T times a plain transformer's cache of the same depth. Keys are stored after RoPE (and after Parcae's qk-norm),
+values after Parcae's value-embedding mix, with the model's K/V heads (grouped-query heads are not repeated).
+
+A forward with a cache (:meth:`loopq.models.base.LoopLM.forward` with ``cache=``) runs only the new tokens: every
+attention layer appends their K/V to its entry and attends over the whole entry. Quantization lives inside the
+layers' ``LinearGroup`` modules and acts on each token independently, so the FP teacher, a fake-quant student and an
+exported packed model all decode through the same code.
+
+Batches of prompts of different lengths are *left* padded: ``attention_mask`` (1 = token, 0 = padding) marks the
+padding, padded keys are never attended to, and positions are counted per row over real tokens only, so a padded
+row sees the same RoPE / learned positions as the same prompt alone. The cache keeps, per row, which cached slots are
+real (``valid``) and the next position (``next_position``).
+
+Early exit (Ouro's per-token gate) is not applied here, but the layout allows it: a token that exits after loop t
+can have its later loops' entries filled with its loop-t keys/values, as the per-(loop, layer) entries are separate.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from loopq.models.errors import LoopLMError
+
+#: a cache entry's key: (loop index or None outside the loop, decoder-layer module name)
+EntryKey = tuple[int | None, str]
+
+
+@dataclass
+class DecodeStep:
+    """What a cached or padded forward adds to the context ``ctx["step"]`` that every layer reads.
+
+    ``positions`` ``[B, S]``: each new token's position; ``valid`` ``[B, S]``: which new tokens are real (not
+    padding); ``mask`` ``[B, 1, S, P + S]`` (bool, True = attend): causal over the ``P`` cached plus ``S`` new tokens,
+    padding excluded; ``cache``: where the layers append their K/V (None for a padded forward without a cache)."""
+
+    positions: Tensor
+    valid: Tensor
+    mask: Tensor
+    cache: LoopKVCache | None = None
+
+
+@dataclass
+class LoopKVCache:
+    """Per-(loop, layer) keys and values of the tokens seen so far, for one model and one batch.
+
+    Build it with :meth:`for_model`; a forward with ``cache=`` fills and extends it. ``length`` is the number of
+    cached token slots (padding included), ``valid`` ``[B, length]`` marks the real ones."""
+
+    model: weakref.ReferenceType[nn.Module]
+    layer_names: dict[int, str]
+    batch: int
+    keys: dict[EntryKey, Tensor] = field(default_factory=dict)
+    values: dict[EntryKey, Tensor] = field(default_factory=dict)
+    length: int = 0
+    valid: Tensor | None = None
+    next_position: Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model: Any, batch: int) -> LoopKVCache:
+        """An empty cache for ``batch`` sequences of ``model`` (a :class:`~loopq.models.base.LoopLM`)."""
+        # every module inside a decoder layer maps to that layer's name: its attention module appends the K/V
+        names = {id(m): name for name, layer in model.decoder_layers().items() for m in layer.modules()}
+        return cls(model=weakref.ref(model), layer_names=names, batch=batch)
+
+    def check(self, model: nn.Module, input_ids: Tensor) -> None:
+        """Refuse a cache built for another model or another batch size (one line each)."""
+        if self.model() is not model:
+            raise LoopLMError(
+                "cache: this LoopKVCache was built for another model; build a new one with "
+                "LoopKVCache.for_model(model, batch) for each model"
+            )
+        if input_ids.shape[0] != self.batch:
+            raise LoopLMError(f"cache: built for a batch of {self.batch}, got input_ids of batch {input_ids.shape[0]}")
+
+    def step(self, attention_mask: Tensor | None, input_ids: Tensor) -> DecodeStep:
+        """The positions and attention mask of the new tokens ``input_ids`` given what is cached."""
+        past = self.valid if self.valid is not None else input_ids.new_ones(self.batch, 0, dtype=torch.bool)
+        start = self.next_position if self.next_position is not None else input_ids.new_zeros(self.batch)
+        return decode_step(input_ids, attention_mask, past, start, self)
+
+    def extend(self, layer: nn.Module, t: int | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append new ``k``, ``v`` ``[B, H_kv, S, dh]`` to the entry of (``t``, the decoder layer holding ``layer``);
+        return the whole entry."""
+        key = (t, self.layer_names[id(layer)])
+        if key in self.keys:
+            k = torch.cat([self.keys[key], k], dim=2)
+            v = torch.cat([self.values[key], v], dim=2)
+        self.keys[key], self.values[key] = k, v
+        return k, v
+
+    def advance(self, step: DecodeStep) -> None:
+        """Record the new tokens once every layer has appended them (called at the end of a forward)."""
+        self.valid = step.valid if self.valid is None else torch.cat([self.valid, step.valid], dim=1)
+        start = self.next_position if self.next_position is not None else 0
+        self.next_position = start + step.valid.long().sum(dim=1)
+        self.length = self.valid.shape[1]
+
+    def num_bytes(self) -> int:
+        """Memory held by the cached keys and values."""
+        return sum(x.numel() * x.element_size() for x in (*self.keys.values(), *self.values.values()))
+
+
+def decode_step(
+    input_ids: Tensor, attention_mask: Tensor | None, past_valid: Tensor, start: Tensor, cache: LoopKVCache | None
+) -> DecodeStep:
+    """Positions and mask for new tokens after ``past_valid`` ``[B, P]`` cached slots whose next position is
+    ``start`` ``[B]``. ``attention_mask`` ``[B, S]`` (1 = token, 0 = padding) defaults to all ones."""
+    b, s = input_ids.shape
+    if attention_mask is None:
+        new_valid = torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
+    elif tuple(attention_mask.shape) != (b, s):
+        raise LoopLMError(
+            f"attention_mask must have the shape of input_ids {(b, s)} (the new tokens only), "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    else:
+        new_valid = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+    positions = (start[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+    return DecodeStep(positions, new_valid, attention_mask_4d(past_valid.to(input_ids.device), new_valid), cache)
+
+
+def attention_mask_4d(past_valid: Tensor, new_valid: Tensor) -> Tensor:
+    """``[B, 1, S, P + S]`` bool: new token i attends to real cached slots and to real new tokens j <= i, and always
+    to itself (a padding query would otherwise see nothing and give NaN; its output is never read)."""
+    p, s = past_valid.shape[1], new_valid.shape[1]
+    keys_valid = torch.cat([past_valid, new_valid], dim=1)[:, None, :]  # [B, 1, P+S]
+    idx = torch.arange(s, device=new_valid.device)
+    causal = torch.arange(p + s, device=new_valid.device)[None, :] <= (p + idx)[:, None]  # [S, P+S]
+    itself = torch.arange(p + s, device=new_valid.device)[None, :] == (p + idx)[:, None]
+    return ((causal[None] & keys_valid) | itself[None])[:, None]
