@@ -18,9 +18,17 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
   optimizer states.
 * **fake-quant weights** (:func:`weight_chain_bytes`): every forward transforms and fake-quantizes each group's
   weight once per distinct slot (``QuantLinearGroup.begin_forward``), and autograd keeps ``c_w`` fp32 copies of it
-  for the backward pass: (L + (T - 1) L_slt) 4 c_w in a training step, (L + (T - 1) L_loop) 4 c_w in an SLT probe
-  step (every shared looped group gets per-loop perturbations). ZeRO-3 computes them per call, i.e. per loop
-  (T L_loop) unless ``checkpoint_loops`` recomputes one loop at a time.
+  for the backward pass: (L + (T - 1) L_slt) 4 c_w in a training step, (L + (T - 1) L_probe) 4 c_w in an SLT probe
+  step (every probed group gets per-loop perturbations: L_probe = L_loop, or the largest chunk of ``probe_groups``
+  consecutive shared groups when the reselection probes in chunks). ZeRO-3 computes them per call, i.e. per loop
+  (T L_loop) unless ``checkpoint_loops`` recomputes one loop at a time. With ``checkpoint_weights`` autograd keeps
+  the fp32 quantized weights alone, and one group's chain is rebuilt at a time at the end of the backward pass.
+* **their gradients** (:func:`weight_grad_bytes`): the gradient of every quantized weight is summed over the loops
+  that use it and is consumed only when its chain's backward runs - after loop 0's, since the weights are made
+  before the loop - so all of them are alive together: (L + (T - 1) L_slt) 4. In bf16 numerics each call also
+  casts its weight to bf16 and saves the cast for the backward pass (:func:`cast_bytes`): 2 L_loop for the loop
+  being recomputed (``checkpoint_loops``). Both were found by the full-depth Ouro-1.4B rehearsal
+  (``bench/real_shapes.py``), where they are 7.5 of the 8 GiB the plan missed.
 * **activations** (:func:`activation_parts`): B S D T 4 factor, the factor of :func:`loopq.guards.activation_factor`
   (tested there against autograd); with ``checkpoint_loops`` every loop's input, B S D T 4, plus one loop's B S D 4
   factor while it is recomputed - after the loss's backward, so the two are not added (:class:`Pass`); the quantized
@@ -222,6 +230,7 @@ class ModelCounts:
     frozen_promoted: int  # L_slt: of those, in the SLT-promoted groups
     promoted_groups: int
     largest_group: int  # elements of the largest group's frozen weights (one chain recomputed at a time)
+    probe_sizes: tuple[int, ...]  # frozen elements of each looped group with a transform (probed), in model order
     clip_inputs: int  # sum over groups of in_features x slots (what the clip initialisation records per token)
     trainable: int  # Q: trainable quantization parameters after SLT promotion
     report: ParameterReport  # the paper's Table 3 (shared / loop-dependent)
@@ -261,6 +270,7 @@ def model_counts(native: dict[str, Any], quant: QuantConfig) -> ModelCounts:
         frozen_promoted=sum(frozen[n] for n, g in groups.items() if g.promoted),
         promoted_groups=sum(g.promoted for g in groups.values()),
         largest_group=max(frozen.values(), default=0),
+        probe_sizes=tuple(frozen[n] for n, g in groups.items() if g.looped and g.transform is not None),
         clip_inputs=sum(g.in_features * g.slots for g in groups.values()),
         trainable=sum(p.numel() for p in student.parameters() if p.requires_grad),
         report=parameter_report(student),
@@ -302,6 +312,7 @@ class RunSettings:
     compiled: bool = False  # model.compile_quantizers
     on_cpu: bool = False  # host and device memory are one
     target_cache: bool = False
+    probe_groups: int = 0  # SharingGapReselection's probe_groups (model.slt_probe_groups): 0 = all in one pass
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -402,26 +413,61 @@ def optimizer_bytes(trainable: int, strategy: str, processes: int, param_bytes: 
     return trainable * param_bytes + math.ceil(trainable * sharded / processes)
 
 
-def weight_chain_bytes(
-    elements: int, numerics: tuple[str, bool], recomputed: bool = False, largest_group: int = 0
-) -> int:
+def weight_chain_bytes(elements: int, numerics: tuple[str, bool], recomputed: bool = False) -> int:
     """What autograd keeps of one forward's transformed, fake-quantized weights: ``elements`` x 4 x c_w
     (:data:`WEIGHT_CHAIN_COPIES` of (numerics, compiled)); with ``checkpoint_weights`` (``recomputed``) the fp32
-    quantized weights alone, ``elements`` x 4, plus one group's chain while the backward pass recomputes it,
-    ``largest_group`` x 4 x c_w (measured: the chain keeps 8.2 fp32 copies, recomputed 0.03,
+    quantized weights alone, ``elements`` x 4 (measured: the chain keeps 8.2 fp32 copies, recomputed 0.03,
     ``tests/quant/test_checkpoint_weights.py``)."""
-    copies = WEIGHT_CHAIN_COPIES[numerics]
     if recomputed:
-        return math.ceil(elements * 4 + largest_group * 4 * copies)
-    return math.ceil(elements * 4 * copies)
+        return elements * 4
+    return math.ceil(elements * 4 * WEIGHT_CHAIN_COPIES[numerics])
+
+
+def chain_recompute_bytes(largest_group: int, numerics: tuple[str, bool]) -> int:
+    """One group's chain while the backward pass rebuilds it (``checkpoint_weights``): ``largest_group`` x 4 x c_w."""
+    return math.ceil(largest_group * 4 * WEIGHT_CHAIN_COPIES[numerics])
+
+
+def weight_grad_bytes(elements: int) -> int:
+    """The fp32 gradients of every fake-quantized weight, alive together until the chains' backward: ``elements`` x 4
+    (a weight used in T loops sums T contributions into one buffer). A probe step's ``torch.autograd.grad`` w.r.t.
+    the perturbations reaches the probed groups' T per-loop weights only: T L_probe."""
+    return elements * 4
+
+
+def cast_bytes(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> tuple[int, int]:
+    """(kept for the pass, alive while one loop is recomputed) bytes of the bf16 casts of the quantized weights that
+    each call saves for its backward pass, in bf16 numerics with ``checkpoint_weights``: 2 L_loop per loop (one loop
+    with ``checkpoint_loops``, all T without), 2 (L - L_loop) for the groups outside the loop. Without
+    ``checkpoint_weights`` the measured :data:`WEIGHT_CHAIN_COPIES` include them."""
+    if settings.numerics(probe)[0] == "fp32" or not settings.checkpoint_weights:
+        return 0, 0
+    outside = 2 * (counts.frozen - counts.frozen_looped)
+    per_loop = 2 * counts.frozen_looped
+    if settings.checkpoint_loops:
+        return outside, per_loop
+    return outside + loops * per_loop, 0
 
 
 def chain_elements(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> int:
-    """Weight elements fake-quantized per forward: L + (T - 1) L_slt (training step) or L + (T - 1) L_loop (probe
-    step, or ZeRO-3 without ``checkpoint_loops``: every call recomputes its weights)."""
-    per_call = settings.strategy == "zero3" and not settings.checkpoint_loops
-    extra = counts.frozen_looped if probe or per_call else counts.frozen_promoted
+    """Weight elements fake-quantized per forward: L + (T - 1) L_slt (training step) or L + (T - 1) L_probe (probe
+    step: :func:`probe_elements`), L + (T - 1) L_loop for ZeRO-3 without ``checkpoint_loops`` (every call recomputes
+    its weights)."""
+    if settings.strategy == "zero3" and not settings.checkpoint_loops:
+        return counts.frozen + (loops - 1) * counts.frozen_looped
+    extra = probe_elements(counts, settings.probe_groups) if probe else counts.frozen_promoted
     return counts.frozen + (loops - 1) * extra
+
+
+def probe_elements(counts: ModelCounts, chunk: int) -> int:
+    """L_probe: frozen elements with per-loop weights in one probe pass - every looped group (``chunk`` 0), or the
+    SLT-promoted ones plus the largest run of ``chunk`` consecutive looped groups (``sharing_gap_scores`` probes the
+    shared ones in model order; an upper bound over the rounds, whichever groups are promoted by then)."""
+    sizes = counts.probe_sizes
+    if chunk <= 0 or chunk >= len(sizes):
+        return counts.frozen_looped
+    largest = max(sum(sizes[i : i + chunk]) for i in range(len(sizes) - chunk + 1))
+    return min(counts.frozen_looped, counts.frozen_promoted + largest)
 
 
 def activation_parts(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool = False) -> tuple[int, int]:
@@ -481,18 +527,21 @@ def teacher_load_bytes(params: int, teacher_bytes: int) -> int:
 class Pass:
     """What one forward + backward (a training step, or an SLT probe step) adds to the resident memory.
 
-    With ``checkpoint_loops`` a loop is recomputed only after the loss's backward is done, so its saved tensors and
-    the loss's are not alive together: the pass needs ``max(recompute, logits)``, not their sum."""
+    With ``checkpoint_loops`` a loop is recomputed only after the loss's backward is done, and with
+    ``checkpoint_weights`` the chains are rebuilt only after loop 0's backward, so the three transients are not alive
+    together: the pass needs ``max(recompute, logits, chain)``, not their sum."""
 
-    weights: int  # what autograd keeps of the fake-quant weights
+    weights: int  # what autograd keeps of the fake-quant weights (and their bf16 casts kept for the pass)
+    grads: int  # the fake-quant weights' gradients, summed over the loops
     kept: int  # activations kept for the whole pass
-    recompute: int  # one loop's saved tensors while it is recomputed (checkpoint_loops), else 0
+    recompute: int  # one loop's saved tensors (and weight casts) while it is recomputed (checkpoint_loops), else 0
     logits: int  # the loss's tensors as the backward pass starts
+    chain: int  # one group's weight chain while it is rebuilt (checkpoint_weights), else 0
     targets: int  # the batch's teacher targets on the device
 
     @property
     def total(self) -> int:
-        return self.weights + self.kept + max(self.recompute, self.logits) + self.targets
+        return self.weights + self.grads + self.kept + max(self.recompute, self.logits, self.chain) + self.targets
 
 
 @dataclass(frozen=True)
@@ -547,13 +596,15 @@ def training_pass(counts: ModelCounts, loops: int, settings: RunSettings, probe:
     """The :class:`Pass` of a training step or (``probe``) an SLT probe step."""
     s, d = settings, counts.shape.hidden
     kept, recompute = activation_parts(counts, loops, s, probe)
+    cast_kept, cast_recompute = cast_bytes(counts, loops, s, probe)
+    elements, numerics = chain_elements(counts, loops, s, probe), s.numerics(probe)
     return Pass(
-        weights=weight_chain_bytes(
-            chain_elements(counts, loops, s, probe), s.numerics(probe), s.checkpoint_weights, counts.largest_group
-        ),
+        weights=weight_chain_bytes(elements, numerics, s.checkpoint_weights) + cast_kept,
+        grads=weight_grad_bytes(loops * probe_elements(counts, s.probe_groups) if probe else elements),
         kept=kept,
-        recompute=recompute,
+        recompute=recompute + cast_recompute,
         logits=logit_bytes(s.batch, s.seq_len, counts.vocab, d, loops),
+        chain=chain_recompute_bytes(counts.largest_group, numerics) if s.checkpoint_weights else 0,
         targets=batch_target_bytes(s.batch, s.seq_len, s.topk, counts.vocab, d, loops),
     )
 
@@ -644,7 +695,17 @@ def settings_from_config(config: Any) -> RunSettings:
         compiled=bool(model.compile_quantizers),
         on_cpu=str(trainer.accelerator) == "cpu",
         target_cache=bool(model.target_cache_dir),
+        probe_groups=probe_groups_of(config),
     )
+
+
+def probe_groups_of(config: Any) -> int:
+    """Groups per SLT probe pass: a configured ``SharingGapReselection``'s ``probe_groups``, else
+    ``model.slt_probe_groups`` (the callback the module installs by default)."""
+    for callback in config.trainer.callbacks or []:
+        if str(getattr(callback, "class_path", "")).endswith("SharingGapReselection"):
+            return int((getattr(callback, "init_args", None) or {}).get("probe_groups", 0))
+    return int(getattr(config.model, "slt_probe_groups", 0) or 0)
 
 
 def device_count(devices: Any) -> int:
@@ -696,15 +757,18 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
         (f"frozen teacher weights ({s.teacher_dtype}, shared with the student)", [plan.frozen] * len(passes)),
         (f"quantization params + grads + AdamW ({millions(c.trainable)})", [plan.quant_state] * len(passes)),
         ("fake-quant weights kept for backward", [p.weights for p in passes.values()]),
+        ("their gradients (summed over the loops)", [p.grads for p in passes.values()]),
         (
             f"activations ({'loop inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)",
             [p.kept for p in passes.values()],
         ),
     ]
     if s.checkpoint_loops:
-        rows.append(("one loop recomputed (or the loss, whichever is larger)", [p.recompute for p in passes.values()]))
+        rows.append(("one loop recomputed (if the largest transient)", [p.recompute for p in passes.values()]))
+    if s.checkpoint_weights:
+        rows.append(("one weight chain rebuilt (if the largest transient)", [p.chain for p in passes.values()]))
     rows += [
-        ("logits and loss as the backward starts", [p.logits for p in passes.values()]),
+        ("logits and loss as the backward starts (if the largest)", [p.logits for p in passes.values()]),
         ("the batch's teacher targets", [p.targets for p in passes.values()]),
     ]
     if s.on_cpu:

@@ -89,6 +89,22 @@ def test_ouro_counts_by_hand():
     assert counts.vocab == 49152 and counts.outside.group_inputs == 0
 
 
+def test_probing_in_chunks_bounds_the_probe_step_by_hand():
+    """Ouro-1.4B, 96 looped groups (4 per layer): a chunk of 24 consecutive groups is 6 layers' weights, on top of the
+    SLT-promoted groups' own per-loop weights; the probe's gradients reach the probed groups' T per-loop weights."""
+    counts = plan.model_counts(plan.PUBLISHED["Ouro-1.4B"], QuantConfig(slt_budget=4))
+    per_layer = 4 * 2048 * 2048 + 3 * 2048 * 5632
+    assert len(counts.probe_sizes) == 96 and sum(counts.probe_sizes) == 24 * per_layer
+    assert plan.probe_elements(counts, 0) == plan.probe_elements(counts, 96) == counts.frozen_looped
+    assert plan.probe_elements(counts, 24) == counts.frozen_promoted + 6 * per_layer
+    settings = plan.RunSettings(batch=1, seq_len=256, samples=1, checkpoint_weights=True, probe_groups=24)
+    probe = plan.training_pass(counts, 4, settings, probe=True)
+    assert probe.grads == 4 * 4 * (counts.frozen_promoted + 6 * per_layer)
+    assert probe.weights == 4 * (counts.frozen + 3 * (counts.frozen_promoted + 6 * per_layer))
+    # the paper configs probe 24 groups per pass: the plan reads it from the configured callback
+    assert plan.settings_from_config(parsed(["--config", "configs/ouro1.4b.yaml"])).probe_groups == 24
+
+
 def test_plan_of_an_explicit_shape_is_the_plan_of_its_config():
     shaped = plan.plan_shape(2048, 24, 4, 5632, 16, 49152, batch=4, seq_len=256, head_dim=128, precision="bf16-mixed")
     assert shaped.settings.teacher_dtype == "bf16" and shaped.counts == plan.model_counts(
@@ -146,7 +162,7 @@ def test_settings_read_the_strategy_devices_and_precision_of_a_config():
 def test_the_peak_is_the_largest_phase_and_checkpointing_overlaps_loss_and_recomputation():
     shaped = plan.plan_shape(128, 2, 4, 384, 4, 2048, batch=8, seq_len=128, samples=32, checkpoint_loops=True)
     step = shaped.step
-    assert step.total == step.weights + step.kept + max(step.recompute, step.logits) + step.targets
+    assert step.total == step.weights + step.grads + step.kept + max(step.recompute, step.logits) + step.targets
     assert shaped.peak == max(shaped.phases.values()) and shaped.probe.weights > step.weights  # per-loop weights
 
 
@@ -213,10 +229,29 @@ def test_plan_predicts_the_measured_peak_memory_of_real_calibration_steps(tmp_pa
 
 
 def test_recomputed_weight_chains_keep_the_quantized_weights_and_one_chain_by_hand():
-    from loopq.plan import WEIGHT_CHAIN_COPIES, weight_chain_bytes
+    from loopq.plan import WEIGHT_CHAIN_COPIES, chain_recompute_bytes, weight_chain_bytes
 
     c_w = WEIGHT_CHAIN_COPIES["fp32", False]
     assert weight_chain_bytes(1000, ("fp32", False)) == math.ceil(1000 * 4 * c_w)
-    assert weight_chain_bytes(1000, ("fp32", False), recomputed=True, largest_group=100) == math.ceil(
-        1000 * 4 + 100 * 4 * c_w
+    assert weight_chain_bytes(1000, ("fp32", False), recomputed=True) == 1000 * 4
+    assert chain_recompute_bytes(100, ("fp32", False)) == math.ceil(100 * 4 * c_w)
+
+
+def test_weight_gradients_and_bf16_casts_of_a_checkpointed_bf16_step_by_hand():
+    """Ouro-1.4B's counts: every quantized weight's fp32 gradient (summed over the loops) is alive at once, and a
+    bf16 step saves one loop's bf16 weight casts while that loop is recomputed; the chain rebuild, the recomputed
+    loop and the loss are transients that do not overlap."""
+    quant = QuantConfig(slt_budget=4)
+    shaped = plan.plan_shape(2048, 24, 4, 5632, 16, 49152, batch=1, seq_len=256, samples=1, checkpoint_loops=True,
+                             quant=quant, checkpoint_weights=True, teacher_dtype="bf16")  # fmt: skip
+    step, counts = shaped.step, shaped.counts
+    elements = counts.frozen + 3 * counts.frozen_promoted
+    assert step.grads == elements * 4 and step.weights == elements * 4  # the outside groups: none in Ouro
+    _, recompute = plan.activation_parts(counts, 4, shaped.settings)
+    assert step.recompute == recompute + 2 * counts.frozen_looped
+    assert step.total == step.weights + step.grads + step.kept + max(step.recompute, step.logits, step.chain) + (
+        step.targets
     )
+    fp32 = plan.plan_shape(2048, 24, 4, 5632, 16, 49152, batch=1, seq_len=256, samples=1, checkpoint_loops=True,
+                           quant=quant, checkpoint_weights=True)  # fmt: skip
+    assert fp32.step.recompute == plan.activation_parts(counts, 4, fp32.settings)[1]  # fp32: no casts

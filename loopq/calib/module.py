@@ -116,6 +116,7 @@ class LoopQCalibration(L.LightningModule):
         slt_every_n_steps: int = 50,
         slt_per_round: int = 1,
         slt_probe_batches: int = 2,
+        slt_probe_groups: int = 0,
     ) -> None:
         super().__init__()
         quant = quant or QuantConfig()
@@ -371,6 +372,7 @@ def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> 
                 every_n_steps=hp.slt_every_n_steps,
                 per_round=hp.slt_per_round,
                 probe_batches=hp.slt_probe_batches,
+                probe_groups=hp.get("slt_probe_groups", 0),
             )
         )
     return wanted

@@ -1,7 +1,8 @@
 """Progressive sharing-gap reselection (paper §4.2, SLT).
 
 Installed by :meth:`loopq.calib.module.LoopQCalibration.configure_callbacks` whenever ``quant.slt_budget > 0``
-(schedule: ``model.slt_start_step``, ``slt_every_n_steps``, ``slt_per_round``, ``slt_probe_batches``), or listed
+(schedule: ``model.slt_start_step``, ``slt_every_n_steps``, ``slt_per_round``, ``slt_probe_batches``,
+``slt_probe_groups``), or listed
 explicitly in a config's ``trainer.callbacks`` to override that schedule.
 
 At scheduled steps the callback *scores* every still-shared looped group: it attaches zero per-loop
@@ -49,9 +50,14 @@ class SharingGapReselection(L.Callback):
         probe_batches: int = 2,
         eps_rel: float = 1e-3,
         upfront: bool = False,
+        probe_groups: int = 0,
     ) -> None:
         if every_n_steps < 1 or per_round < 1 or probe_batches < 1:
             raise ValueError("SharingGapReselection: every_n_steps, per_round and probe_batches must be >= 1")
+        if probe_groups < 0:
+            raise ValueError("SharingGapReselection: probe_groups must be >= 0 (0: every group in one pass)")
+        #: groups probed per forward/backward pass (0: all at once); bounds the probe step's memory (loopq.plan)
+        self.probe_groups = probe_groups
         self.budget, self.start_step, self.every_n_steps = budget, start_step, every_n_steps
         self.per_round, self.probe_batches, self.eps_rel, self.upfront = per_round, probe_batches, eps_rel, upfront
         self.selected: list[str] = []
@@ -96,7 +102,7 @@ class SharingGapReselection(L.Callback):
         reduce = None
         if trainer.world_size > 1:
             reduce = lambda flat: trainer.strategy.reduce(flat, reduce_op="mean")  # noqa: E731
-        return sharing_gap_scores(pl_module, batches, self.eps_rel, reduce)
+        return sharing_gap_scores(pl_module, batches, self.eps_rel, reduce, chunk=self.probe_groups)
 
     def run_round(
         self, trainer: L.Trainer, pl_module: Any, batches: list[Any], step: int, upfront: bool = False

@@ -106,7 +106,7 @@ class QuantLinearGroup(nn.Module):
 
     def transform_matrices(self, tr: KroneckerTransform, slot: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(P1, P2, P1^-1, P2^-1) of ``slot``; in probe mode P_t = P + Delta_t with a zero Delta_t whose gradient
-        is phi_t (so the inverse is taken numerically)."""
+        is phi_t (:func:`probed_matrices`)."""
         return self._slot_tensors(slot).mats  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ forward
@@ -152,17 +152,13 @@ class QuantLinearGroup(nn.Module):
             self._cache[key] = value
         return value
 
-    def _compute_slot(self, slot: int, base: dict[int, tuple[Tensor, ...]] | None) -> SlotTensors:
+    def _compute_slot(self, slot: int, base: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] | None) -> SlotTensors:
         tr = self.transform_for(slot)
         mats = inv_d = None
         if tr is not None:
             inv_d = None if tr.log_d is None else (-tr.log_d).exp()
-            if self.probe is None:
-                mats = tr.matrices()
-            else:
-                p1, p2 = base[id(tr)] if base is not None and id(tr) in base else (tr.left.matrix(), tr.right.matrix())
-                p1, p2 = p1 + self.probe[0][slot], p2 + self.probe[1][slot]
-                mats = (p1, p2, torch.linalg.inv(p1), torch.linalg.inv(p2))
+            shared = base[id(tr)] if base is not None and id(tr) in base else tr.matrices()
+            mats = shared if self.probe is None else probed_matrices(shared, self.probe[0][slot], self.probe[1][slot])
         inverses = () if mats is None else (mats[2], mats[3])
         if self.checkpoint_weights and torch.is_grad_enabled():
             weight = checkpoint(self._weight_chain, slot, *inverses, use_reentrant=False)
@@ -184,9 +180,9 @@ class QuantLinearGroup(nn.Module):
             return  # the eval cache fills lazily and survives forwards
         if any(hasattr(p, "ds_id") for p in self.parameters()):
             return  # DeepSpeed ZeRO-3 gathers a module's parameters only inside its own forward: compute per call
-        base: dict[int, tuple[Tensor, ...]] = {}
+        base: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         if self.probe is not None and self.transform is not None:
-            base[id(self.transform)] = (self.transform.left.matrix(), self.transform.right.matrix())
+            base[id(self.transform)] = self.transform.matrices()
         for key in sorted({self._param_slot(t) for t in range(self.slots)}):
             self._cache[key] = self._compute_slot(key, base)
         self._cache_state = self._state_key()
@@ -294,8 +290,8 @@ class QuantLinearGroup(nn.Module):
         n1, n2 = self.transform.left.log_s.numel(), self.transform.right.log_s.numel()
         ref = self.transform.left.log_s
         self.probe = (
-            torch.zeros(self.slots, n1, n1, device=ref.device, requires_grad=True),
-            torch.zeros(self.slots, n2, n2, device=ref.device, requires_grad=True),
+            torch.zeros(self.slots, n1, n1, device=ref.device, dtype=ref.dtype, requires_grad=True),
+            torch.zeros(self.slots, n2, n2, device=ref.device, dtype=ref.dtype, requires_grad=True),
         )
 
     def probe_gradients(self) -> Tensor | None:
@@ -308,6 +304,19 @@ class QuantLinearGroup(nn.Module):
     def stop_probe(self) -> None:
         self.probe = None
         self._cache, self._cache_state = {}, None
+
+
+def probed_matrices(
+    shared: tuple[Tensor, Tensor, Tensor, Tensor], delta1: Tensor, delta2: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(P1 + Delta1, P2 + Delta2) and their inverses to first order, P^-1 - P^-1 Delta P^-1 (§4.2's probe).
+
+    The probe is only ever evaluated at Delta = 0, where this is exact in value *and* gradient, and its forward is
+    bit-identical to the unprobed one: a group's probe then leaves every other group's numerics untouched, so S_l
+    does not depend on which groups are probed together (``slt_probe_groups``). A numerical inverse of P + Delta
+    differs from the transform's own inverse by rounding, enough to flip 4-bit codes and move the scores."""
+    p1, p2, p1_inv, p2_inv = shared
+    return p1 + delta1, p2 + delta2, p1_inv - p1_inv @ delta1 @ p1_inv, p2_inv - p2_inv @ delta2 @ p2_inv
 
 
 def begin_forward(model: nn.Module, args: object) -> None:

@@ -65,3 +65,23 @@ def test_a_config_without_callbacks_still_runs_loopq(tmp_path):
     config = meta["provenance"]["config"]
     assert config["model.adaptive_mu"] is True and config["model.quant.slt_budget"] == 2
     assert json.dumps(config["trainer.callbacks"]) == "[]"
+
+
+def test_probing_in_chunks_gives_the_scores_of_one_pass():
+    """``probe_groups`` bounds the probe step's memory (loopq.plan); the per-loop gradients, hence S_l, are the same
+    whichever groups share the pass (all 8 looped groups at once, or 3 + 3 + 2)."""
+    import torch
+
+    from loopq.calib.slt import sharing_gap_scores
+    from loopq.calib.targets import compute_targets
+
+    module = LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2))
+    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    module.targets = compute_targets(module.teacher, ids, 1000, module.num_loops)
+    batches = [[torch.arange(2), ids]]
+    whole = sharing_gap_scores(module, batches)
+    chunked = sharing_gap_scores(module, batches, chunk=3)
+    assert len(whole) == 8 and chunked.keys() == whole.keys()
+    assert list(chunked.values()) == pytest.approx(list(whole.values()), rel=1e-4)
+    with pytest.raises(ValueError, match="probe_groups"):
+        SharingGapReselection(probe_groups=-1)
