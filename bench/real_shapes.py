@@ -15,19 +15,24 @@ promoted up front, CTA rank 8, top-1000 targets, seq 256):
     export    ``export_student`` (weights folded in float64, int4 packed) and ``load_quantized`` of the export,
               plus one forward of the packed model (torch reference kernels on CPU)
 
-Each stage prints its wall time, the process's resident memory after it and the peak so far (``ru_maxrss``);
-the end prints parameter and byte counts. ``--layers`` reduces the depth where the machine cannot hold the full
-model (say so when quoting numbers). Numbers of a run go to ``docs/benchmarks.md``.
+Each stage prints its wall time, the process's resident memory after it and the stage's own peak: before a stage
+freed heap is handed back (``malloc_trim``) and the kernel's peak mark is reset (``/proc/self/clear_refs``), as
+``tests/peak_memory.py`` does. Run it with ``MALLOC_MMAP_THRESHOLD_`` fixed, so that freed tensors leave the resident
+set at once (glibc's default threshold grows after the first large free and keeps later freed tensors on its heap:
+the step's peak then reads ~20 % higher). The end prints parameter and byte counts and the training step's
+predicted memory (``loopq.plan``) term by term. ``--layers`` reduces the depth where the machine cannot hold the
+full model (say so when quoting numbers). Numbers of a run go to ``docs/benchmarks.md``.
 
-    OMP_NUM_THREADS=1 python bench/real_shapes.py                      # Ouro-1.4B, 24 layers
-    OMP_NUM_THREADS=1 python bench/real_shapes.py --layers 48          # Ouro-2.6B
+    MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python bench/real_shapes.py               # Ouro-1.4B, 24 layers
+    MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python bench/real_shapes.py --layers 48   # Ouro-2.6B
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
-import resource
 import shutil
 import sys
 import tempfile
@@ -47,7 +52,7 @@ from loopq.calib.targets import compute_targets
 from loopq.models.io import load_looplm
 from loopq.models.ouro import OuroLM
 from loopq.paths import REPO_ROOT
-from loopq.plan import plan_shape
+from loopq.plan import MemoryPlan, plan_shape
 from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups
 from loopq.quant.accounting import footprint, format_footprint, parameter_report
 
@@ -91,22 +96,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def rss_gib() -> tuple[float, float]:
-    """Resident memory now and the process's peak so far, GiB (Linux: /proc/self/statm, ru_maxrss in KiB)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    now = pages * resource.getpagesize() / 2**30
-    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def status_gib(field: str) -> float:
+    """``VmRSS`` / ``VmHWM`` of this process (``/proc/self/status``), GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    """Hand freed heap back to the kernel and reset the peak mark (VmHWM := VmRSS), where Linux allows it."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def stage(name: str, fn: Callable[[], Any], rows: list[tuple[str, float, float, float]]) -> Any:
-    """Run ``fn``, print and record its wall time and memory."""
-    gc.collect()
+    """Run ``fn``; print and record its wall time, the resident memory after it and its own peak."""
+    reset_peak()
     start = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - start
-    now, peak = rss_gib()
+    now, peak = status_gib("VmRSS"), status_gib("VmHWM")
     rows.append((name, seconds, now, peak))
-    print(f"  {name:8s} {seconds:8.1f} s   RSS {now:6.2f} GiB   peak {peak:6.2f} GiB", flush=True)
+    print(f"  {name:8s} {seconds:8.1f} s   RSS {now:6.2f} GiB   stage peak {peak:6.2f} GiB", flush=True)
     return out
 
 
@@ -192,17 +206,38 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_weights=bool(switches.get("checkpoint_weights")),
             teacher_dtype=str(switches.get("teacher_dtype", "fp32")),
         )  # fmt: skip
-        predicted = plan.phases["training step"] / 2**30
-        measured = next(peak for name, _, _, peak in rows if name == "step")
-        print(f"  training step: predicted {predicted:.2f} GiB (loopq.plan), measured peak RSS {measured:.2f} GiB "
-              f"({measured / predicted:.2f}x; RSS also holds the Python/torch runtime)")  # fmt: skip
-        print("\n| stage | seconds | RSS after (GiB) | peak so far (GiB) |\n|---|---|---|---|")
+        print(format_step_plan(plan, next(peak for name, _, _, peak in rows if name == "step")))
+        print("\n| stage | seconds | RSS after (GiB) | stage peak (GiB) |\n|---|---|---|---|")
         for name, seconds, now, peak in rows:
             print(f"| {name} | {seconds:.1f} | {now:.2f} | {peak:.2f} |")
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def format_step_plan(plan: MemoryPlan, measured: float) -> str:
+    """The training step's predicted terms (GiB) next to the measured stage peak."""
+    step, gib = plan.step, 2**-30
+    transients = {"one loop recomputed": step.recompute, "the loss": step.logits, "one chain rebuilt": step.chain}
+    largest = max(transients, key=transients.__getitem__)
+    terms = {
+        "frozen teacher (bf16)": plan.frozen,
+        "quantization state, all targets": plan.resident - plan.frozen,
+        "fake-quant weights": step.weights,
+        "their gradients": step.grads,
+        "activations kept": step.kept,
+        f"largest transient: {largest}": transients[largest],
+        "batch targets": step.targets,
+    }
+    predicted = plan.phases["training step"] * gib
+    lines = [f"  training step predicted by loopq.plan: {predicted:.2f} GiB"]
+    lines += [f"    {name:<40} {value * gib:7.2f} GiB" for name, value in terms.items()]
+    lines.append(
+        f"  measured stage peak {measured:.2f} GiB = {measured / predicted:.2f}x the prediction "
+        "(the peak also holds the Python/torch runtime, ~0.5 GiB)"
+    )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
