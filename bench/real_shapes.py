@@ -147,7 +147,7 @@ def calibration_step(module: LoopQCalibration, ids: torch.Tensor) -> float:
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def main(argv: list[str] | None = None) -> int:
