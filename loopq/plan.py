@@ -517,9 +517,10 @@ def target_bytes(samples: int, seq_len: int, topk: int, vocab: int, hidden: int,
 
 
 def teacher_load_bytes(params: int, teacher_bytes: int) -> int:
-    """Host memory while the teacher loads: the model built in fp32, the weights read (assumed in b_t) and, for a
-    bf16 teacher, the cast copy: P (4 + b_t + (b_t if b_t < 4))."""
-    return params * (4 + teacher_bytes + (teacher_bytes if teacher_bytes < 4 else 0))
+    """Host memory while the teacher loads: the weights as read (assumed in b_t) and the model they are copied into,
+    built on the meta device in b_t (``LoopLM.from_native``): 2 P b_t (measured 5.84 GiB with the ~0.5 GiB runtime
+    for Ouro-1.4B in bf16, 5.34 GiB predicted: ``bench/real_shapes.py``)."""
+    return 2 * params * teacher_bytes
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
