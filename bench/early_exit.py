@@ -7,7 +7,8 @@ per forward against the per-(loop, layer) cache, scored on the next token.
 (a) **early exit**: per model (FP teacher, the calibrated LoopQ W4A4 ``--student``, RTN W4A4 built from the teacher,
     and an ``--exported`` packed model when given) and ``--thresholds``: perplexity, average loops used per token,
     and against the FP teacher at the same threshold the fraction of tokens with the same exit loop and the mean
-    |exit-loop difference|. "none" is the plain cached decode (every token runs all loops).
+    |exit-loop difference|; wall-clock ms per decode step (all windows' rows together; noisy on a shared CPU).
+    "none" is the plain cached decode (every token runs all loops).
 (b) **KV cache bits**: per model (FP, LoopQ W4A4) and ``--kv_bits``: perplexity and the bytes the cache stores per
     token (codes + scales, all loops and layers), measured on the cache itself.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -71,12 +73,14 @@ def exit_table(named: dict[str, LoopLM], windows: Tensor, thresholds: list[float
     for threshold in thresholds:
         fp: DecodeResult | None = None
         for name, model in named.items():
+            start = time.perf_counter()
             result = decode_perplexity(model, windows, exit_threshold=threshold)
+            ms = (time.perf_counter() - start) * 1000 / windows.shape[1]
             fp = result if name == "FP" else fp
             same, diff = agreement(result.exit_loops, fp.exit_loops) if fp is not None else (1.0, 0.0)
             rows.append(
                 {"threshold": threshold, "model": name, "ppl": result.ppl, "loops": result.mean_loops}
-                | {"same_exit": same, "exit_diff": diff}
+                | {"same_exit": same, "exit_diff": diff, "ms_per_step": ms}
             )
             print(rows[-1], file=sys.stderr, flush=True)
     return rows
@@ -98,13 +102,14 @@ def markdown(exits: list[dict], kv: list[dict], windows: Tensor) -> str:
     lines = [
         f"{n} windows x {s} tokens ({n * (s - 1)} predictions), teacher-forced cached decoding",
         "",
-        "| threshold | model | ppl | loops/token | same exit as FP | mean abs loop diff |",
-        "|---|---|---|---|---|---|",
+        "| threshold | model | ppl | loops/token | same exit as FP | mean abs loop diff | ms/step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in exits:
         t = "none" if r["threshold"] is None else f"{r['threshold']:g}"
         lines.append(
-            f"| {t} | {r['model']} | {r['ppl']:.2f} | {r['loops']:.2f} | {r['same_exit']:.3f} | {r['exit_diff']:.3f} |"
+            f"| {t} | {r['model']} | {r['ppl']:.2f} | {r['loops']:.2f} | {r['same_exit']:.3f} | {r['exit_diff']:.3f} "
+            f"| {r['ms_per_step']:.1f} |"
         )
     base = {r["model"]: r["bytes_per_token"] for r in kv if r["kv_bits"] == 16}
     lines += ["", "| model | kv bits | ppl | cache bytes/token | vs fp32 cache |", "|---|---|---|---|---|"]
