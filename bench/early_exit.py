@@ -8,7 +8,9 @@ per forward against the per-(loop, layer) cache, scored on the next token.
     and an ``--exported`` packed model when given) and ``--thresholds``: perplexity, average loops used per token,
     and against the FP teacher at the same threshold the fraction of tokens with the same exit loop and the mean
     |exit-loop difference|; wall-clock ms per decode step (all windows' rows together; noisy on a shared CPU).
-    "none" is the plain cached decode (every token runs all loops).
+    "none" is the plain cached decode (every token runs all loops). "upstream": the same threshold as upstream's
+    ``OuroForCausalLM`` applies it - one full forward running every loop for every token and reading each token out
+    at its exit - its perplexity, and the fraction of tokens whose skipping exit equals it.
 (b) **KV cache bits**: per model (FP, LoopQ W4A4) and ``--kv_bits``: perplexity and the bytes the cache stores per
     token (codes + scales, all loops and layers), measured on the cache itself.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loopq.artifacts import load_artifact
 from loopq.data.tokenizer import load_tokenizer
 from loopq.eval.decoding import DecodeResult, decode_perplexity
-from loopq.eval.perplexity import token_windows, wikitext2_stream
+from loopq.eval.perplexity import token_windows, wikitext2_stream, window_nll
 from loopq.evaluate import build
 from loopq.models import LoopLM
 from loopq.paths import REPO_ROOT
@@ -63,6 +66,18 @@ def models(student: Path, exported: Path | None) -> dict[str, LoopLM]:
     return {name: model.eval() for name, model in found.items()}
 
 
+def upstream_threshold(model: LoopLM, windows: Tensor, threshold: float | None) -> tuple[float, Tensor]:
+    """Perplexity and exit loops of upstream's threshold mode: one full forward, every loop run for every token,
+    logits read out at each token's exit (no skipping, no copied cache slots)."""
+    if threshold is None:
+        return float("nan"), torch.empty(0)
+    with torch.inference_mode():
+        out = model(windows, exit_mode="threshold", exit_threshold=threshold)
+    return math.exp(window_nll(out.logits, windows) / (windows.shape[0] * (windows.shape[1] - 1))), out.extras[
+        "exit_steps"
+    ]
+
+
 def agreement(exits: Tensor, reference: Tensor) -> tuple[float, float]:
     """Fraction of tokens with the same exit loop as ``reference``, and the mean |loop difference|."""
     return float((exits == reference).float().mean()), float((exits - reference).abs().float().mean())
@@ -78,9 +93,12 @@ def exit_table(named: dict[str, LoopLM], windows: Tensor, thresholds: list[float
             ms = (time.perf_counter() - start) * 1000 / windows.shape[1]
             fp = result if name == "FP" else fp
             same, diff = agreement(result.exit_loops, fp.exit_loops) if fp is not None else (1.0, 0.0)
+            up_ppl, up_exits = upstream_threshold(model, windows, threshold)
+            up_same = agreement(result.exit_loops, up_exits)[0] if up_exits.numel() else float("nan")
             rows.append(
                 {"threshold": threshold, "model": name, "ppl": result.ppl, "loops": result.mean_loops}
-                | {"same_exit": same, "exit_diff": diff, "ms_per_step": ms}
+                | {"same_exit": same, "exit_diff": diff, "ms_per_step": ms, "upstream_ppl": up_ppl}
+                | {"same_exit_as_upstream": up_same}
             )
             print(rows[-1], file=sys.stderr, flush=True)
     return rows
@@ -102,14 +120,15 @@ def markdown(exits: list[dict], kv: list[dict], windows: Tensor) -> str:
     lines = [
         f"{n} windows x {s} tokens ({n * (s - 1)} predictions), teacher-forced cached decoding",
         "",
-        "| threshold | model | ppl | loops/token | same exit as FP | mean abs loop diff | ms/step |",
-        "|---|---|---|---|---|---|---|",
+        "| threshold | model | ppl | loops/token | same exit as FP | mean abs loop diff | ms/step "
+        "| upstream ppl | same exit as upstream |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in exits:
         t = "none" if r["threshold"] is None else f"{r['threshold']:g}"
         lines.append(
             f"| {t} | {r['model']} | {r['ppl']:.2f} | {r['loops']:.2f} | {r['same_exit']:.3f} | {r['exit_diff']:.3f} "
-            f"| {r['ms_per_step']:.1f} |"
+            f"| {r['ms_per_step']:.1f} | {r['upstream_ppl']:.2f} | {r['same_exit_as_upstream']:.3f} |"
         )
     base = {r["model"]: r["bytes_per_token"] for r in kv if r["kv_bits"] == 16}
     lines += ["", "| model | kv bits | ppl | cache bytes/token | vs fp32 cache |", "|---|---|---|---|---|"]
@@ -126,6 +145,8 @@ def main(argv: list[str] | None = None) -> str:
     tokenizer = load_tokenizer(TEACHER / "tokenizer.json")
     windows = token_windows(wikitext2_stream(tokenizer), args.seq_len)[: args.windows]
     named = models(args.student, args.exported)
+    for model in named.values():  # warm-up, so that the first timed decode does not pay one-time set-up
+        decode_perplexity(model, windows[:1, :4], exit_threshold=0.5)
     exits = exit_table(named, windows, [None, *args.thresholds])
     kv = kv_table(named, windows, args.kv_bits)
     if args.out is not None:
