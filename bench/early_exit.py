@@ -15,6 +15,7 @@ per forward against the per-(loop, layer) cache, scored on the next token.
     token (codes + scales, all loops and layers), measured on the cache itself.
 
     python bench/early_exit.py --student /tmp/ee/tiny/student [--exported DIR] [--windows 8] [--seq_len 256]
+    python bench/early_exit.py --teacher loopq/assets/tiny-ouro-outliers --student /tmp/ee/stress/student
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ TEACHER = REPO_ROOT / "loopq" / "assets" / "tiny-ouro"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--teacher", type=Path, default=TEACHER, help="FP teacher (the student's; RTN is built from it)"
+    )
     parser.add_argument("--student", type=Path, required=True, help="calibrated LoopQ student (python -m loopq.fit)")
     parser.add_argument("--exported", type=Path, default=None, help="its export (python -m loopq.export), optional")
     parser.add_argument("--windows", type=int, default=8, help="WikiText-2 windows decoded")
@@ -54,12 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def models(student: Path, exported: Path | None) -> dict[str, LoopLM]:
+def models(teacher: Path, student: Path, exported: Path | None) -> dict[str, LoopLM]:
     """The FP teacher, the LoopQ student, RTN W4A4 (training-free, from the teacher) and the export if given."""
     found = {
-        "FP": load_artifact(TEACHER, kind="teacher").model,
+        "FP": load_artifact(teacher, kind="teacher").model,
         "LoopQ W4A4": load_artifact(student, kind="student").model,
-        "RTN W4A4": build(str(TEACHER), None, None, "RTN", "w4a4")[0],
+        "RTN W4A4": build(str(teacher), None, None, "RTN", "w4a4")[0],
     }
     if exported is not None:
         found["LoopQ W4A4 (exported)"] = load_artifact(exported, kind="export").model
@@ -142,9 +146,9 @@ def markdown(exits: list[dict], kv: list[dict], windows: Tensor) -> str:
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     torch.manual_seed(0)
-    tokenizer = load_tokenizer(TEACHER / "tokenizer.json")
+    tokenizer = load_tokenizer(args.teacher / "tokenizer.json")
     windows = token_windows(wikitext2_stream(tokenizer), args.seq_len)[: args.windows]
-    named = models(args.student, args.exported)
+    named = models(args.teacher, args.student, args.exported)
     for model in named.values():  # warm-up, so that the first timed decode does not pay one-time set-up
         decode_perplexity(model, windows[:1, :4], exit_threshold=0.5)
     exits = exit_table(named, windows, [None, *args.thresholds])
