@@ -109,7 +109,7 @@ class LoopKVCache:
 
     def extend(self, layer: nn.Module, t: int | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append new ``k``, ``v`` ``[B, H_kv, S, dh]`` to the entry of (``t``, the decoder layer holding ``layer``);
-        return the whole entry."""
+        return the whole entry (quantized: the stored slots dequantized, then the new ones unrounded)."""
         key = (t, self.layer_names[id(layer)])
         if self.kv_bits is None:
             if key in self.keys:
@@ -137,10 +137,10 @@ class LoopKVCache:
                 ran_slots = [map_entry(lambda x: x[:, :, -1:], store[(t, name)]) for t in range(ran)]
                 exit_slot = map_entry(lambda *xs: torch.stack(xs)[exit_loops, rows], *ran_slots)
                 for t in range(1, num_loops):
-                    key = (t, name)
-                    if t < ran:
-                        store[key] = _replace_last(store[key], exit_slot, exit_loops < t)
-                    else:  # no row ran loop t: append the copy
+                    key, skipped = (t, name), exit_loops < t
+                    if t < ran and bool(skipped.any()):
+                        store[key] = _replace_last(store[key], exit_slot, skipped)
+                    elif t >= ran:  # no row ran loop t: append the copy
                         store[key] = map_entry(_cat_slots, store[key], exit_slot) if key in store else exit_slot
 
     def advance(self, step: DecodeStep) -> None:
