@@ -3,6 +3,8 @@
     python -m loopq.generate --model loopq/assets/tiny-ouro --prompt "The loop" --max_new_tokens 24
     python -m loopq.generate --exported runs/tiny/exported --prompts_file prompts.txt --temperature 0.8 --top_p 0.9
 
+``--exit_threshold X`` (Ouro) stops looping each decoded token at its threshold exit and reports the average loops per
+token at the end; ``--kv_bits 8|4`` stores the cache quantized (:mod:`loopq.models.kv_quant`).
 Greedy by default; ``--temperature`` > 0 samples (``--top_p`` keeps the nucleus, ``--seed`` fixes the draws).
 Decoding uses the looped KV cache (:mod:`loopq.models.kv_cache`: one K/V entry per (loop, layer)); ``--no_cache``
 re-runs the full looped forward for every token, for comparison - both give the same greedy tokens. The Python API
@@ -24,7 +26,9 @@ from loopq.artifacts import load_artifact, tokenizer_dir
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.errors import OneLineParser, UsageError, run_cli
 from loopq.models import LoopLM
+from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold
 from loopq.models.generation import check_prompt, check_sampling, generate
+from loopq.models.kv_quant import check_kv_bits
 
 __all__ = ["generate", "main"]
 
@@ -46,8 +50,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str, Path]:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling draws")
     parser.add_argument("--no_cache", action="store_true", help="re-run the full forward per token (no KV cache)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--exit_threshold", type=float, default=None, help="Ouro early exit: stop looping a token at this threshold"
+    )
+    parser.add_argument("--kv_bits", type=int, default=None, help="store the KV cache in 8 or 4 bits (16: as is)")
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+    check_exit_threshold(args.exit_threshold)
+    check_kv_bits(args.kv_bits)
+    if args.no_cache and (args.exit_threshold is not None or args.kv_bits not in (None, 16)):
+        raise UsageError("--exit_threshold and --kv_bits need the KV cache; drop --no_cache")
     if args.num_loops is not None and args.num_loops < 1:
         raise UsageError(f"--num_loops must be >= 1, got {args.num_loops}")
     kind, path = next((k, p) for k in ("model", "student", "exported") if (p := getattr(args, k)) is not None)
@@ -97,6 +109,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     model: LoopLM = artifact.model.eval()
     tokenizer = load_tokenizer(tokenizer_dir(path, artifact) / "tokenizer.json")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    if args.exit_threshold is not None:
+        check_exit_model(model)
+    stats = ExitStats()
     texts = []
     for prompt in read_prompts(args.prompt, args.prompts_file):
         ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], device=args.device)
@@ -114,9 +129,18 @@ def main(argv: list[str] | None = None) -> list[str]:
             eos_token_id=eos_id(tokenizer),
             use_cache=not args.no_cache,
             on_token=streamer(tokenizer, write),
+            exit_threshold=args.exit_threshold,
+            kv_bits=args.kv_bits,
+            exit_stats=stats,
         )
         write("\n")
         texts.append(tokenizer.decode(new[0].tolist(), skip_special_tokens=False))
+    if stats.exit_loops:
+        loops = args.num_loops or model.resolve_num_loops(None)
+        sys.stderr.write(
+            f"early exit at threshold {args.exit_threshold}: {stats.mean_loops():.2f} of {loops} loops per decoded "
+            f"token on average ({sum(x.numel() for x in stats.exit_loops)} tokens)\n"
+        )
     return texts
 
 

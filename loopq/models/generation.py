@@ -20,8 +20,10 @@ import torch
 from torch import Tensor
 
 from loopq.models.base import LoopLM
+from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold, early_exit_forward
 from loopq.models.errors import LoopLMError
 from loopq.models.kv_cache import LoopKVCache
+from loopq.models.kv_quant import check_kv_bits
 
 #: called after every step with the new tokens ``[B]``; returning True stops the generation
 OnToken = Callable[[Tensor], bool | None]
@@ -87,15 +89,27 @@ def generate(
     eos_token_id: int | None = None,
     use_cache: bool = True,
     on_token: OnToken | None = None,
+    exit_threshold: float | None = None,
+    kv_bits: int | None = None,
+    exit_stats: ExitStats | None = None,
     **forward_kwargs: Any,
 ) -> Tensor:
     """The generated tokens ``[B, n]`` (n <= ``max_new_tokens``) after ``input_ids`` ``[B, S]`` (left padded where
     ``attention_mask`` has zeros). Stops early when every row has produced ``eos_token_id`` (rows that finished
-    repeat it) or ``on_token`` returns True. ``forward_kwargs`` go to every forward (LoopFormer's ``steps``...)."""
+    repeat it) or ``on_token`` returns True. ``forward_kwargs`` go to every forward (LoopFormer's ``steps``...).
+
+    ``exit_threshold`` in (0, 1] (Ouro): each decoded token stops looping at its threshold exit
+    (:mod:`loopq.models.early_exit`); its exit loops are appended to ``exit_stats`` when given. ``kv_bits`` 8 or 4
+    stores the cache as codes and scales (:mod:`loopq.models.kv_quant`); both need the cache."""
     check_sampling(max_new_tokens, temperature, top_p)
+    check_decoding(model, use_cache, exit_threshold, kv_bits)
     check_prompt(model, input_ids, attention_mask, max_new_tokens)
     kwargs = {"num_loops": num_loops, **forward_kwargs}
-    step = (_cached_steps if use_cache else _rerun_steps)(model, input_ids, attention_mask, kwargs)
+    if use_cache:
+        cache = LoopKVCache.for_model(model, input_ids.shape[0], kv_bits=kv_bits)
+        step = _cached_steps(model, input_ids, attention_mask, kwargs, cache, exit_threshold, exit_stats)
+    else:
+        step = _rerun_steps(model, input_ids, attention_mask, kwargs)
     new: list[Tensor] = []
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     logits = step(None)
@@ -111,16 +125,40 @@ def generate(
     return torch.stack(new, dim=1)
 
 
+def check_decoding(model: LoopLM, use_cache: bool, exit_threshold: float | None, kv_bits: int | None) -> None:
+    """One line per bad early-exit / quantized-cache option, naming its flag."""
+    check_exit_threshold(exit_threshold)
+    check_kv_bits(kv_bits)
+    if exit_threshold is not None:
+        check_exit_model(model)
+    if not use_cache and (exit_threshold is not None or check_kv_bits(kv_bits) is not None):
+        flag = "--exit_threshold" if exit_threshold is not None else "--kv_bits"
+        raise LoopLMError(f"{flag} needs the KV cache; drop --no_cache (use_cache=False)")
+
+
 def _cached_steps(
-    model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    model: LoopLM,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    kwargs: dict[str, Any],
+    cache: LoopKVCache,
+    exit_threshold: float | None = None,
+    exit_stats: ExitStats | None = None,
 ) -> Callable[[Tensor | None], Tensor]:
-    """Logits of the prompt (``None``), then of each new token alone against the cache."""
-    cache = LoopKVCache.for_model(model, input_ids.shape[0])
+    """Logits of the prompt (``None``), then of each new token alone against the cache (with early exit: the
+    prompt read out at its threshold exit, each new token looping only until its own)."""
+    exits = {} if exit_threshold is None else {"exit_mode": "threshold", "exit_threshold": exit_threshold}
 
     def step(token: Tensor | None) -> Tensor:
         if token is None:
-            return model(input_ids, cache=cache, attention_mask=attention_mask, **kwargs).logits
-        return model(token[:, None], cache=cache, **kwargs).logits
+            return model(input_ids, cache=cache, attention_mask=attention_mask, **kwargs, **exits).logits
+        if exit_threshold is None:
+            return model(token[:, None], cache=cache, **kwargs).logits
+        logits, exit_loops, ran = early_exit_forward(model, token[:, None], cache, exit_threshold, **kwargs)
+        if exit_stats is not None:
+            exit_stats.exit_loops.append(exit_loops)
+            exit_stats.loops_run.append(ran)
+        return logits
 
     return step
 

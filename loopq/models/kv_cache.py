@@ -19,13 +19,16 @@ padding, padded keys are never attended to, and positions are counted per row ov
 row sees the same RoPE / learned positions as the same prompt alone. The cache keeps, per row, which cached slots are
 real (``valid``) and the next position (``next_position``).
 
-Early exit (Ouro's per-token gate) is not applied here, but the layout allows it: a token that exits after loop t
-can have its later loops' entries filled with its loop-t keys/values, as the per-(loop, layer) entries are separate.
+Early exit (Ouro's per-token gate, :mod:`loopq.models.early_exit`): a decoded token that exits after loop e skips
+the deeper loops, and :meth:`LoopKVCache.fill_skipped` writes its loop-e keys/values into its slot of every deeper
+loop's entry, so later tokens attend to it in every loop. ``kv_bits`` 8 or 4 stores every entry as codes and
+per-token group scales (:mod:`loopq.models.kv_quant`); the new tokens of a forward attend to their own K/V unrounded.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +36,19 @@ import torch
 from torch import Tensor, nn
 
 from loopq.models.errors import LoopLMError
+from loopq.models.kv_quant import QuantizedKV, check_kv_bits, dequantize_kv, kv_num_bytes, quantize_kv
 
 #: a cache entry's key: (loop index or None outside the loop, decoder-layer module name)
 EntryKey = tuple[int | None, str]
+#: a stored entry: the keys or values ``[B, H_kv, S, dh]`` themselves, or their codes and scales
+Entry = Tensor | QuantizedKV
+
+
+def map_entry(fn: Callable[..., Tensor], *entries: Entry) -> Entry:
+    """``fn`` applied field by field to entries of one kind (a tensor, or the codes and the scales)."""
+    if isinstance(entries[0], Tensor):
+        return fn(*entries)
+    return QuantizedKV(*(fn(*fields) for fields in zip(*entries, strict=True)))
 
 
 @dataclass
@@ -57,23 +70,26 @@ class LoopKVCache:
     """Per-(loop, layer) keys and values of the tokens seen so far, for one model and one batch.
 
     Build it with :meth:`for_model`; a forward with ``cache=`` fills and extends it. ``length`` is the number of
-    cached token slots (padding included), ``valid`` ``[B, length]`` marks the real ones."""
+    cached token slots (padding included), ``valid`` ``[B, length]`` marks the real ones. ``kv_bits`` (8 or 4)
+    stores entries as :class:`~loopq.models.kv_quant.QuantizedKV`; None keeps the model's dtype."""
 
     model: weakref.ReferenceType[nn.Module]
     layer_names: dict[int, str]
     batch: int
-    keys: dict[EntryKey, Tensor] = field(default_factory=dict)
-    values: dict[EntryKey, Tensor] = field(default_factory=dict)
+    keys: dict[EntryKey, Entry] = field(default_factory=dict)
+    values: dict[EntryKey, Entry] = field(default_factory=dict)
     length: int = 0
     valid: Tensor | None = None
     next_position: Tensor | None = None
+    kv_bits: int | None = None
 
     @classmethod
-    def for_model(cls, model: Any, batch: int) -> LoopKVCache:
-        """An empty cache for ``batch`` sequences of ``model`` (a :class:`~loopq.models.base.LoopLM`)."""
+    def for_model(cls, model: Any, batch: int, kv_bits: int | None = None) -> LoopKVCache:
+        """An empty cache for ``batch`` sequences of ``model`` (a :class:`~loopq.models.base.LoopLM`), storing
+        ``kv_bits`` (None or 16: unquantized; 8 or 4: codes and scales) per key/value."""
         # every module inside a decoder layer maps to that layer's name: its attention module appends the K/V
         names = {id(m): name for name, layer in model.decoder_layers().items() for m in layer.modules()}
-        return cls(model=weakref.ref(model), layer_names=names, batch=batch)
+        return cls(model=weakref.ref(model), layer_names=names, batch=batch, kv_bits=check_kv_bits(kv_bits))
 
     def check(self, model: nn.Module, input_ids: Tensor) -> None:
         """Refuse a cache built for another model or another batch size (one line each)."""
@@ -93,13 +109,39 @@ class LoopKVCache:
 
     def extend(self, layer: nn.Module, t: int | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append new ``k``, ``v`` ``[B, H_kv, S, dh]`` to the entry of (``t``, the decoder layer holding ``layer``);
-        return the whole entry."""
+        return the whole entry (quantized: the stored slots dequantized, then the new ones unrounded)."""
         key = (t, self.layer_names[id(layer)])
-        if key in self.keys:
-            k = torch.cat([self.keys[key], k], dim=2)
-            v = torch.cat([self.values[key], v], dim=2)
-        self.keys[key], self.values[key] = k, v
-        return k, v
+        if self.kv_bits is None:
+            if key in self.keys:
+                k, v = torch.cat([self.keys[key], k], dim=2), torch.cat([self.values[key], v], dim=2)
+            self.keys[key], self.values[key] = k, v
+            return k, v
+        new_k, new_v = quantize_kv(k, self.kv_bits), quantize_kv(v, self.kv_bits)
+        if key not in self.keys:
+            self.keys[key], self.values[key] = new_k, new_v
+            return k, v
+        full_k = torch.cat([dequantize_kv(self.keys[key]).to(k.dtype), k], dim=2)  # type: ignore[arg-type]
+        full_v = torch.cat([dequantize_kv(self.values[key]).to(v.dtype), v], dim=2)  # type: ignore[arg-type]
+        self.keys[key] = map_entry(_cat_slots, self.keys[key], new_k)
+        self.values[key] = map_entry(_cat_slots, self.values[key], new_v)
+        return full_k, full_v
+
+    def fill_skipped(self, exit_loops: Tensor, ran: int, num_loops: int) -> None:
+        """After a one-token forward that ran loops ``0 .. ran-1``: the token of row b exited at ``exit_loops[b]``, so
+        its slot in every deeper loop's entry becomes a copy of its exit loop's keys/values (appended for the loops
+        that did not run, overwriting the computed ones for rows that exited before the batch stopped)."""
+        looped = [name for t, name in self.keys if t == 0]
+        rows = torch.arange(self.batch, device=exit_loops.device)
+        for store in (self.keys, self.values):
+            for name in looped:
+                ran_slots = [map_entry(lambda x: x[:, :, -1:], store[(t, name)]) for t in range(ran)]
+                exit_slot = map_entry(lambda *xs: torch.stack(xs)[exit_loops, rows], *ran_slots)
+                for t in range(1, num_loops):
+                    key, skipped = (t, name), exit_loops < t
+                    if t < ran and bool(skipped.any()):
+                        store[key] = _replace_last(store[key], exit_slot, skipped)
+                    elif t >= ran:  # no row ran loop t: append the copy
+                        store[key] = map_entry(_cat_slots, store[key], exit_slot) if key in store else exit_slot
 
     def advance(self, step: DecodeStep) -> None:
         """Record the new tokens once every layer has appended them (called at the end of a forward)."""
@@ -110,7 +152,17 @@ class LoopKVCache:
 
     def num_bytes(self) -> int:
         """Memory held by the cached keys and values."""
-        return sum(x.numel() * x.element_size() for x in (*self.keys.values(), *self.values.values()))
+        return sum(kv_num_bytes(x) for x in (*self.keys.values(), *self.values.values()))
+
+
+def _cat_slots(a: Tensor, b: Tensor) -> Tensor:
+    return torch.cat([a, b], dim=2)
+
+
+def _replace_last(entry: Entry, slot: Entry, rows: Tensor) -> Entry:
+    """``entry`` with its last slot replaced by ``slot`` in the ``rows`` ``[B]`` (bool) of the batch."""
+    mask = rows[:, None, None, None]
+    return map_entry(lambda x, s: torch.cat([x[:, :, :-1], torch.where(mask, s, x[:, :, -1:])], dim=2), entry, slot)
 
 
 def decode_step(

@@ -237,9 +237,13 @@ class OuroLM(LoopLM):
     def head(self, h: Tensor, ctx: dict[str, Any]) -> Tensor:
         return self.lm_head(h)
 
+    def exit_gate_logits(self, h: Tensor) -> Tensor:
+        """The exit gate's logit ``[..., 1]`` of a loop state ``H_t`` (used by :mod:`loopq.models.early_exit`)."""
+        return self.model.early_exit_gate(h)
+
     def finalize(self, out: LoopLMOutput, ctx: dict[str, Any]) -> LoopLMOutput:
         states: list[Tensor] = ctx["loop_states"]
-        gates = [self.model.early_exit_gate(h) for h in states]
+        gates = [self.exit_gate_logits(h) for h in states]
         probs = exit_distribution(torch.cat(gates, dim=-1))
         out.extras.update(exit_gate_logits=gates, exit_probs=probs)
         if ctx["exit_mode"] == "expected":
