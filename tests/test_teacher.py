@@ -64,3 +64,34 @@ def test_rtn_w4a4_breaks_the_stress_variant(subset):
     rtn = perplexity(prepare(stress, QuantConfig.rtn(4, 4, 32)).eval(), subset, SEQ_LEN, batch_size=8).ppl
     assert rtn >= 2 * fp
     assert rtn == pytest.approx(record(STRESS)["quick_check"]["rtn_w4a4_g32_ppl"], rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------- second teacher
+SMALL = ASSETS / "small-ouro"
+
+
+def test_second_teacher_is_a_native_ouro_of_the_issue_size_with_its_record():
+    model = load_looplm(SMALL)
+    c = model.config
+    assert model.arch == "ouro" and model.default_num_loops == 4
+    assert c.num_hidden_layers >= 6 and c.hidden_size >= 256  # >= 24 looped transform groups per kind
+    assert sum(f.stat().st_size for f in SMALL.iterdir()) <= 40 * 2**20
+    assert load_tokenizer(SMALL).get_vocab_size() == c.vocab_size
+    train = json.loads((SMALL / "training_record.json").read_text())
+    assert train["command"].startswith("python -m loopq.pretrain") and train["steps"] == 3000
+    assert not any("test" in source for source in train["data_hparams"]["sources"]), "never a test split"
+    rec = record(SMALL)
+    assert rec["fragility"]["FP"]["ppl"] <= 120, "the issue's bar: WikiText-2 ppl <= 120"
+    assert rec["fragility"]["FP"]["ppl"] <= 0.5 * record(PLAIN)["fragility"]["FP"]["ppl"], "clearly better than tiny"
+
+
+def test_second_teacher_meets_its_recorded_fp_and_rtn_w4a4_perplexity():
+    """The headline numbers of small-ouro's TESTBED.md, re-measured on the testbed's quick-check windows."""
+    model = load_looplm(SMALL)
+    stream = torch.tensor(wikitext2_stream(load_tokenizer(SMALL)))[: QUICK_WINDOWS * SEQ_LEN]
+    quick = record(SMALL)["quick_check"]
+    fp = perplexity(model, stream, SEQ_LEN, batch_size=8).ppl
+    rtn = perplexity(prepare(model, QuantConfig.rtn(4, 4, 32)).eval(), stream, SEQ_LEN, batch_size=8).ppl
+    assert fp == pytest.approx(quick["fp_ppl"], rel=1e-4)
+    assert rtn == pytest.approx(quick["rtn_w4a4_g32_ppl"], rel=1e-3)
+    assert 1.0 < rtn / fp < 1.10, "as recorded: plain RTN W4A4 g32 costs a few percent, short of the issue's 10 %"
