@@ -59,6 +59,21 @@ def test_print_plan_of_a_paper_config_runs_offline_in_seconds_without_the_teache
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
+def test_readme_plan_table_is_what_print_plan_predicts():
+    """Every row of the README's memory table (training step, SLT probe step, target cache) is the plan of its config
+    and launch overrides, so the README cannot drift from ``--print_plan``."""
+    rows = [line for line in (REPO_ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
+    rows = [r for r in rows if r.split("|")[1].strip().strip("`") in PAPER_CONFIGS]
+    assert len(rows) == 6
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        launch = ["--trainer.devices", "4", "--data.batch_size", "1"] if "... 4" in cells[1] else []
+        _, predicted = plan.plan_from_config(parsed(["--config", f"configs/{cells[0].strip('`')}.yaml", *launch]))
+        want = [plan.size(predicted.phases["training step"]), plan.size(predicted.phases["SLT probe step"]),
+                plan.size(predicted.targets)]  # fmt: skip
+        assert cells[3:6] == want, row
+
+
 def test_print_plan_of_an_unknown_hub_teacher_asks_for_its_config(capsys):
     args = ["--config", "configs/tiny.yaml", "--model.teacher", "someone/unknown-looped-lm", "--print_plan"]
     with pytest.raises(plan.PlanError, match=r"model\.teacher someone/unknown-looped-lm: .* --plan_config"):
