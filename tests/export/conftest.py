@@ -60,17 +60,23 @@ def make_student(teacher: LoopLM, a_bits: int, seed: int = 0) -> tuple[LoopLM, s
     return student, promoted
 
 
+def export_student(teacher_dir: Path, a_bits: int, root: Path) -> LoopLM:
+    """:func:`make_student` of ``teacher_dir`` written to ``root/student``, exported by the CLI to ``root/export`` and
+    loaded back (the packed model)."""
+    student, promoted = make_student(load_looplm(teacher_dir), a_bits)
+    meta = student_meta(student, teacher_dir, root / "student", [promoted], [1.0] * student.calibrated_loops, None)
+    write_student(student, meta, root / "student")
+    main(["--ckpt", str(root / "student"), "--out", str(root / "export")])
+    return load_quantized(root / "export")
+
+
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-w4a{b}" for a, b in CASES])
 def exported(request, fixtures, tmp_path_factory) -> Exported:
     arch, a_bits = request.param
     teacher_dir = fixtures / ARCHS[arch]
     root = tmp_path_factory.mktemp(f"{arch}-w4a{a_bits}")
-    student, promoted = make_student(load_looplm(teacher_dir), a_bits)
-    meta = student_meta(student, teacher_dir, root / "student", [promoted], [1.0] * student.calibrated_loops, None)
-    write_student(student, meta, root / "student")
-    main(["--ckpt", str(root / "student"), "--out", str(root / "export")])
+    model = export_student(teacher_dir, a_bits, root)
     student, meta = load_student(root / "student")
-    model = load_quantized(root / "export")
     return Exported(arch, a_bits, teacher_dir, root / "student", root / "export", student, meta, model)
 
 

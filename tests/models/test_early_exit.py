@@ -144,16 +144,9 @@ def test_fake_quant_student_skips_as_the_reference():
 
 
 def test_exported_student_never_firing_gate_is_the_plain_decode(fixtures, tmp_path):
-    from loopq.artifacts import load_quantized, student_meta, write_student
-    from loopq.export import main as export_main
-    from tests.export.conftest import make_student
+    from tests.export.conftest import export_student
 
-    teacher_dir = fixtures / "ouro-tiny"
-    student, promoted = make_student(load_looplm(teacher_dir), a_bits=4)
-    meta = student_meta(student, teacher_dir, tmp_path / "student", [promoted], [1.0] * student.calibrated_loops, None)
-    write_student(student, meta, tmp_path / "student")
-    export_main(["--ckpt", str(tmp_path / "student"), "--out", str(tmp_path / "export")])
-    model = load_quantized(tmp_path / "export").eval()
+    model = export_student(fixtures / "ouro-tiny", 4, tmp_path).eval()
     prompt = random_ids(model, length=PROMPT_LEN, seed=7)
     plain = generate(model, prompt, max_new_tokens=NEW)
     assert torch.equal(generate(model, prompt, max_new_tokens=NEW, exit_threshold=1.0), plain)

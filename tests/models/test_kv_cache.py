@@ -9,14 +9,12 @@ forward of a prefix already differs from that of the whole sequence there), whic
 import pytest
 import torch
 
-from loopq.artifacts import load_quantized, student_meta, write_student
-from loopq.export import main as export_main
 from loopq.models import LoopLMError, load_looplm
 from loopq.models.generation import generate
 from loopq.models.kv_cache import LoopKVCache
 from loopq.paths import REPO_ROOT
 from loopq.quant import QuantConfig, prepare
-from tests.export.conftest import make_student
+from tests.export.conftest import export_student
 
 ARCHS = ["ouro-tiny", "loopformer-tiny", "parcae-tiny"]
 NEW = 32
@@ -92,12 +90,7 @@ def test_fake_quant_student_cached_equals_rerun():
 
 
 def test_exported_student_cached_equals_rerun(fixtures, tmp_path):
-    teacher_dir = fixtures / "ouro-tiny"
-    student, promoted = make_student(load_looplm(teacher_dir), a_bits=4)
-    meta = student_meta(student, teacher_dir, tmp_path / "student", [promoted], [1.0] * student.calibrated_loops, None)
-    write_student(student, meta, tmp_path / "student")
-    export_main(["--ckpt", str(tmp_path / "student"), "--out", str(tmp_path / "export")])
-    model = load_quantized(tmp_path / "export").eval()
+    model = export_student(fixtures / "ouro-tiny", 4, tmp_path).eval()
     assert_cached_equals_rerun(model, prompt_ids(model, length=10))
 
 
