@@ -21,12 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from loopq.models.base import LoopLM
-from loopq.qspec import to_groups
 from loopq.quant import baselines
 from loopq.quant.config import METHODS, QuantConfig, QuantConfigError
 from loopq.quant.cta import TransitionAdapters
 from loopq.quant.modules import QuantLinearGroup, begin_forward
-from loopq.quant.primitives import best_clip_ratio, clip_logit, fake_quant
+from loopq.quant.primitives import best_clip_ratio, clip_logit, row_clip_errors
 
 #: (group, weight of the RMSNorm feeding it or None, config, generator) -> sets up the group's transform in place
 GroupSetup = Callable[[QuantLinearGroup, Tensor | None, QuantConfig, torch.Generator], None]
@@ -242,10 +241,6 @@ def _init_weight_clip(group: QuantLinearGroup, grid: Tensor | None = None) -> No
     if not group.weight_clip.requires_grad:
         return
     grid = torch.linspace(0.55, 1.0, 10) if grid is None else grid
-    weight = group.effective_weight_fp(0)
-    errors = []
-    for c in grid:
-        err = (fake_quant(weight, group.w_bits, group.group_size, float(c)) - weight).pow(2)
-        errors.append(to_groups(err, group.group_size).sum(dim=(-1, -2)))
-    best = grid[torch.stack(errors).argmin(dim=0)]
+    errors = row_clip_errors(group.effective_weight_fp(0), group.w_bits, group.group_size, grid)
+    best = grid[errors.argmin(dim=0)]
     group.weight_clip.copy_(clip_logit(best).reshape(1, -1))

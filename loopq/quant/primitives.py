@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from loopq.qspec import (  # the integer spec the fake-quant path builds on
+    SCALE_EPS,
     group_scales,
     qrange,
     to_groups,
@@ -80,6 +81,23 @@ def best_clip_ratio(x: Tensor, bits: int, group_size: int, grid: Tensor | None =
     grid = torch.linspace(0.55, 1.0, 10) if grid is None else grid
     errors = torch.stack([(fake_quant(x, bits, group_size, float(c)) - x).pow(2).mean() for c in grid])
     return float(grid[int(torch.argmin(errors))])
+
+
+@torch.no_grad()
+def row_clip_errors(weight: Tensor, bits: int, group_size: int, grid: Tensor) -> Tensor:
+    """``[len(grid), rows]``: the fake-quant squared error of each row of ``weight`` at every clipping ratio of ``grid``
+    (the per-row weight-clip search). The same values as ``(fake_quant(weight, bits, group_size, c) - weight)^2``
+    summed per row, with the group maxima taken once and the error computed in place: on a real-size model this
+    search is most of ``prepare``'s time."""
+    qmin, qmax = qrange(bits)
+    groups = to_groups(weight, group_size)
+    absmax = groups.abs().amax(dim=-1, keepdim=True)
+    errors = []
+    for c in grid.tolist():
+        scales = (absmax * c / qmax).clamp_min(SCALE_EPS)
+        err = torch.div(groups, scales).round_().clamp_(qmin, qmax).mul_(scales).sub_(groups).pow_(2)
+        errors.append(err.sum(dim=(-1, -2)))
+    return torch.stack(errors)
 
 
 def sqnr_db(reference: Tensor, approx: Tensor) -> float:

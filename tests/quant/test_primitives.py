@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from loopq.qspec import dequantize_codes, qrange, quantize_codes, to_groups
-from loopq.quant.primitives import best_clip_ratio, clip_logit, clip_ratio, fake_quant
+from loopq.quant.primitives import best_clip_ratio, clip_logit, clip_ratio, fake_quant, row_clip_errors
 
 
 def test_qrange():
@@ -79,3 +79,15 @@ def test_best_clip_ratio_minimises_the_error_on_its_grid():
     best = best_clip_ratio(heavy, 4, 32, grid)
     errors = [float((fake_quant(heavy, 4, 32, float(c)) - heavy).pow(2).mean()) for c in grid]
     assert float((fake_quant(heavy, 4, 32, best) - heavy).pow(2).mean()) == pytest.approx(min(errors))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_row_clip_errors_are_the_fake_quant_errors_bit_for_bit(bits):
+    """The weight-clip search's fast path gives exactly the per-row errors of its definition, an all-zero group
+    (the scale floor) included, so ``prepare`` chooses the same clips as before it was sped up."""
+    gen = torch.Generator().manual_seed(bits)
+    w = torch.randn(48, 128, generator=gen) * torch.rand(1, 128, generator=gen) * 3
+    w[5, :32] = 0
+    grid = torch.linspace(0.55, 1.0, 10)
+    want = torch.stack([to_groups((fake_quant(w, bits, 32, float(c)) - w).pow(2), 32).sum(dim=(-1, -2)) for c in grid])
+    assert torch.equal(row_clip_errors(w, bits, 32, grid), want)
