@@ -38,7 +38,8 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
   three logit-sized gradients as the backward pass starts, the trajectory differences - and the batch's targets on
   the device (:func:`batch_target_bytes`), B S (12 k + 4 T D) (fp32 values, int64 ids, fp32 states).
 * **setup** (:func:`clip_init_bytes`): LAS's clip initialisation records every group's input per loop slot on the
-  first global batch: min(B N S, 4096) 4 sum_g in_g slots_g.
+  first global batch: min(B N S, 4096) 4 sum_g in_g slots_g; its forward runs without gradients, where every group
+  keeps its fp32 quantized weight for reuse (``QuantLinearGroup``'s evaluation cache): 4 L more.
 * **teacher targets** (:func:`target_bytes`): M S k (2 + b_id) + M T S D 2 - fp16 top-k logits, int16/int32 ids,
   fp16 loop states - held in host memory (twice while they are concatenated; a cache file is read back whole), and
   the cache file on disk.
@@ -569,10 +570,10 @@ class MemoryPlan:
 
     @property
     def phases(self) -> dict[str, int]:
-        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, LAS's clip initialisation),
-        the training step, the SLT probe step."""
+        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, LAS's clip initialisation and the
+        quantized weights its gradient-free forward caches), the training step, the SLT probe step."""
         phases = {
-            "setup": self.loaded + self.quant_params + self.clip_init,
+            "setup": self.loaded + self.quant_params + self.clip_init + 4 * self.counts.frozen,
             "training step": self.resident + self.step.total,
         }
         if self.probe is not None:
