@@ -44,6 +44,29 @@ EntryKey = tuple[int | None, str]
 Entry = Tensor | QuantizedKV
 
 
+class SlotBuffer:
+    """Slots ``[B, H, capacity, d]`` of which the first ``length`` are filled. An append copies the new slots into the
+    spare capacity, growing it by doubling, so decoding n tokens copies O(n) slots in all instead of the O(n^2) of
+    concatenating the whole entry at every step. :meth:`view` is the filled part (it shares the storage)."""
+
+    def __init__(self, first: Tensor) -> None:
+        self.data = first.new_empty(*first.shape[:2], max(2 * first.shape[2], 16), *first.shape[3:])
+        self.length = 0
+        self.append(first)
+
+    def view(self) -> Tensor:
+        return self.data[:, :, : self.length]
+
+    def append(self, x: Tensor) -> None:
+        need = self.length + x.shape[2]
+        if need > self.data.shape[2]:
+            grown = self.data.new_empty(*self.data.shape[:2], max(need, 2 * self.data.shape[2]), *self.data.shape[3:])
+            grown[:, :, : self.length] = self.view()
+            self.data = grown
+        self.data[:, :, self.length : need] = x
+        self.length = need
+
+
 def map_entry(fn: Callable[..., Tensor], *entries: Entry) -> Entry:
     """``fn`` applied field by field to entries of one kind (a tensor, or the codes and the scales)."""
     if isinstance(entries[0], Tensor):
@@ -76,8 +99,9 @@ class LoopKVCache:
     model: weakref.ReferenceType[nn.Module]
     layer_names: dict[int, str]
     batch: int
-    keys: dict[EntryKey, Entry] = field(default_factory=dict)
-    values: dict[EntryKey, Entry] = field(default_factory=dict)
+    #: per entry the buffers of its fields: (keys,) or (codes, scales); read them through ``keys`` / ``values``
+    key_buffers: dict[EntryKey, tuple[SlotBuffer, ...]] = field(default_factory=dict)
+    value_buffers: dict[EntryKey, tuple[SlotBuffer, ...]] = field(default_factory=dict)
     length: int = 0
     valid: Tensor | None = None
     next_position: Tensor | None = None
@@ -101,6 +125,16 @@ class LoopKVCache:
         if input_ids.shape[0] != self.batch:
             raise LoopLMError(f"cache: built for a batch of {self.batch}, got input_ids of batch {input_ids.shape[0]}")
 
+    @property
+    def keys(self) -> dict[EntryKey, Entry]:
+        """Every entry's cached keys (views of the buffers: writing into them writes the cache)."""
+        return {key: _entry(bufs) for key, bufs in self.key_buffers.items()}
+
+    @property
+    def values(self) -> dict[EntryKey, Entry]:
+        """Every entry's cached values (views, as :attr:`keys`)."""
+        return {key: _entry(bufs) for key, bufs in self.value_buffers.items()}
+
     def step(self, attention_mask: Tensor | None, input_ids: Tensor) -> DecodeStep:
         """The positions and attention mask of the new tokens ``input_ids`` given what is cached."""
         past = self.valid if self.valid is not None else input_ids.new_ones(self.batch, 0, dtype=torch.bool)
@@ -112,36 +146,34 @@ class LoopKVCache:
         return the whole entry (quantized: the stored slots dequantized, then the new ones unrounded)."""
         key = (t, self.layer_names[id(layer)])
         if self.kv_bits is None:
-            if key in self.keys:
-                k, v = torch.cat([self.keys[key], k], dim=2), torch.cat([self.values[key], v], dim=2)
-            self.keys[key], self.values[key] = k, v
-            return k, v
-        new_k, new_v = quantize_kv(k, self.kv_bits), quantize_kv(v, self.kv_bits)
-        if key not in self.keys:
-            self.keys[key], self.values[key] = new_k, new_v
-            return k, v
-        full_k = torch.cat([dequantize_kv(self.keys[key]).to(k.dtype), k], dim=2)  # type: ignore[arg-type]
-        full_v = torch.cat([dequantize_kv(self.values[key]).to(v.dtype), v], dim=2)  # type: ignore[arg-type]
-        self.keys[key] = map_entry(_cat_slots, self.keys[key], new_k)
-        self.values[key] = map_entry(_cat_slots, self.values[key], new_v)
-        return full_k, full_v
+            _append(self.key_buffers, key, k)
+            _append(self.value_buffers, key, v)
+            return _entry(self.key_buffers[key]), _entry(self.value_buffers[key])  # type: ignore[return-value]
+        if key in self.key_buffers:
+            k_full = torch.cat([dequantize_kv(_entry(self.key_buffers[key])).to(k.dtype), k], dim=2)  # type: ignore[arg-type]
+            v_full = torch.cat([dequantize_kv(_entry(self.value_buffers[key])).to(v.dtype), v], dim=2)  # type: ignore[arg-type]
+        else:
+            k_full, v_full = k, v
+        _append(self.key_buffers, key, quantize_kv(k, self.kv_bits))
+        _append(self.value_buffers, key, quantize_kv(v, self.kv_bits))
+        return k_full, v_full
 
     def fill_skipped(self, exit_loops: Tensor, ran: int, num_loops: int) -> None:
         """After a one-token forward that ran loops ``0 .. ran-1``: the token of row b exited at ``exit_loops[b]``, so
         its slot in every deeper loop's entry becomes a copy of its exit loop's keys/values (appended for the loops
-        that did not run, overwriting the computed ones for rows that exited before the batch stopped)."""
-        looped = [name for t, name in self.keys if t == 0]
+        that did not run, overwritten in place for rows that exited before the batch stopped)."""
+        looped = [name for t, name in self.key_buffers if t == 0]
         rows = torch.arange(self.batch, device=exit_loops.device)
-        for store in (self.keys, self.values):
+        for buffers in (self.key_buffers, self.value_buffers):
             for name in looped:
-                ran_slots = [map_entry(lambda x: x[:, :, -1:], store[(t, name)]) for t in range(ran)]
+                ran_slots = [map_entry(lambda x: x[:, :, -1:], _entry(buffers[(t, name)])) for t in range(ran)]
                 exit_slot = map_entry(lambda *xs: torch.stack(xs)[exit_loops, rows], *ran_slots)
                 for t in range(1, num_loops):
                     key, skipped = (t, name), exit_loops < t
                     if t < ran and bool(skipped.any()):
-                        store[key] = _replace_last(store[key], exit_slot, skipped)
+                        _replace_last(buffers[key], exit_slot, skipped)
                     elif t >= ran:  # no row ran loop t: append the copy
-                        store[key] = map_entry(_cat_slots, store[key], exit_slot) if key in store else exit_slot
+                        _append(buffers, key, exit_slot)
 
     def advance(self, step: DecodeStep) -> None:
         """Record the new tokens once every layer has appended them (called at the end of a forward)."""
@@ -152,17 +184,32 @@ class LoopKVCache:
 
     def num_bytes(self) -> int:
         """Memory held by the cached keys and values."""
-        return sum(kv_num_bytes(x) for x in (*self.keys.values(), *self.values.values()))
+        return sum(kv_num_bytes(x) for x in (*self.keys.values(), *self.values.values()))  # the filled slots
 
 
-def _cat_slots(a: Tensor, b: Tensor) -> Tensor:
-    return torch.cat([a, b], dim=2)
+def _entry(buffers: tuple[SlotBuffer, ...]) -> Entry:
+    """The filled slots of an entry's buffers: a tensor, or codes and scales."""
+    views = [b.view() for b in buffers]
+    return views[0] if len(views) == 1 else QuantizedKV(*views)
 
 
-def _replace_last(entry: Entry, slot: Entry, rows: Tensor) -> Entry:
-    """``entry`` with its last slot replaced by ``slot`` in the ``rows`` ``[B]`` (bool) of the batch."""
+def _append(buffers: dict[EntryKey, tuple[SlotBuffer, ...]], key: EntryKey, new: Entry) -> None:
+    """Append ``new`` slots to entry ``key`` of ``buffers`` (creating it)."""
+    fields = (new,) if isinstance(new, Tensor) else tuple(new)
+    if key not in buffers:
+        buffers[key] = tuple(SlotBuffer(f) for f in fields)
+        return
+    for buffer, f in zip(buffers[key], fields, strict=True):
+        buffer.append(f)
+
+
+def _replace_last(buffers: tuple[SlotBuffer, ...], slot: Entry, rows: Tensor) -> None:
+    """Overwrite the last filled slot of an entry with ``slot`` in the ``rows`` ``[B]`` (bool) of the batch."""
     mask = rows[:, None, None, None]
-    return map_entry(lambda x, s: torch.cat([x[:, :, :-1], torch.where(mask, s, x[:, :, -1:])], dim=2), entry, slot)
+    fields = (slot,) if isinstance(slot, Tensor) else tuple(slot)
+    for buffer, s in zip(buffers, fields, strict=True):
+        last = buffer.view()[:, :, -1:]
+        last.copy_(torch.where(mask, s, last))
 
 
 def decode_step(

@@ -11,7 +11,7 @@ import torch
 
 from loopq.models import LoopLMError, load_looplm
 from loopq.models.generation import generate
-from loopq.models.kv_cache import LoopKVCache
+from loopq.models.kv_cache import LoopKVCache, SlotBuffer
 from loopq.paths import REPO_ROOT
 from loopq.quant import QuantConfig, prepare
 from tests.export.conftest import export_student
@@ -114,3 +114,18 @@ def test_positions_past_the_context_are_refused(fixtures):
         model(torch.zeros(1, block, dtype=torch.long), cache=cache)
         with pytest.raises(LoopLMError, match="block_size"):
             model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+def test_slot_buffer_appends_like_concatenation_and_grows_by_doubling():
+    """Decoding appends one slot per step: the buffer holds exactly the concatenation, and its capacity doubles, so
+    n appends reallocate O(log n) times instead of copying the whole entry at every step."""
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(2, 3, 5, 4, generator=gen)
+    buffer, want, capacities = SlotBuffer(first), first, set()
+    for _ in range(100):
+        new = torch.randn(2, 3, 1, 4, generator=gen)
+        buffer.append(new)
+        want = torch.cat([want, new], dim=2)
+        capacities.add(buffer.data.shape[2])
+        assert torch.equal(buffer.view(), want)
+    assert sorted(capacities) == [16, 32, 64, 128]
