@@ -254,7 +254,7 @@ class LoopLM(nn.Module):
         num_loops = self.resolve_num_loops(num_loops, **kwargs)
         if input_ids.dim() != 2:
             raise LoopLMError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        step = self._decode_step(input_ids, cache, attention_mask)
+        step = self.prepare_decode(input_ids, cache, attention_mask)
         h, ctx = self.embed(input_ids, num_loops, **kwargs, **({} if step is None else {"step": step}))
         ctx["num_loops"] = num_loops
         states: list[Tensor] = []
@@ -279,7 +279,7 @@ class LoopLM(nn.Module):
             cache.advance(step)  # after the head: Parcae's coda layers append to the cache there
         return self.finalize(out, ctx)
 
-    def _decode_step(
+    def prepare_decode(
         self, input_ids: Tensor, cache: LoopKVCache | None, attention_mask: Tensor | None
     ) -> DecodeStep | None:
         """The cached / padded forward's positions and mask, or None for the plain full forward."""
@@ -302,11 +302,14 @@ class LoopLM(nn.Module):
 
     def _run_loop(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:
         if self.checkpoint_loops and torch.is_grad_enabled() and not keep:
-            fn: Callable[[Tensor], Tensor] = lambda x: self._loop_body(x, t, ctx, False)[0]  # noqa: E731
+            fn: Callable[[Tensor], Tensor] = lambda x: self.loop_body(x, t, ctx, False)[0]  # noqa: E731
             return checkpoint(fn, h, use_reentrant=False), []
-        return self._loop_body(h, t, ctx, keep)
+        return self.loop_body(h, t, ctx, keep)
 
-    def _loop_body(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:
+    def loop_body(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:
+        """Loop ``t`` on state ``h``: begin_loop, the shared stack, end_loop (no transition adapter); with ``keep``
+        also every layer's output. Callers that drive the loops themselves (early exit) use it with the context of
+        :meth:`embed` and :meth:`prepare_decode`."""
         per_layer: list[Tensor] = []
         h = self.begin_loop(h, t, ctx)
         for layer in self.loop_layers:

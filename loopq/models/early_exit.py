@@ -78,7 +78,7 @@ def early_exit_forward(
     num_loops = model.resolve_num_loops(num_loops, **kwargs)
     if token.dim() != 2 or token.shape[1] != 1:
         raise LoopLMError(f"early exit decodes one token per row, got input_ids of shape {tuple(token.shape)}")
-    step = model._decode_step(token, cache, None)
+    step = model.prepare_decode(token, cache, None)
     h, ctx = model.embed(token, num_loops, **kwargs, step=step)
     ctx["num_loops"] = num_loops
     batch = token.shape[0]
@@ -87,7 +87,7 @@ def early_exit_forward(
     states: list[Tensor] = []
     gates: list[Tensor] = []
     for t in range(num_loops):
-        h, _ = model._loop_body(h, t, ctx, False)
+        h, _ = model.loop_body(h, t, ctx, False)
         states.append(h)
         gates.append(model.exit_gate_logits(h)[:, 0, 0])
         if t == num_loops - 1:
