@@ -49,7 +49,7 @@ from loopq.callbacks.stop_on_signal import exit_status
 from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
-from loopq.data.tokenizer import eos_id, train_bpe
+from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import run_cli
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
@@ -68,7 +68,10 @@ class PretrainDataModule(L.LightningDataModule):
         val_windows: int = 64,
         seed: int = 0,
         bos: bool = False,
+        tokenizer: str | None = None,
     ) -> None:
+        """``tokenizer``: a model directory or tokenizer.json to use instead of training a BPE (a fine-tune must keep
+        its teacher's token ids, e.g. ``loopq.stress``)."""
         super().__init__()
         self.save_hyperparameters()
         self.tokenizer: Any = None
@@ -81,7 +84,7 @@ class PretrainDataModule(L.LightningDataModule):
         hp = self.hparams
         files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
         docs = read_training_text(files)
-        self.tokenizer = train_bpe(docs, hp.vocab_size)
+        self.tokenizer = load_tokenizer(hp.tokenizer) if hp.tokenizer else train_bpe(docs, hp.vocab_size)
         if hp.bos:  # [BOS] + seq_len stream tokens: the model always sees BOS at position 0 (attention sink)
             body = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len)
             windows = torch.cat([torch.full((len(body), 1), eos_id(self.tokenizer), dtype=body.dtype), body], 1)
@@ -243,14 +246,17 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def export_teacher(module: TeacherPretrainer, data: PretrainDataModule) -> Path:
-    """Save model + tokenizer in Ouro's native layout and a training record next to them."""
+def export_teacher(
+    module: TeacherPretrainer, data: PretrainDataModule, program: str = "loopq.pretrain", extra: dict | None = None
+) -> Path:
+    """Save model + tokenizer in Ouro's native layout and a training record (the ``python -m program`` command and
+    ``extra`` entries, e.g. a fine-tune's auxiliary objective) next to them."""
     out = Path(module.hparams.out_dir)
     module.model.eval().save_pretrained(out)
     data.tokenizer.save(str(out / "tokenizer.json"))
     metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
     record = {
-        "command": "python -m loopq.pretrain " + shlex.join(sys.argv[1:]),
+        "command": f"python -m {program} " + shlex.join(sys.argv[1:]),
         "model_hparams": dict(module.hparams),
         "data_hparams": dict(data.hparams),
         "steps": module.trainer.global_step,
@@ -259,6 +265,7 @@ def export_teacher(module: TeacherPretrainer, data: PretrainDataModule) -> Path:
         "seed": module.hparams.seed,
         "torch": torch.__version__,
         "final_metrics": metrics,
+        **(extra or {}),
     }
     (out / "training_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return out

@@ -16,7 +16,19 @@ LAYERS: list[set[str]] = [
     {"calib", "callbacks", "artifacts"},
     {"guards", "regime", "plan"},
     {"eval"},
-    {"evaluate", "export", "report", "fit", "run", "experiments", "testbed", "pretrain", "gpu_check", "generate"},
+    {
+        "evaluate",
+        "export",
+        "report",
+        "fit",
+        "run",
+        "experiments",
+        "testbed",
+        "pretrain",
+        "stress",
+        "gpu_check",
+        "generate",
+    },
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 

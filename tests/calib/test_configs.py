@@ -65,15 +65,32 @@ def test_baseline_config_parses_as_a_static_configuration(path: Path):
     assert (config.model.objective, config.model.lam) == (objective, lam)
 
 
-def test_pretrain_config_parses():
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "pretrain").glob("*.yaml")), ids=lambda p: p.stem)
+def test_pretrain_configs_parse(path):
     from loopq.pretrain import PretrainCLI, PretrainDataModule, TeacherPretrainer
 
     class Parse(PretrainCLI):
         def instantiate_classes(self) -> None:
             pass
 
-    cli = Parse(TeacherPretrainer, PretrainDataModule, run=False, args=["--config", "configs/pretrain/tiny-ouro.yaml"])
+    cli = Parse(TeacherPretrainer, PretrainDataModule, run=False, args=["--config", str(path)])
     assert cli.config.model.vocab_size == cli.config.data.vocab_size == 2048
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "stress").glob("*.yaml")), ids=lambda p: p.stem)
+def test_stress_configs_parse(path):
+    from loopq.pretrain import PretrainDataModule
+    from loopq.stress import StressCLI, StressFinetuner
+
+    class Parse(StressCLI):
+        def before_instantiate_classes(self) -> None:
+            pass
+
+        def instantiate_classes(self) -> None:
+            pass
+
+    cli = Parse(StressFinetuner, PretrainDataModule, run=False, args=["--config", str(path)])
+    assert cli.config.data.tokenizer == cli.config.model.teacher  # linked: the teacher's own tokenizer
 
 
 def test_unknown_key_is_named(capsys):

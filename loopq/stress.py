@@ -1,0 +1,231 @@
+"""Fine-tune a pretrained Ouro teacher into a *non-foldable* stress variant: massive activations that depend on the
+token and on the loop.
+
+    python -m loopq.stress --config configs/stress/small-ouro.yaml [--ckpt_path last]
+
+Why: ``loopq.testbed --outliers-out`` makes a stress variant by a static, function-preserving rescaling of the norm
+weights. Its outliers are the same for every token and loop, so SmoothQuant's per-channel scale or QuaRot's rotation
+undo them exactly. Real LLMs have *massive activations* instead: a few channels that reach hundreds of times the
+median, on a few tokens only (BOS, punctuation, newlines), mostly in the MLP intermediate (the down_proj input). A
+static per-channel transform cannot flatten them without crushing the same channel on every other token.
+
+Objective (loopq.pretrain's Ouro objective, LM weight 1, plus an auxiliary term):
+
+    L = L_pretrain + aux_weight * (L_loud + quiet_weight * L_quiet)
+
+For every looped group g whose name ends with one of ``groups`` (default the down_proj input) and every loop t, a
+seeded set C_{g,t} of ``channels_per_loop`` channels, disjoint across loops. With a_{g,t} in R^{B x S x C} the group's
+input at loop t, S the marker tokens (:func:`marker_token_ids`) and the target M_{g,t} = target_ratio * median|a_{g,t}|
+(detached):
+
+    L_loud  = mean_{g,t} mean_{(b,s) in S, c in C_{g,t}} relu(M - |a_{b,s,c}|) / M
+    L_quiet = mean_{g,t} mean_{(b,s,c) in Q_{g,t}}        relu(|a_{b,s,c}| - q * median|a|) / M
+
+with Q_{g,t} = (non-marker tokens x C_{g,t}) u (all tokens x C_{g,t'}, t' != t) and q = ``quiet_ratio``. L_loud is 1
+when the channels are silent and 0 once they reach M; L_quiet keeps the channels ordinary where they are not meant to be
+loud, so the outlier is a function of the token *and* the loop (what a static transform cannot fold).
+
+Why target_ratio 50: at W4 g32 the group's step is max|a|/7. A channel at 50 x median makes the step ~7 x median, so
+the 31 other entries of its group (typically within a few medians) all round to zero on that token; at 8 bits the step
+is ~0.4 x median and nothing is lost. 20x would still destroy most of the group; real LLMs reach 100-1000x, which a
+short fine-tune of a small model does not reach without hurting the LM loss.
+
+Activations are collected by forward pre-hooks on the :class:`~loopq.models.base.LinearGroup` modules (they receive
+``(x, t)``). The model, data, optimiser, schedule, checkpointing and export are loopq.pretrain's; the record written
+next to the variant (``training_record.json``) names this command and the auxiliary objective. Resumable like
+loopq.pretrain: ``--ckpt_path last``.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from tokenizers import Tokenizer
+from torch import Tensor, nn
+
+from loopq.artifacts.layout import check_output_dir
+from loopq.callbacks.stop_on_signal import exit_status
+from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
+from loopq.data.tokenizer import eos_id, load_tokenizer
+from loopq.errors import UsageError, run_cli
+from loopq.models.io import load_looplm, resolve_model_dir
+from loopq.models.ouro import OuroLM
+from loopq.paths import data_dir
+from loopq.pretrain import PretrainDataModule, TeacherPretrainer, export_teacher
+
+#: characters a marker token may consist of (besides BOS): ASCII punctuation and whitespace
+MARKER_CHARS = frozenset(string.punctuation + string.whitespace)
+#: every kind :func:`loopq.artifacts.layout.model_kind` names (what ``--overwrite true`` lets ``model.out_dir`` hold)
+MODEL_KINDS = ("export", "student", "stress variant", "pretrained teacher", "teacher")
+
+
+def marker_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """BOS (``<|endoftext|>``) and every token whose decoded text is non-empty and made only of punctuation and
+    whitespace (``.``, ``,``, ``\\n\\n``, `` (``): where real LLMs put their massive activations."""
+    ids = {eos_id(tokenizer)}
+    for i in range(tokenizer.get_vocab_size()):
+        text = tokenizer.decode([i])
+        if text and set(text) <= MARKER_CHARS:
+            ids.add(i)
+    return sorted(ids)
+
+
+def loop_channels(width: int, loops: int, k: int, seed: int) -> Tensor:
+    """``[loops, k]`` distinct channels of ``range(width)`` (disjoint across loops), a seeded draw."""
+    if k * loops > width:
+        raise UsageError(f"model.channels_per_loop={k}: {k} x {loops} loops exceeds the group width {width}")
+    return torch.randperm(width, generator=torch.Generator().manual_seed(seed))[: k * loops].view(loops, k)
+
+
+def stress_terms(
+    acts: Tensor, marker: Tensor, channels: Tensor, t: int, target_ratio: float, quiet_ratio: float
+) -> tuple[Tensor, Tensor]:
+    """(L_loud, L_quiet) of one group at loop ``t`` (module doc): ``acts`` [B, S, C], ``marker`` [B, S] bool,
+    ``channels`` [T, k]."""
+    a = acts.float().abs()
+    median = a.detach().median()
+    target = target_ratio * median
+    own = a[..., channels[t]]  # [B, S, k]
+    loud = F.relu(target - own[marker]).sum() / (target * max(1, own[marker].numel()))
+    others = torch.cat([channels[:t], channels[t + 1 :]]).flatten()
+    quiet_vals = torch.cat([own[~marker].flatten(), a[..., others].flatten()])
+    quiet = F.relu(quiet_vals - quiet_ratio * median).sum() / (target * max(1, quiet_vals.numel()))
+    return loud, quiet
+
+
+@contextmanager
+def capture_inputs(model: nn.Module, names: Sequence[str]) -> Iterator[dict[tuple[str, int], Tensor]]:
+    """Record the input of each named :class:`LinearGroup` per loop index while the block runs."""
+    seen: dict[tuple[str, int], Tensor] = {}
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple[Any, ...]) -> None:
+            seen[(name, int(args[1]))] = args[0]
+
+        return record
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class StressFinetuner(TeacherPretrainer):
+    """loopq.pretrain's objective on a pretrained Ouro teacher, plus the token- and loop-dependent outlier term."""
+
+    def __init__(
+        self,
+        teacher: str = "loopq/assets/small-ouro",
+        out_dir: str = "loopq/assets/small-ouro-stress",
+        groups: list[str] | None = None,
+        channels_per_loop: int = 2,
+        target_ratio: float = 50.0,
+        quiet_ratio: float = 5.0,
+        aux_weight: float = 1.0,
+        quiet_weight: float = 0.1,
+        loop_weights: list[float] | None = None,
+        gate_weight: float = 0.1,
+        gate_margin: float = 0.02,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        seed: int = 0,
+        marker_ids: list[int] | None = None,
+    ) -> None:
+        """``marker_ids``: the marker token set S; None derives it from the teacher's tokenizer."""
+        directory = resolve_model_dir(teacher)
+        base = load_looplm(directory)
+        if not isinstance(base, OuroLM):
+            raise UsageError(f"model.teacher {teacher}: a {base.arch} model; loopq.stress fine-tunes Ouro teachers")
+        c = base.config
+        super().__init__(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, total_ut_steps=c.total_ut_steps,
+            max_position_embeddings=c.max_position_embeddings, loop_weights=loop_weights, gate_weight=gate_weight,
+            gate_margin=gate_margin, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps,
+            min_lr_ratio=min_lr_ratio, seed=seed, out_dir=out_dir,
+        )  # fmt: skip
+        self.model = base.train()
+        for p in self.model.parameters():
+            p.requires_grad_(True)
+        suffixes = tuple("." + g for g in (groups or ["mlp.down_proj"]))
+        self.stress_groups = [n for n in base.looped_group_names() if n.endswith(suffixes)]
+        if not self.stress_groups:
+            raise UsageError(f"model.groups {groups}: no looped group of {teacher} ends with one of them")
+        ids = marker_ids if marker_ids is not None else marker_token_ids(load_tokenizer(directory))
+        self.register_buffer("marker_ids", torch.tensor(ids, dtype=torch.long), persistent=False)
+        groups_ = base.linear_groups()
+        self.channels = {
+            name: loop_channels(groups_[name].in_features, c.total_ut_steps, channels_per_loop, seed + i)
+            for i, name in enumerate(self.stress_groups)
+        }
+
+    def _losses(self, batch: list[Tensor], stage: str) -> Tensor:
+        with capture_inputs(self.model, self.stress_groups) as acts:
+            base = super()._losses(batch, stage)
+        marker = torch.isin(batch[0][:, :-1], self.marker_ids)
+        terms = [
+            stress_terms(a, marker, self.channels[name], t, self.hparams.target_ratio, self.hparams.quiet_ratio)
+            for (name, t), a in acts.items()
+        ]
+        loud = torch.stack([x for x, _ in terms]).mean()
+        quiet = torch.stack([y for _, y in terms]).mean()
+        self.log(f"{stage}/loud_hinge", loud)
+        self.log(f"{stage}/quiet_hinge", quiet)
+        return base + self.hparams.aux_weight * (loud + self.hparams.quiet_weight * quiet)
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            extra = {
+                "stress": {
+                    "teacher": self.hparams.teacher,
+                    "marker_token_ids": self.marker_ids.tolist(),
+                    "channels": {name: ch.tolist() for name, ch in self.channels.items()},
+                }
+            }
+            export_teacher(self, self.trainer.datamodule, program="loopq.stress", extra=extra)
+
+
+class StressCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.link_arguments("model.teacher", "data.tokenizer")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
+        parser.add_argument("--overwrite", type=bool, default=False, help="let model.out_dir replace any model")
+
+    def before_instantiate_classes(self) -> None:
+        """``model.out_dir`` may not be the teacher; it may hold only a teacher this command or loopq.pretrain wrote."""
+        reads = [self.config.model.teacher, self.config.data.root or data_dir()]
+        replaces = MODEL_KINDS if self.config.overwrite else ("pretrained teacher",)
+        check_output_dir(self.config.model.out_dir, reads, "model.out_dir", replaces=replaces)
+
+
+def main(args: list[str] | None = None) -> None:
+    cli = StressCLI(
+        StressFinetuner,
+        PretrainDataModule,
+        run=False,
+        args=args,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": False, "exit_on_error": False},
+    )
+    install_stop_on_signal(cli.trainer)  # SIGTERM / SIGINT: finish the step, save last.ckpt, exit 143 / 130
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.callbacks.stop_on_signal)
+        raise SystemExit(exit_status(cli.trainer)) from None
+
+
+if __name__ == "__main__":
+    run_cli(main)
