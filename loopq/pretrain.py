@@ -284,9 +284,11 @@ class PretrainCLI(LightningCLI):
             check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=("pretrained teacher",))
 
 
-def main(args: list[str] | None = None) -> None:
-    cli = PretrainCLI(
-        TeacherPretrainer,
+def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningModule], args: list[str] | None) -> None:
+    """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data), fit from ``--ckpt_path`` when given,
+    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130."""
+    cli = cli_class(
+        model_class,
         PretrainDataModule,
         run=False,
         args=args,
@@ -294,11 +296,15 @@ def main(args: list[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": False, "exit_on_error": False},
     )
-    install_stop_on_signal(cli.trainer)  # SIGTERM / SIGINT: finish the step, save last.ckpt, exit 143 / 130
+    install_stop_on_signal(cli.trainer)
     try:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.callbacks.stop_on_signal)
         raise SystemExit(exit_status(cli.trainer)) from None
+
+
+def main(args: list[str] | None = None) -> None:
+    fit_resumable(PretrainCLI, TeacherPretrainer, args)
 
 
 if __name__ == "__main__":

@@ -46,19 +46,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from loopq.artifacts.layout import check_output_dir
-from loopq.callbacks.stop_on_signal import exit_status
-from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.errors import UsageError, run_cli
 from loopq.models.io import load_looplm, resolve_model_dir
 from loopq.models.ouro import OuroLM
 from loopq.paths import data_dir
-from loopq.pretrain import PretrainDataModule, TeacherPretrainer, export_teacher
+from loopq.pretrain import TeacherPretrainer, export_teacher, fit_resumable
 
 #: characters a marker token may consist of (besides BOS): ASCII punctuation and whitespace
 MARKER_CHARS = frozenset(string.punctuation + string.whitespace)
@@ -211,20 +208,7 @@ class StressCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    cli = StressCLI(
-        StressFinetuner,
-        PretrainDataModule,
-        run=False,
-        args=args,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False, "exit_on_error": False},
-    )
-    install_stop_on_signal(cli.trainer)  # SIGTERM / SIGINT: finish the step, save last.ckpt, exit 143 / 130
-    try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
-    except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.callbacks.stop_on_signal)
-        raise SystemExit(exit_status(cli.trainer)) from None
+    fit_resumable(StressCLI, StressFinetuner, args)
 
 
 if __name__ == "__main__":
