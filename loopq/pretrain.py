@@ -180,6 +180,10 @@ class TeacherPretrainer(L.LightningModule):
         return self._wall_before + time.time() - self._t0
 
     def _losses(self, batch: list[Tensor], stage: str) -> Tensor:
+        return self._objective(batch, stage)[0]
+
+    def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
+        """(the Ouro objective, the per-loop mean CEs [T] it was made of, with their graph)."""
         token_losses, gates = per_loop_token_losses(self.model, batch[0])
         per_loop = token_losses.mean(dim=(1, 2))
         lm = (self.loop_weights * per_loop).sum()
@@ -190,7 +194,7 @@ class TeacherPretrainer(L.LightningModule):
         for t, value in enumerate(per_loop):
             self.log(f"{stage}/ce_loop{t + 1}", value, prog_bar=(stage == "val" or t == len(per_loop) - 1))
         self.log(f"{stage}/gate_bce", gate)
-        return lm + self.hparams.gate_weight * gate
+        return lm + self.hparams.gate_weight * gate, per_loop
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         loss = self._losses(batch, "train")

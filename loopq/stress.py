@@ -30,6 +30,21 @@ the 31 other entries of its group (typically within a few medians) all round to 
 is ~0.4 x median and nothing is lost. 20x would still destroy most of the group; real LLMs reach 100-1000x, which a
 short fine-tune of a small model does not reach without hurting the LM loss.
 
+Second objective, the quantization-sensitive variant (``noise_weight > 0``). Outliers of any shape are what a
+rotation flattens (QuaRot's Hadamard spreads any few-channel spike over every channel), so on their own they cannot make
+a teacher on which *every* static method fails. What makes real looped models hard is sensitivity: a perturbation
+added at loop 1 grows through the shared stack's later loops (the paper's Ouro-1.4B loses 3.6x perplexity at W4A8,
+where 4-bit g32 weights are the only large error). Sensitivity is a property of the function, not of a basis, so no
+function-preserving transform undoes it. The term rewards it directly: a second forward pass in which every linear
+group sees RTN W4A4 g32 (``noise_bits``) inputs and weights, as constant perturbations
+(:func:`quant_noise`: x + (Q(x) - x).detach(), W + (Q(W) - W).detach()), so the gradient teaches the model to carry the
+quantization error forward, not to make it larger at its source; then, with CE_t the loop-t cross entropy,
+
+    dCE = sum_t w_t (CE_t(quantized) - CE_t(fp))      L_noise = relu(noise_margin - dCE) / noise_margin
+
+and L = L_pretrain + aux_weight * (L_loud + quiet_weight * L_quiet) + noise_weight * L_noise. The FP LM loss keeps its
+weight 1, so the teacher stays a language model; the hinge stops pushing once RTN W4A4 costs ``noise_margin`` nats.
+
 Activations are collected by forward pre-hooks on the :class:`~loopq.models.base.LinearGroup` modules (they receive
 ``(x, t)``). The model, data, optimiser, schedule, checkpointing and export are loopq.pretrain's; the record written
 next to the variant (``training_record.json``) names this command and the auxiliary objective. Resumable like
@@ -55,7 +70,8 @@ from loopq.errors import UsageError, run_cli
 from loopq.models.io import load_looplm, resolve_model_dir
 from loopq.models.ouro import OuroLM
 from loopq.paths import data_dir
-from loopq.pretrain import TeacherPretrainer, export_teacher, fit_resumable
+from loopq.pretrain import TeacherPretrainer, export_teacher, fit_resumable, per_loop_token_losses
+from loopq.quant.primitives import fake_quant
 
 #: characters a marker token may consist of (besides BOS): ASCII punctuation and whitespace
 MARKER_CHARS = frozenset(string.punctuation + string.whitespace)
@@ -116,6 +132,46 @@ def capture_inputs(model: nn.Module, names: Sequence[str]) -> Iterator[dict[tupl
             h.remove()
 
 
+def sensitivity_hinge(noisy: Tensor, clean: Tensor, weights: Tensor, margin: float) -> tuple[Tensor, Tensor]:
+    """(L_noise, dCE) of the module doc: ``noisy``/``clean`` are per-loop mean CEs [T], ``weights`` sum to 1.
+
+    Both sides keep their gradient. With the clean side detached the hinge is gradient *ascent* on the model's own
+    loss (the quantized pass is the model plus a constant), 1/margin times stronger than the LM term: measured on
+    small-ouro, the cross entropy went from 3.4 to 71 nats in 25 steps while the gap stayed at 0."""
+    if margin <= 0:
+        raise UsageError(f"model.noise_margin={margin}: must be > 0 nats (the RTN cross-entropy gap to reach)")
+    gap = (weights * (noisy - clean)).sum()
+    return F.relu(margin - gap) / margin, gap
+
+
+@contextmanager
+def quant_noise(model: nn.Module, names: Sequence[str], bits: int, group_size: int) -> Iterator[None]:
+    """While active, each named :class:`LinearGroup` computes Q(x) Q(W)^T in value (RTN, symmetric, ``bits`` for
+    both, groups of ``group_size`` along the input dimension) with the quantization errors as constants: the
+    gradient is the full-precision one, taken at the quantized point."""
+    groups = {n: model.get_submodule(n) for n in names}
+    with torch.no_grad():
+        dw = {n: [fake_quant(w.weight, bits, group_size) - w.weight for w in g.children()] for n, g in groups.items()}
+
+    def pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        return (x + (fake_quant(x.detach(), bits, group_size) - x.detach()), *args[1:])
+
+    def post(name: str):
+        def add_weight_error(module: nn.Module, args: tuple[Any, ...], out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            return tuple(y + F.linear(args[0], d.to(args[0].dtype)) for y, d in zip(out, dw[name], strict=True))
+
+        return add_weight_error
+
+    handles = [g.register_forward_pre_hook(pre) for g in groups.values()]
+    handles += [g.register_forward_hook(post(n)) for n, g in groups.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class StressFinetuner(TeacherPretrainer):
     """loopq.pretrain's objective on a pretrained Ouro teacher, plus the token- and loop-dependent outlier term."""
 
@@ -138,8 +194,13 @@ class StressFinetuner(TeacherPretrainer):
         min_lr_ratio: float = 0.1,
         seed: int = 0,
         marker_ids: list[int] | None = None,
+        noise_weight: float = 0.0,
+        noise_margin: float = 0.15,
+        noise_bits: int = 4,
+        noise_group_size: int = 32,
     ) -> None:
-        """``marker_ids``: the marker token set S; None derives it from the teacher's tokenizer."""
+        """``marker_ids``: the marker token set S; None derives it from the teacher's tokenizer. ``noise_*``: the
+        quantization-sensitivity term (module doc; off at ``noise_weight`` 0)."""
         directory = resolve_model_dir(teacher)
         base = load_looplm(directory)
         if not isinstance(base, OuroLM):
@@ -169,9 +230,18 @@ class StressFinetuner(TeacherPretrainer):
         }
 
     def _losses(self, batch: list[Tensor], stage: str) -> Tensor:
-        with capture_inputs(self.model, self.stress_groups) as acts:
-            base = super()._losses(batch, stage)
-        marker = torch.isin(batch[0][:, :-1], self.marker_ids)
+        hp = self.hparams
+        with capture_inputs(self.model, self.stress_groups if hp.aux_weight > 0 else []) as acts:
+            loss, per_loop = self._objective(batch, stage)
+        if hp.aux_weight > 0:
+            loss = loss + hp.aux_weight * self._outlier_term(batch[0], acts, stage)
+        if hp.noise_weight > 0:
+            loss = loss + hp.noise_weight * self._sensitivity_term(batch[0], per_loop, stage)
+        return loss
+
+    def _outlier_term(self, ids: Tensor, acts: dict[tuple[str, int], Tensor], stage: str) -> Tensor:
+        """L_loud + quiet_weight * L_quiet (module doc) from the captured down_proj inputs."""
+        marker = torch.isin(ids[:, :-1], self.marker_ids)
         terms = [
             stress_terms(a, marker, self.channels[name], t, self.hparams.target_ratio, self.hparams.quiet_ratio)
             for (name, t), a in acts.items()
@@ -180,7 +250,18 @@ class StressFinetuner(TeacherPretrainer):
         quiet = torch.stack([y for _, y in terms]).mean()
         self.log(f"{stage}/loud_hinge", loud)
         self.log(f"{stage}/quiet_hinge", quiet)
-        return base + self.hparams.aux_weight * (loud + self.hparams.quiet_weight * quiet)
+        return loud + self.hparams.quiet_weight * quiet
+
+    def _sensitivity_term(self, ids: Tensor, clean: Tensor, stage: str) -> Tensor:
+        """L_noise (module doc): ``clean`` are the LM pass's per-loop CEs, with their graph, so the gradient raises
+        the *gap* (the quantized pass's CE up, the model's own down), never the model's loss itself."""
+        hp = self.hparams
+        with quant_noise(self.model, list(self.model.linear_groups()), hp.noise_bits, hp.noise_group_size):
+            noisy = per_loop_token_losses(self.model, ids)[0].mean(dim=(1, 2))
+        hinge, gap = sensitivity_hinge(noisy, clean, self.loop_weights, hp.noise_margin)
+        self.log(f"{stage}/rtn_gap_nats", gap, prog_bar=True)
+        self.log(f"{stage}/rtn_gap_last_loop", noisy[-1] - clean[-1])
+        return hinge
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:

@@ -1,5 +1,5 @@
-"""loopq.stress: the outlier hinge by hand, the marker token set, a 2-step fine-tune of the tiny teacher, the CLI guard
-and (when committed) the stress variant's recorded headline."""
+"""loopq.stress: the outlier hinge by hand, the marker token set, the quantization-noise forward against the project's
+own RTN student, a 2-step fine-tune of the tiny teacher with each objective, the CLI guard."""
 
 import hashlib
 import json
@@ -12,9 +12,21 @@ import torch
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import GuardError, UsageError
 from loopq.models import load_looplm
+from loopq.models.base import LinearGroup
 from loopq.paths import ASSETS
 from loopq.pretrain import PretrainDataModule
-from loopq.stress import StressFinetuner, loop_channels, main, marker_token_ids, stress_terms
+from loopq.quant.config import QuantConfig
+from loopq.quant.prepare import prepare
+from loopq.quant.primitives import fake_quant
+from loopq.stress import (
+    StressFinetuner,
+    loop_channels,
+    main,
+    marker_token_ids,
+    quant_noise,
+    sensitivity_hinge,
+    stress_terms,
+)
 
 TINY, SMALL = ASSETS / "tiny-ouro", ASSETS / "small-ouro"
 
@@ -58,13 +70,64 @@ def test_marker_tokens_of_the_real_tokenizer():
         assert tok.encode(word).ids[0] not in ids, word
 
 
-def test_two_step_finetune_of_the_tiny_teacher_writes_a_loadable_teacher(data, tmp_path):
+def test_quant_noise_is_rtn_in_value_and_the_quantized_point_gradient():
+    torch.manual_seed(0)
+    group = LinearGroup(a=torch.nn.Linear(64, 8), b=torch.nn.Linear(64, 4, bias=False))
+    x = (torch.randn(3, 64) * torch.linspace(0.1, 5, 64)).requires_grad_(True)
+    plain = group(x)
+    with quant_noise(group, [""], bits=4, group_size=32):
+        noisy = group(x)
+    xq = fake_quant(x.detach(), 4, 32)
+    for y, y_plain, lin in zip(noisy, plain, group.children(), strict=True):
+        wq = fake_quant(lin.weight.detach(), 4, 32)
+        torch.testing.assert_close(y, torch.nn.functional.linear(xq, wq, lin.bias), rtol=1e-5, atol=1e-5)
+        assert (y - y_plain).abs().max() > 1e-3  # it did perturb
+    g = [torch.randn_like(y) for y in noisy]
+    sum((y * gi).sum() for y, gi in zip(noisy, g, strict=True)).backward()
+    lins = list(group.children())
+    torch.testing.assert_close(lins[0].weight.grad, g[0].T @ xq, rtol=1e-5, atol=1e-5)  # dL/dW at Q(x)
+    expected_dx = sum(gi @ fake_quant(lin.weight.detach(), 4, 32) for gi, lin in zip(g, lins, strict=True))
+    torch.testing.assert_close(x.grad, expected_dx, rtol=1e-5, atol=1e-5)  # dL/dx through Q(W)
+    assert not group._forward_hooks and not group._forward_pre_hooks  # removed on exit
+
+
+def test_quant_noise_forward_is_the_rtn_student_of_the_tiny_teacher():
+    """The fine-tune's quantized pass is exactly loopq's own RTN W4A4 g32 student (an independent code path:
+    prepare() builds fake-quant groups), so its dCE is the perplexity gap the testbed measures."""
+    teacher = load_looplm(TINY).eval()
+    ids = torch.randint(1, teacher.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    student = prepare(teacher, QuantConfig.rtn(4, 4, 32)).eval()
+    with torch.no_grad():
+        want = student(ids, return_trajectory=True).loop_states
+        with quant_noise(teacher, list(teacher.linear_groups()), bits=4, group_size=32):
+            got = teacher(ids, return_trajectory=True).loop_states
+        clean = teacher(ids, return_trajectory=True).loop_states
+    for a, b, c in zip(got, want, clean, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert (a - c).abs().max() > 1e-2
+
+
+def test_sensitivity_hinge_by_hand():
+    noisy, clean = torch.tensor([3.0, 2.5]), torch.tensor([2.9, 2.45], requires_grad=True)
+    hinge, gap = sensitivity_hinge(noisy, clean, torch.tensor([0.2, 0.8]), margin=0.2)
+    assert gap.item() == pytest.approx(0.2 * 0.1 + 0.8 * 0.05)  # 0.06 nats
+    assert hinge.item() == pytest.approx((0.2 - 0.06) / 0.2)
+    assert sensitivity_hinge(noisy + 1, clean, torch.tensor([0.5, 0.5]), 0.2)[0].item() == 0.0  # past the margin
+    hinge.backward()  # both sides are pushed apart: the clean CE down by 1/margin per weight, never up
+    torch.testing.assert_close(clean.grad, torch.tensor([0.2, 0.8]) / 0.2)
+    with pytest.raises(UsageError, match=re.escape("model.noise_margin")):
+        sensitivity_hinge(noisy, clean, torch.tensor([0.5, 0.5]), 0.0)
+
+
+@pytest.mark.parametrize("objective", ["outliers", "sensitivity"])
+def test_two_step_finetune_of_the_tiny_teacher_writes_a_loadable_teacher(data, tmp_path, objective):
     out = tmp_path / "stress"
     dm = PretrainDataModule(
         sources=["calibration/tinyshakespeare_input.txt"], seq_len=32, batch_size=2, val_windows=2, bos=True,
         tokenizer=str(TINY),
     )  # fmt: skip
-    module = StressFinetuner(teacher=str(TINY), out_dir=str(out), warmup_steps=1)
+    weights = {"aux_weight": 1.0} if objective == "outliers" else {"aux_weight": 0.0, "noise_weight": 1.0}
+    module = StressFinetuner(teacher=str(TINY), out_dir=str(out), warmup_steps=1, **weights)
     trainer = L.Trainer(
         max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         limit_val_batches=0, enable_model_summary=False,
@@ -78,7 +141,10 @@ def test_two_step_finetune_of_the_tiny_teacher_writes_a_loadable_teacher(data, t
     assert record["command"].startswith("python -m loopq.stress") and record["steps"] == 2 and record["seed"] == 0
     assert record["stress"]["teacher"] == str(TINY) and 0 in record["stress"]["marker_token_ids"]
     assert set(record["stress"]["channels"]) == set(module.stress_groups) and len(module.stress_groups) == 2
-    assert {"train/loud_hinge", "train/quiet_hinge", "train/ce_loop4"} <= set(record["final_metrics"])
+    logged = {"outliers": {"train/loud_hinge", "train/quiet_hinge"}, "sensitivity": {"train/rtn_gap_nats"}}
+    assert logged[objective] | {"train/ce_loop4"} <= set(record["final_metrics"])
+    other = {"outliers": "sensitivity", "sensitivity": "outliers"}[objective]
+    assert not logged[other] & set(record["final_metrics"])  # the switched-off term is not computed
 
 
 def test_out_dir_may_not_be_the_teacher(tmp_path):
