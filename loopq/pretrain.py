@@ -28,6 +28,7 @@ stress teacher, a student, an export) is refused unless ``--overwrite true``.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shlex
@@ -251,12 +252,18 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float) -> float:
 
 
 def export_teacher(
-    module: TeacherPretrainer, data: PretrainDataModule, program: str = "loopq.pretrain", extra: dict | None = None
+    module: TeacherPretrainer,
+    data: PretrainDataModule,
+    program: str = "loopq.pretrain",
+    extra: dict | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Save model + tokenizer in Ouro's native layout and a training record (the ``python -m program`` command and
-    ``extra`` entries, e.g. a fine-tune's auxiliary objective) next to them."""
+    ``extra`` entries, e.g. a fine-tune's auxiliary objective) next to them. ``dtype``: of the saved weights
+    (bf16 halves a committed teacher; :func:`loopq.models.load_looplm` reads it back as fp32)."""
     out = Path(module.hparams.out_dir)
-    module.model.eval().save_pretrained(out)
+    model = module.model.eval()
+    (model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)).save_pretrained(out)
     data.tokenizer.save(str(out / "tokenizer.json"))
     metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
     record = {
@@ -269,6 +276,7 @@ def export_teacher(
         "seed": module.hparams.seed,
         "torch": torch.__version__,
         "final_metrics": metrics,
+        "saved_dtype": str(dtype).removeprefix("torch."),
         **(extra or {}),
     }
     (out / "training_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -34,11 +34,14 @@ Second objective, the quantization-sensitive variant (``noise_weight > 0``). Out
 rotation flattens (QuaRot's Hadamard spreads any few-channel spike over every channel), so on their own they cannot make
 a teacher on which *every* static method fails. What makes real looped models hard is sensitivity: a perturbation
 added at loop 1 grows through the shared stack's later loops (the paper's Ouro-1.4B loses 3.6x perplexity at W4A8,
-where 4-bit g32 weights are the only large error). Sensitivity is a property of the function, not of a basis, so no
-function-preserving transform undoes it. The term rewards it directly: a second forward pass in which every linear
-group sees RTN W4A4 g32 (``noise_bits``) inputs and weights, as constant perturbations
-(:func:`quant_noise`: x + (Q(x) - x).detach(), W + (Q(W) - W).detach()), so the gradient teaches the model to carry the
-quantization error forward, not to make it larger at its source; then, with CE_t the loop-t cross entropy,
+where 4-bit g32 weights are the only large error). The term rewards it directly: a second forward pass in which every
+linear group sees RTN W4A4 g32 (``noise_bits``) inputs and weights, as constant perturbations (:func:`quant_noise`:
+x + (Q(x) - x).detach(), W + (Q(W) - W).detach()), so the gradient teaches the model to carry the quantization error
+forward, not to make it larger at its source. Sensitivity to noise of a given size is a property of the function, not
+of a basis; sensitivity to *RTN's* errors in the standard basis is not (a rotation changes which errors RTN makes), so
+with ``noise_rotate`` = p a step's quantized pass uses, with probability p, a fresh randomized-Hadamard basis per input
+width, i.e. QuaRot's quantizer: the model is then rewarded for carrying either kind of error. With CE_t the loop-t
+cross entropy,
 
     dCE = sum_t w_t (CE_t(quantized) - CE_t(fp))      L_noise = relu(noise_margin - dCE) / noise_margin
 
@@ -71,6 +74,7 @@ from loopq.models.io import load_looplm, resolve_model_dir
 from loopq.models.ouro import OuroLM
 from loopq.paths import data_dir
 from loopq.pretrain import TeacherPretrainer, export_teacher, fit_resumable, per_loop_token_losses
+from loopq.quant.hadamard import randomized_hadamard
 from loopq.quant.primitives import fake_quant
 
 #: characters a marker token may consist of (besides BOS): ASCII punctuation and whitespace
@@ -144,18 +148,43 @@ def sensitivity_hinge(noisy: Tensor, clean: Tensor, weights: Tensor, margin: flo
     return F.relu(margin - gap) / margin, gap
 
 
+def rotated_quant_error(x: Tensor, bits: int, group_size: int, rotation: Tensor | None) -> Tensor:
+    """The quantization error of ``x`` (no gradient): Q(x) - x for RTN in the standard basis, or, in the basis of the
+    orthogonal ``rotation`` R, (Q(x R) - x R) R^T: QuaRot's quantizer seen from the unrotated side, so that
+    (x + e_x)(W + e_W)^T = Q(x R) Q(W R)^T."""
+    x = x.detach()
+    if rotation is None:
+        return fake_quant(x, bits, group_size) - x
+    r = rotation.to(x.dtype)
+    xr = x @ r
+    return (fake_quant(xr, bits, group_size) - xr) @ r.T
+
+
 @contextmanager
-def quant_noise(model: nn.Module, names: Sequence[str], bits: int, group_size: int) -> Iterator[None]:
+def quant_noise(
+    model: nn.Module,
+    names: Sequence[str],
+    bits: int,
+    group_size: int,
+    rotations: dict[int, Tensor] | None = None,
+) -> Iterator[None]:
     """While active, each named :class:`LinearGroup` computes Q(x) Q(W)^T in value (RTN, symmetric, ``bits`` for
     both, groups of ``group_size`` along the input dimension) with the quantization errors as constants: the
-    gradient is the full-precision one, taken at the quantized point."""
+    gradient is the full-precision one, taken at the quantized point. ``rotations`` (input width -> orthogonal R):
+    quantize in the rotated basis instead, as QuaRot does (x R and W R; R^T folded back)."""
     groups = {n: model.get_submodule(n) for n in names}
+    rot = {n: (rotations or {}).get(g.in_features) for n, g in groups.items()}
     with torch.no_grad():
-        dw = {n: [fake_quant(w.weight, bits, group_size) - w.weight for w in g.children()] for n, g in groups.items()}
+        dw = {
+            n: [rotated_quant_error(w.weight, bits, group_size, rot[n]) for w in g.children()]
+            for n, g in groups.items()
+        }
 
-    def pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        return (x + (fake_quant(x.detach(), bits, group_size) - x.detach()), *args[1:])
+    def pre(name: str):
+        def add_input_error(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return (args[0] + rotated_quant_error(args[0], bits, group_size, rot[name]), *args[1:])
+
+        return add_input_error
 
     def post(name: str):
         def add_weight_error(module: nn.Module, args: tuple[Any, ...], out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -163,7 +192,7 @@ def quant_noise(model: nn.Module, names: Sequence[str], bits: int, group_size: i
 
         return add_weight_error
 
-    handles = [g.register_forward_pre_hook(pre) for g in groups.values()]
+    handles = [g.register_forward_pre_hook(pre(n)) for n, g in groups.items()]
     handles += [g.register_forward_hook(post(n)) for n, g in groups.items()]
     try:
         yield
@@ -198,9 +227,17 @@ class StressFinetuner(TeacherPretrainer):
         noise_margin: float = 0.15,
         noise_bits: int = 4,
         noise_group_size: int = 32,
+        save_dtype: str = "float32",
+        noise_rotate: float = 0.0,
     ) -> None:
         """``marker_ids``: the marker token set S; None derives it from the teacher's tokenizer. ``noise_*``: the
-        quantization-sensitivity term (module doc; off at ``noise_weight`` 0)."""
+        quantization-sensitivity term (module doc; off at ``noise_weight`` 0). ``save_dtype``: float32 or bfloat16, the
+        dtype of the exported weights. ``noise_rotate``: the probability that a step's quantized pass uses a fresh
+        randomized-Hadamard basis per input width (QuaRot's quantizer) instead of the standard one."""
+        if not 0.0 <= noise_rotate <= 1.0:
+            raise UsageError(f"model.noise_rotate={noise_rotate}: a probability in [0, 1]")
+        if save_dtype not in ("float32", "bfloat16"):
+            raise UsageError(f"model.save_dtype={save_dtype!r}: use float32 or bfloat16")
         directory = resolve_model_dir(teacher)
         base = load_looplm(directory)
         if not isinstance(base, OuroLM):
@@ -256,11 +293,18 @@ class StressFinetuner(TeacherPretrainer):
         """L_noise (module doc): ``clean`` are the LM pass's per-loop CEs, with their graph, so the gradient raises
         the *gap* (the quantized pass's CE up, the model's own down), never the model's loss itself."""
         hp = self.hparams
-        with quant_noise(self.model, list(self.model.linear_groups()), hp.noise_bits, hp.noise_group_size):
+        gen = torch.Generator().manual_seed(hp.seed * 1_000_003 + self.global_step)  # the same on a resumed run
+        groups = self.model.linear_groups()
+        rotations = None
+        if torch.rand((), generator=gen).item() < hp.noise_rotate:
+            widths = {g.in_features for g in groups.values()}
+            rotations = {n: randomized_hadamard(n, gen).to(ids.device) for n in sorted(widths)}
+        with quant_noise(self.model, list(groups), hp.noise_bits, hp.noise_group_size, rotations):
             noisy = per_loop_token_losses(self.model, ids)[0].mean(dim=(1, 2))
         hinge, gap = sensitivity_hinge(noisy, clean, self.loop_weights, hp.noise_margin)
         self.log(f"{stage}/rtn_gap_nats", gap, prog_bar=True)
         self.log(f"{stage}/rtn_gap_last_loop", noisy[-1] - clean[-1])
+        self.log(f"{stage}/rotated_basis", float(rotations is not None))
         return hinge
 
     def on_fit_end(self) -> None:
@@ -272,7 +316,8 @@ class StressFinetuner(TeacherPretrainer):
                     "channels": {name: ch.tolist() for name, ch in self.channels.items()},
                 }
             }
-            export_teacher(self, self.trainer.datamodule, program="loopq.stress", extra=extra)
+            dtype = getattr(torch, self.hparams.save_dtype)
+            export_teacher(self, self.trainer.datamodule, program="loopq.stress", extra=extra, dtype=dtype)
 
 
 class StressCLI(LightningCLI):

@@ -8,6 +8,7 @@ import re
 import lightning as L
 import pytest
 import torch
+from safetensors import safe_open
 
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import GuardError, UsageError
@@ -16,6 +17,7 @@ from loopq.models.base import LinearGroup
 from loopq.paths import ASSETS
 from loopq.pretrain import PretrainDataModule
 from loopq.quant.config import QuantConfig
+from loopq.quant.hadamard import randomized_hadamard
 from loopq.quant.prepare import prepare
 from loopq.quant.primitives import fake_quant
 from loopq.stress import (
@@ -91,6 +93,22 @@ def test_quant_noise_is_rtn_in_value_and_the_quantized_point_gradient():
     assert not group._forward_hooks and not group._forward_pre_hooks  # removed on exit
 
 
+def test_quant_noise_in_a_rotated_basis_is_quarots_product():
+    torch.manual_seed(1)
+    group = LinearGroup(a=torch.nn.Linear(64, 8, bias=False))
+    x = torch.randn(3, 64) * torch.linspace(0.1, 5, 64)
+    r = randomized_hadamard(64, torch.Generator().manual_seed(0))
+    with quant_noise(group, [""], bits=4, group_size=32, rotations={64: r}):
+        (y,) = group(x)
+    w = group.a.weight.detach()
+    want = fake_quant(x @ r, 4, 32) @ fake_quant(w @ r, 4, 32).T  # QuaRot: quantize x R and W R
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+    with quant_noise(group, [""], bits=4, group_size=32, rotations={128: r}):  # no rotation of this width
+        (plain,) = group(x)
+    torch.testing.assert_close(plain, fake_quant(x, 4, 32) @ fake_quant(w, 4, 32).T, rtol=1e-4, atol=1e-4)
+    assert (y - plain).abs().max() > 1e-3
+
+
 def test_quant_noise_forward_is_the_rtn_student_of_the_tiny_teacher():
     """The fine-tune's quantized pass is exactly loopq's own RTN W4A4 g32 student (an independent code path:
     prepare() builds fake-quant groups), so its dCE is the perplexity gap the testbed measures."""
@@ -119,6 +137,13 @@ def test_sensitivity_hinge_by_hand():
         sensitivity_hinge(noisy, clean, torch.tensor([0.5, 0.5]), 0.0)
 
 
+def test_bad_stress_options_fail_before_training():
+    with pytest.raises(UsageError, match=re.escape("model.save_dtype='fp8'")):
+        StressFinetuner(teacher=str(TINY), save_dtype="fp8")
+    with pytest.raises(UsageError, match=re.escape("model.noise_rotate=1.5")):
+        StressFinetuner(teacher=str(TINY), noise_rotate=1.5)
+
+
 @pytest.mark.parametrize("objective", ["outliers", "sensitivity"])
 def test_two_step_finetune_of_the_tiny_teacher_writes_a_loadable_teacher(data, tmp_path, objective):
     out = tmp_path / "stress"
@@ -126,7 +151,11 @@ def test_two_step_finetune_of_the_tiny_teacher_writes_a_loadable_teacher(data, t
         sources=["calibration/tinyshakespeare_input.txt"], seq_len=32, batch_size=2, val_windows=2, bos=True,
         tokenizer=str(TINY),
     )  # fmt: skip
-    weights = {"aux_weight": 1.0} if objective == "outliers" else {"aux_weight": 0.0, "noise_weight": 1.0}
+    weights = (
+        {"aux_weight": 1.0}
+        if objective == "outliers"
+        else {"aux_weight": 0.0, "noise_weight": 1.0, "save_dtype": "bfloat16", "noise_rotate": 0.5}
+    )
     module = StressFinetuner(teacher=str(TINY), out_dir=str(out), warmup_steps=1, **weights)
     trainer = L.Trainer(
         max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -143,6 +172,11 @@ def test_two_step_finetune_of_the_tiny_teacher_writes_a_loadable_teacher(data, t
     assert set(record["stress"]["channels"]) == set(module.stress_groups) and len(module.stress_groups) == 2
     logged = {"outliers": {"train/loud_hinge", "train/quiet_hinge"}, "sensitivity": {"train/rtn_gap_nats"}}
     assert logged[objective] | {"train/ce_loop4"} <= set(record["final_metrics"])
+    saved = safe_open(str(out / "model.safetensors"), "pt")
+    dtypes = {saved.get_tensor(k).dtype for k in saved.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    assert dtypes == ({torch.float32} if objective == "outliers" else {torch.bfloat16})
+    assert record["saved_dtype"] == ("float32" if objective == "outliers" else "bfloat16")
+    assert model.lm_head.weight.dtype == torch.float32  # read back as fp32 either way
     other = {"outliers": "sensitivity", "sensitivity": "outliers"}[objective]
     assert not logged[other] & set(record["final_metrics"])  # the switched-off term is not computed
 
