@@ -6,7 +6,7 @@
 SpinQuant, FlatQuant, LoopQ) at W4A4 and W4A8 - each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ
 perplexity per loop + the lm-eval tasks with ``limit`` examples per task). The training-free baselines are built
 from the teacher inside the evaluation; the trained ones (SpinQuant, FlatQuant, LoopQ) are calibrated by
-``python -m loopq.fit`` with their calibration config (LoopQ: ``config``, default ``configs/tiny.yaml``; the
+``python -m loopq.fit`` with their calibration config (LoopQ: ``fit_config``, default ``configs/tiny.yaml``; the
 baselines: ``configs/baselines/*-tiny.yaml``) in a subprocess each, under ``<out>/runs/``. A row whose result JSON
 exists is neither recalibrated nor re-evaluated.
 ``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
@@ -25,6 +25,7 @@ windows (for teachers too slow for all 1771 on a CPU; the JSON records the count
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -35,7 +36,7 @@ from pathlib import Path
 from jsonargparse import CLI
 
 from loopq.artifacts import read_artifact_meta
-from loopq.errors import run_cli
+from loopq.errors import UsageError, run_cli
 from loopq.evaluate import evaluate
 from loopq.files import atomic_write, read_json
 from loopq.paths import REPO_ROOT
@@ -64,7 +65,7 @@ TABLE1 = (
     Row(METHODS["quarot"].label, "quarot"),
     Row(METHODS["spinquant"].label, "spinquant", calibration="spinquant_config"),
     Row(METHODS["flatquant"].label, "flatquant", calibration="flatquant_config"),
-    Row(METHODS["loopq"].label, "loopq", calibration="config"),
+    Row(METHODS["loopq"].label, "loopq", calibration="fit_config"),
 )
 ABLATIONS = {
     "LoopQ w/o LAS": ["--model.quant.las", "false"],
@@ -109,7 +110,7 @@ def seeded(slug: str, seed: int | None) -> str:
 def table1(
     model: str,
     out: str,
-    config: str = "configs/tiny.yaml",
+    fit_config: str = "configs/tiny.yaml",
     limit: int | None = 200,
     tasks: list[str] | None = None,
     spinquant_config: str = "configs/baselines/spinquant-tiny.yaml",
@@ -124,7 +125,7 @@ def table1(
     ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``). ``extra``: more
     ``loopq.fit`` options for every calibration (e.g. a scaled recipe: ``--trainer.max_steps 100``)."""
     root = Path(out)
-    configs = {"config": config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
+    configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
     written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
     for bit_label in bits or list(BITS):
         for row in TABLE1:
@@ -146,7 +147,7 @@ def table1(
 def ablations(
     model: str,
     out: str,
-    config: str = "configs/tiny.yaml",
+    fit_config: str = "configs/tiny.yaml",
     limit: int | None = 200,
     tasks: list[str] | None = None,
     seeds: list[int] | None = None,
@@ -159,7 +160,7 @@ def ablations(
     for name, switch in ABLATIONS.items():
         for seed in seeds or [None]:
             slug = seeded(name.lower().replace(" ", "-").replace("/", ""), seed)
-            student = _calibrated(model, root, slug, config, 4, [*switch, *seed_args(seed), *(extra or [])])
+            student = _calibrated(model, root, slug, fit_config, 4, [*switch, *seed_args(seed), *(extra or [])])
             path = _eval(
                 root / f"{slug}.json", student=str(student), method=name, bits="w4a4", limit=limit, tasks=tasks
             )
@@ -195,7 +196,7 @@ def slt_budget(
     model: str,
     out: str,
     budgets: list[int] | None = None,
-    config: str = "configs/tiny.yaml",
+    fit_config: str = "configs/tiny.yaml",
     bits: str = "w4a4",
     limit: int | None = 200,
     tasks: list[str] | None = None,
@@ -209,7 +210,7 @@ def slt_budget(
         for seed in seeds or [None]:
             slug = seeded(f"slt-{budget}", seed)
             args = ["--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or [])]
-            student = _calibrated(model, root, slug, config, BITS[bits], args)
+            student = _calibrated(model, root, slug, fit_config, BITS[bits], args)
             common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
             path = _eval(root / f"{slug}.json", student=str(student), **common)
             written.append(_tag(path, slt_budget=budget, seed=seed))
@@ -220,7 +221,7 @@ def num_samples(
     model: str,
     out: str,
     sizes: list[int] | None = None,
-    config: str = "configs/tiny.yaml",
+    fit_config: str = "configs/tiny.yaml",
     bits: str = "w4a4",
     limit: int | None = 200,
     tasks: list[str] | None = None,
@@ -229,7 +230,7 @@ def num_samples(
     root, written = Path(out), []
     for size in sizes or [32, 64, 128, 256, 512, 1024]:
         slug = f"samples-{size}"
-        student = _calibrated(model, root, slug, config, BITS[bits], ["--data.num_samples", str(size)])
+        student = _calibrated(model, root, slug, fit_config, BITS[bits], ["--data.num_samples", str(size)])
         path = _eval(
             root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
         )
@@ -322,7 +323,22 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     return text
 
 
+def check_not_a_fit_config(argv: list[str]) -> None:
+    """``--config FILE`` is this command's own options file (jsonargparse); a ``loopq.fit`` config there used to be
+    taken for it and ignored, so every row silently calibrated with ``configs/tiny.yaml``."""
+    for flag, value in itertools.pairwise(argv):
+        if flag != "--config" or not Path(value).is_file():
+            continue
+        text = Path(value).read_text()
+        if any(line.startswith(("trainer:", "data:", "seed_everything:")) for line in text.splitlines()):
+            raise UsageError(
+                f"--config {value}: a loopq.fit config; pass it as --fit_config {value} "
+                "(--config reads this command's own options)"
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
+    check_not_a_fit_config(sys.argv[1:] if argv is None else argv)
     CLI(
         [table1, ablations, slt_budget, num_samples, loops, summary],
         args=argv,

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from loopq import experiments
+from loopq.errors import UsageError
 
 LABELS = ["Symmetric", "SmoothQuant", "QuaRot", "SpinQuant", "FlatQuant", "LoopQ"]
 
@@ -30,7 +31,7 @@ def recorded(monkeypatch):
 
 
 def test_table1_has_every_method_at_both_bit_widths(recorded, tmp_path):
-    written = experiments.table1("teacher-dir", str(tmp_path), config="loopq.yaml", tasks=[])
+    written = experiments.table1("teacher-dir", str(tmp_path), fit_config="loopq.yaml", tasks=[])
     assert [p.name for p in written] == ["fp.json"] + [
         f"{slug}-{bits}.json"
         for bits in ("w4a4", "w4a8")
@@ -62,3 +63,10 @@ def test_finished_rows_are_neither_recalibrated_nor_reevaluated(recorded, tmp_pa
     assert ("SpinQuant", "w4a4") not in evaluated and ("SpinQuant", "w4a8") in evaluated
     assert "spinquant-w4a4" not in [run for run, _, _ in recorded["calibrate"]]
     assert json.loads((tmp_path / "quarot-w4a4.json").read_text())["method"] == "kept"
+
+
+def test_a_fit_config_given_as_config_is_refused_not_ignored(tmp_path):
+    """It was parsed as this command's options file and dropped: every row calibrated with configs/tiny.yaml."""
+    with pytest.raises(UsageError, match=r"--config configs/small.yaml: a loopq.fit config; pass it as --fit_config"):
+        experiments.main(["table1", "--model", "m", "--out", str(tmp_path), "--config", "configs/small.yaml"])
+    assert not any(tmp_path.iterdir())
