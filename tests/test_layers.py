@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
         "stress",
         "gpu_check",
         "generate",
+        "inspect",
     },
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
