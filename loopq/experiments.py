@@ -161,9 +161,8 @@ def ablations(
         for seed in seeds or [None]:
             slug = seeded(name.lower().replace(" ", "-").replace("/", ""), seed)
             student = _calibrated(model, root, slug, fit_config, 4, [*switch, *seed_args(seed), *(extra or [])])
-            path = _eval(
-                root / f"{slug}.json", student=str(student), method=name, bits="w4a4", limit=limit, tasks=tasks
-            )
+            common = {"method": name, "bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
+            path = _eval(root / f"{slug}.json", student=str(student), **common)
             written.append(_tag(path, seed=seed))
     return written
 

@@ -113,3 +113,12 @@ def test_summary_reports_mean_std_recovery_and_separation(tmp_path):
     assert "| 3 | 200.00 ± 1.00 | 0.50 |" in table["LoopQ"]  # R = ln(400/200) / ln(400/100)
     assert table["QuaRot"].endswith("+40.00 ** |") and table["SpinQuant"].endswith("+1.00 |")
     assert (tmp_path / "summary.md").read_text() == text
+
+
+def test_ablations_evaluate_on_the_requested_windows(recorded, tmp_path):
+    """``--ppl_windows`` used to be accepted and dropped here: a small-ouro ablation row was evaluated on all 1771
+    windows and compared with table rows on 256."""
+    paths = experiments.ablations("teacher", str(tmp_path), seeds=[0], tasks=[], ppl_windows=256)
+    assert [p.name for p in paths] == ["loopq-wo-las-s0.json", "loopq-wo-slt-s0.json", "loopq-wo-cta-s0.json"]
+    assert [c["ppl_windows"] for c in recorded["evaluate"]] == [256, 256, 256]
+    assert [c["method"] for c in recorded["evaluate"]] == list(experiments.ABLATIONS)
