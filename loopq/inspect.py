@@ -197,24 +197,25 @@ def inspect(path: Path, windows: int) -> dict[str, Any]:
     }
 
 
+def las_table(clips: dict[str, list[float]]) -> list[str]:
+    """Mean c_t per loop and the spread per group kind. A group with one clip (LAS off, not promoted) counts as
+    that clip at every loop."""
+    loops = max(len(c) for c in clips.values())
+    full = {n: c * loops if len(c) == 1 else c for n, c in clips.items()}
+    lines = ["| group kind | mean c_t per loop | median spread | max spread |", "|---|---|---:|---:|"]
+    for kind in sorted({n.rsplit(".", 1)[-1] for n in full}):
+        rows = torch.tensor([c for n, c in full.items() if n.endswith("." + kind)])
+        spread = rows.max(1).values - rows.min(1).values
+        per_loop = " / ".join(f"{c:.3f}" for c in rows.mean(0).tolist())
+        lines.append(f"| {kind} | {per_loop} | {spread.median():.3f} | {spread.max():.3f} |")
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Inside {result['student']}", ""]
     if result["mu"]:
         lines += ["mu_t (end of calibration): " + ", ".join(f"{m:.3f}" for m in result["mu"]), ""]
-    clips = result["las_clips"]
-    spreads = {n: max(c) - min(c) for n, c in clips.items()}
-    kinds = sorted({n.rsplit(".", 1)[-1] for n in clips})
-    lines += [
-        "## LAS: activation clip ratio per loop",
-        "",
-        "| group kind | mean c_t per loop | median spread | max spread |",
-    ]
-    lines += ["|---|---|---:|---:|"]
-    for kind in kinds:
-        names = [n for n in clips if n.endswith("." + kind)]
-        per_loop = torch.tensor([clips[n] for n in names]).mean(0).tolist()
-        s = torch.tensor([spreads[n] for n in names])
-        lines.append(f"| {kind} | {' / '.join(f'{c:.3f}' for c in per_loop)} | {s.median():.3f} | {s.max():.3f} |")
+    lines += ["## LAS: activation clip ratio per loop", "", *las_table(result["las_clips"])]
     slt = result["slt"]
     lines += ["", "## SLT: promoted groups", "", "| round step | promoted | S_l | largest S left | median S |"]
     lines += ["|---:|---|---:|---:|---:|"]

@@ -18,6 +18,7 @@ from loopq.inspect import (
     knock_out_cta,
     knock_out_las,
     knock_out_slt,
+    las_table,
     main,
     relative_spread,
     student_dir,
@@ -31,6 +32,14 @@ def test_relative_spread_by_hand():
     eye = torch.eye(3)
     assert relative_spread([eye, 3 * eye]) == pytest.approx(0.5)  # mean 2I: ||I - 2I|| / ||2I||
     assert relative_spread([eye, eye, eye]) == 0.0
+
+
+def test_las_table_by_hand_with_a_shared_clip():
+    """LAS off: most groups have one clip, promoted ones one per loop; the shared clip counts at every loop."""
+    clips = {"l.0.mlp.down_proj": [0.9], "l.1.mlp.down_proj": [0.8, 1.0], "l.0.attn.o_proj": [0.5, 0.7]}
+    table = las_table(clips)
+    assert table[2] == "| down_proj | 0.850 / 0.950 | 0.000 | 0.200 |"  # rows [.9, .9], [.8, 1]; lower median
+    assert table[3] == "| o_proj | 0.500 / 0.700 | 0.200 | 0.200 |"
 
 
 def test_effective_transform_is_what_the_forward_applies():
