@@ -85,15 +85,22 @@ def test_second_teacher_is_a_native_ouro_of_the_issue_size_with_its_record():
     assert rec["fragility"]["FP"]["ppl"] <= 0.5 * record(PLAIN)["fragility"]["FP"]["ppl"], "clearly better than tiny"
 
 
-def test_second_teacher_meets_its_recorded_fp_and_rtn_w4a4_perplexity():
-    """The headline numbers of small-ouro's TESTBED.md, re-measured on the testbed's quick-check windows."""
-    model = load_looplm(SMALL)
-    stream = torch.tensor(wikitext2_stream(load_tokenizer(SMALL)))[: QUICK_WINDOWS * SEQ_LEN]
-    quick = record(SMALL)["quick_check"]
+def remeasured_fp_and_rtn(path):
+    """FP and RTN W4A4 g32 perplexity of the teacher at ``path`` on the testbed's quick-check windows, each checked
+    against its ``testbed.json``."""
+    model = load_looplm(path)
+    stream = torch.tensor(wikitext2_stream(load_tokenizer(path)))[: QUICK_WINDOWS * SEQ_LEN]
+    quick = record(path)["quick_check"]
     fp = perplexity(model, stream, SEQ_LEN, batch_size=8).ppl
     rtn = perplexity(prepare(model, QuantConfig.rtn(4, 4, 32)).eval(), stream, SEQ_LEN, batch_size=8).ppl
     assert fp == pytest.approx(quick["fp_ppl"], rel=1e-4)
     assert rtn == pytest.approx(quick["rtn_w4a4_g32_ppl"], rel=1e-3)
+    return fp, rtn
+
+
+def test_second_teacher_meets_its_recorded_fp_and_rtn_w4a4_perplexity():
+    """The headline numbers of small-ouro's TESTBED.md, re-measured on the testbed's quick-check windows."""
+    fp, rtn = remeasured_fp_and_rtn(SMALL)
     assert 1.0 < rtn / fp < 1.10, "as recorded: plain RTN W4A4 g32 costs a few percent, short of the issue's 10 %"
 
 
@@ -117,11 +124,5 @@ def test_sensitive_variant_is_a_bf16_fine_tune_of_the_second_teacher_within_the_
 
 def test_sensitive_variant_meets_its_recorded_fp_and_rtn_w4a4_perplexity():
     """TESTBED.md's headline, re-measured: RTN W4A4 g32 costs well over the issue's 10 % on this variant."""
-    model = load_looplm(SENSITIVE)
-    stream = torch.tensor(wikitext2_stream(load_tokenizer(SENSITIVE)))[: QUICK_WINDOWS * SEQ_LEN]
-    quick = record(SENSITIVE)["quick_check"]
-    fp = perplexity(model, stream, SEQ_LEN, batch_size=8).ppl
-    rtn = perplexity(prepare(model, QuantConfig.rtn(4, 4, 32)).eval(), stream, SEQ_LEN, batch_size=8).ppl
-    assert fp == pytest.approx(quick["fp_ppl"], rel=1e-4)
-    assert rtn == pytest.approx(quick["rtn_w4a4_g32_ppl"], rel=1e-3)
+    fp, rtn = remeasured_fp_and_rtn(SENSITIVE)
     assert rtn / fp > 1.10, "as recorded: plain RTN W4A4 g32 costs more than the issue's 10 %"
