@@ -28,17 +28,21 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jsonargparse import CLI
 
 from loopq.artifacts import read_artifact_meta
+from loopq.artifacts.layout import STUDENT_META
 from loopq.errors import UsageError, run_cli
 from loopq.evaluate import evaluate
 from loopq.files import atomic_write, read_json
+from loopq.inspect import slt_history
 from loopq.paths import REPO_ROOT
 from loopq.quant.config import BIT_LABELS, METHODS, parse_bits
 from loopq.stats import log_gap_recovery, separated, summarize
@@ -46,7 +50,7 @@ from loopq.stats import log_gap_recovery, separated, summarize
 #: activation bits of each reported bit-width label (w4a4 -> 4, w4a8 -> 8)
 BITS = {label: parse_bits(label)[1] for label in BIT_LABELS}
 #: fields that mark a sweep's result (kept out of :func:`summary`'s tables)
-SWEEP_TAGS = ("per_loop_of", "slt_budget", "num_samples")
+SWEEP_TAGS = ("per_loop_of", "loop_sweep", "slt_budget", "num_samples")
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,26 @@ def slt_budget(
             student = _calibrated(model, root, slug, fit_config, BITS[bits], args)
             common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
             path = _eval(root / f"{slug}.json", student=str(student), **common)
-            written.append(_tag(path, slt_budget=budget, seed=seed))
+            written.append(_tag(path, slt_budget=budget, seed=seed, **promotion_record(student.parent)))
     return written
+
+
+def promotion_record(run: Path) -> dict[str, Any]:
+    """Which groups calibration ``run`` promoted (``promoted``, from its student) and each round of the sharing-gap
+    re-selection (``slt_rounds``: step, the selected groups with their S_l, and the median S_l of all groups, from
+    its last checkpoint; §4.2, Eq. 9). Empty when the run directory is gone (a row resumed from its JSON)."""
+    student = run / "student"
+    if not (student / STUDENT_META).is_file():
+        return {}
+    rounds = [
+        {
+            "step": r["step"],
+            "selected": {name: r["scores"][name] for name in r["selected"]},
+            "median_S": statistics.median(r["scores"].values()),
+        }
+        for r in slt_history(run)
+    ]
+    return {"promoted": read_artifact_meta(student, kind="student")[0].get("promoted", []), "slt_rounds": rounds}
 
 
 def num_samples(
@@ -245,6 +267,8 @@ def loops(
     bits: str = "w4a4",
     limit: int | None = 200,
     tasks: list[str] | None = None,
+    seed: int | None = None,
+    ppl_windows: int | None = None,
 ) -> list[Path]:
     """Fig. 5: FP, Symmetric RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops.
 
@@ -252,21 +276,27 @@ def loops(
     promoted transforms, CTA).
     WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
     loop (the output after n loops does not depend on later loops), written as one JSON per n with
-    ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately."""
+    ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately.
+    ``seed`` names the student's calibration seed (its rows become ``loopq-<bits>-s<seed>-loops<n>``; FP and RTN
+    are shared by the seeds); ``ppl_windows`` evaluates WikiText-2 on its first N windows. Every JSON is tagged
+    ``loop_sweep`` (the top loop count), which keeps it out of :func:`summary`'s Table 1 rows."""
     calibrated = read_artifact_meta(student, kind="student")[0]["calibrated_loops"]
     top = max_loops or 2 * calibrated
     root, written = Path(out), []
     rows = {
         "fp": {"model": model, "method": "FP"},
         f"rtn-{bits}": {"model": model, "method": "Symmetric", "bits": bits},
-        f"loopq-{bits}": {"student": student, "method": "LoopQ", "bits": bits},
+        seeded(f"loopq-{bits}", seed): {"student": student, "method": "LoopQ", "bits": bits},
     }
+    common = {"limit": limit, "ppl_windows": ppl_windows}
     for slug, row in rows.items():
+        tag = {"loop_sweep": top, "seed": seed if row["method"] == "LoopQ" else None}
         if tasks:
             for n in range(calibrated, top + 1):
-                written.append(_eval(root / f"{slug}-loops{n}.json", limit=limit, tasks=tasks, num_loops=n, **row))
+                path = _eval(root / f"{slug}-loops{n}.json", tasks=tasks, num_loops=n, **common, **row)
+                written.append(_tag(path, **tag))
             continue
-        source = _eval(root / f"{slug}-loops{top}.json", limit=limit, tasks=[], num_loops=top, **row)
+        source = _tag(_eval(root / f"{slug}-loops{top}.json", tasks=[], num_loops=top, **common, **row), **tag)
         written += [per_loop_result(source, n) for n in range(calibrated, top)] + [source]
     return written
 
@@ -290,14 +320,14 @@ def per_loop_result(source: Path, n: int) -> Path:
 def summary(out: str, reference: str = "LoopQ") -> str:
     """The mean ± std table of every result JSON in ``out`` (grouped by method and bits), with R against the
     Symmetric RTN row and FP, and a mark on rows separated from ``reference`` at the same bits by > 2 std
-    (:func:`loopq.stats.separated`); printed and written to ``<out>/summary.md``."""
+    (:func:`loopq.stats.separated`); then, where ``out`` holds them, the SLT budget sweep (with the promoted groups
+    and their S_l) and the loop sweep. Printed and written to ``<out>/summary.md``."""
     root = Path(out)
+    results = [data for path in sorted(root.glob("*.json")) if "wikitext2_ppl" in (data := read_json(path))]
     rows: dict[tuple[str, str], list[float]] = {}
-    for path in sorted(root.glob("*.json")):
-        data = read_json(path)
-        if "wikitext2_ppl" in data and not any(k in data for k in SWEEP_TAGS):
+    for data in results:
+        if not any(k in data for k in SWEEP_TAGS):
             rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
-    fp = rows.get(("FP", "fp"))
     lines = [
         f"Results in `{root}`: WikiText-2 PTQ perplexity, mean ± std over seeds (n); R = (ln RTN - ln M) / "
         f"(ln RTN - ln FP); ** = separated from {reference} at the same bits by more than 2 std "
@@ -308,18 +338,84 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     ]
     for (method, bits), values in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         stat = summarize(values)
-        rtn = rows.get(("Symmetric", bits)) or rows.get(("RTN", bits))
-        r = log_gap_recovery(summarize(fp).mean, summarize(rtn).mean, stat.mean) if fp and rtn else math.nan
         ref = rows.get((reference, bits))
         mark = ""
         if ref and method != reference:
             diff = stat.mean - summarize(ref).mean
             mark = f"{diff:+.2f}" + (" **" if separated(stat, summarize(ref)) else "")
-        lines.append(f"| {method} | {bits} | {stat.n} | {stat} | {'' if math.isnan(r) else f'{r:.2f}'} | {mark} |")
-    text = "\n".join(lines) + "\n"
+        lines.append(f"| {method} | {bits} | {stat.n} | {stat} | {recovery(rows, bits, stat.mean)} | {mark} |")
+    text = "\n".join(lines + slt_sweep_lines(results, rows) + loop_sweep_lines(results)) + "\n"
     atomic_write(root / "summary.md", lambda tmp: tmp.write_text(text))
     print(text)
     return text
+
+
+def recovery(rows: dict[tuple[str, str], list[float]], bits: str, ppl: float) -> str:
+    """R of a perplexity against the FP and Symmetric RTN rows at ``bits`` ('' without them)."""
+    fp, rtn = rows.get(("FP", "fp")), rows.get(("Symmetric", bits)) or rows.get(("RTN", bits))
+    r = log_gap_recovery(summarize(fp).mean, summarize(rtn).mean, ppl) if fp and rtn else math.nan
+    return "" if math.isnan(r) else f"{r:.2f}"
+
+
+def slt_sweep_lines(results: list[dict[str, Any]], rows: dict[tuple[str, str], list[float]]) -> list[str]:
+    """Fig. 4 as a table: per SLT budget the perplexity over seeds, R, and the groups promoted at the end of
+    calibration - in how many seeds, with S_l of the round that last selected them against that round's median."""
+    sweep: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for data in results:
+        if "slt_budget" in data:
+            sweep.setdefault((data["bits"], data["slt_budget"]), []).append(data)
+    if not sweep:
+        return []
+    lines = [
+        "",
+        "SLT budget sweep (Fig. 4): promoted = groups promoted at the end (seeds promoting it / seeds; mean S_l of "
+        "the round that last selected it vs that round's median S).",
+        "",
+        "| SLT budget | bits | n | WT2 ppl | R | promoted |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    for (bits, budget), runs in sorted(sweep.items()):
+        stat = summarize([d["wikitext2_ppl"] for d in runs])
+        cell = promoted_cell(runs)
+        lines.append(f"| {budget} | {bits} | {stat.n} | {stat} | {recovery(rows, bits, stat.mean)} | {cell} |")
+    return lines
+
+
+def promoted_cell(runs: list[dict[str, Any]]) -> str:
+    scores: dict[str, list[tuple[float, float]]] = {}
+    for data in runs:
+        last = {}
+        for r in data.get("slt_rounds", []):
+            last.update({name: (score, r["median_S"]) for name, score in r["selected"].items()})
+        for name in data.get("promoted", []):
+            scores.setdefault(name, [])
+            if name in last:
+                scores[name].append(last[name])
+    parts = []
+    for name, found in sorted(scores.items(), key=lambda kv: -len(kv[1])):
+        count = sum(name in d.get("promoted", []) for d in runs)
+        s_text = ""
+        if found:
+            s_text = f", S {statistics.mean(s for s, _ in found):.0f} vs {statistics.mean(m for _, m in found):.0f}"
+        parts.append(f"{name.removeprefix('model.layers.')} ({count}/{len(runs)}{s_text})")
+    return "; ".join(parts) or "none"
+
+
+def loop_sweep_lines(results: list[dict[str, Any]]) -> list[str]:
+    """Fig. 5 as a table: perplexity (mean ± std over seeds) of each method after n loops."""
+    cells: dict[tuple[str, int], list[float]] = {}
+    for data in results:
+        if "loop_sweep" in data:
+            cells.setdefault((f"{data['method']} {data['bits']}", data["num_loops"]), []).append(data["wikitext2_ppl"])
+    if not cells:
+        return []
+    methods = sorted({m for m, _ in cells}, key=lambda m: (m != "FP fp", m))
+    lines = ["", "Loop sweep (Fig. 5): WikiText-2 perplexity after n loops.", ""]
+    lines += ["| loops | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+    for n in sorted({n for _, n in cells}):
+        row = [str(summarize(cells[(m, n)])) if (m, n) in cells else "" for m in methods]
+        lines.append(f"| {n} | " + " | ".join(row) + " |")
+    return lines
 
 
 def check_not_a_fit_config(argv: list[str]) -> None:

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from loopq import experiments
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
@@ -17,13 +18,15 @@ def recorded(monkeypatch, tmp_path):
         calls["calibrate"].append((run_dir.name, a_bits, extra))
         student = run_dir / "student"
         student.mkdir(parents=True)
-        (student / "loopq_quant.json").write_text(json.dumps({"calibrated_loops": 4}))
+        (student / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "calibrated_loops": 4}))
+        (student / STUDENT_WEIGHTS).write_bytes(b"not read")
         return student
 
     def evaluate(out, **kwargs):
         calls["evaluate"].append(kwargs)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"wikitext2_ppl": 100.0, "method": kwargs.get("method")}))
+        data = {"wikitext2_ppl": 100.0, "method": kwargs.get("method"), "bits": kwargs.get("bits", "fp")}
+        Path(out).write_text(json.dumps(data))
 
     monkeypatch.setattr(experiments, "calibrate", calibrate)
     monkeypatch.setattr(experiments, "evaluate", evaluate)
@@ -122,3 +125,74 @@ def test_ablations_evaluate_on_the_requested_windows(recorded, tmp_path):
     assert [p.name for p in paths] == ["loopq-wo-las-s0.json", "loopq-wo-slt-s0.json", "loopq-wo-cta-s0.json"]
     assert [c["ppl_windows"] for c in recorded["evaluate"]] == [256, 256, 256]
     assert [c["method"] for c in recorded["evaluate"]] == list(experiments.ABLATIONS)
+
+
+def test_slt_sweep_records_the_promoted_groups_and_their_sharing_gap(recorded, tmp_path, monkeypatch):
+    """Fig. 4 asks which groups a budget promotes: each sweep JSON carries them (from the student) with the
+    re-selection rounds' S_l (from the run's last checkpoint), and ``summary`` tabulates them over seeds."""
+
+    def calibrate(model, run_dir, config, a_bits, extra):
+        seed = int(extra[extra.index("--seed_everything") + 1])
+        promoted = ["model.layers.5.mlp.down_proj"] + (["model.layers.2.mlp.down_proj"] if seed == 0 else [])
+        student = run_dir / "student"
+        student.mkdir(parents=True)
+        meta = {"format": STUDENT_FORMAT, "calibrated_loops": 4, "promoted": promoted}
+        (student / STUDENT_META).write_text(json.dumps(meta))
+        (student / STUDENT_WEIGHTS).write_bytes(b"not read")
+        scores = {"model.layers.5.mlp.down_proj": 1400.0 + seed, "model.layers.2.mlp.down_proj": 1000.0}
+        scores |= {f"model.layers.{i}.self_attn.o_proj": 300.0 for i in range(3)}
+        history = [{"step": 0, "selected": promoted, "scores": scores}]
+        (run_dir / "checkpoints").mkdir()
+        torch.save({"callbacks": {"SharingGapReselection{'every': 40}": {"history": history}}},
+                   run_dir / "checkpoints" / "last.ckpt")  # fmt: skip
+        return student
+
+    monkeypatch.setattr(experiments, "calibrate", calibrate)
+    out = tmp_path / "slt"
+    paths = experiments.slt_budget("teacher", str(out), budgets=[2], seeds=[0, 1], ppl_windows=64)
+    first = json.loads(paths[0].read_text())
+    assert first["promoted"] == ["model.layers.5.mlp.down_proj", "model.layers.2.mlp.down_proj"]
+    assert first["slt_rounds"] == [
+        {
+            "step": 0,
+            "selected": {"model.layers.5.mlp.down_proj": 1400.0, "model.layers.2.mlp.down_proj": 1000.0},
+            "median_S": 300.0,  # median of 1400, 1000, 300, 300, 300
+        }
+    ]
+    assert [c["ppl_windows"] for c in recorded["evaluate"]] == [64, 64]
+    text = experiments.summary(str(out))
+    row = next(line for line in text.splitlines() if line.startswith("| 2 | w4a4 |"))
+    assert "5.mlp.down_proj (2/2, S 1400 vs 300); 2.mlp.down_proj (1/2, S 1000 vs 300)" in row
+
+
+def test_loop_sweep_per_seed_rows_stay_out_of_table1(recorded, tmp_path, monkeypatch):
+    """The loop sweep's FP row at 2T used to be read by ``summary`` as the FP row of Table 1 when both share a
+    folder; now every loop-sweep JSON is tagged and tabulated on its own, one LoopQ row per seed."""
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "calibrated_loops": 2}))
+    (student / STUDENT_WEIGHTS).write_bytes(b"not read: evaluate is replaced below")
+
+    def evaluate(out, **kwargs):
+        recorded["evaluate"].append(kwargs)
+        base = {"FP": 50.0, "Symmetric": 60.0, "LoopQ": 55.0}[kwargs["method"]]
+        per_loop = [base + i for i in range(kwargs["num_loops"])]
+        data = {"wikitext2_ppl": per_loop[-1], "wikitext2_per_loop_ppl": per_loop, "num_loops": kwargs["num_loops"]}
+        data |= {"method": kwargs["method"], "bits": kwargs.get("bits", "fp")}
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(data))
+
+    monkeypatch.setattr(experiments, "evaluate", evaluate)
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "fp.json").write_text(json.dumps({"method": "FP", "bits": "fp", "wikitext2_ppl": 50.0, "num_loops": 2}))
+    experiments.loops("teacher", str(out), student=str(student), seed=0, ppl_windows=32)
+    experiments.loops("teacher", str(out), student=str(student), seed=1, ppl_windows=32)
+    # FP and RTN are shared by the seeds: evaluated once; the student once per seed
+    assert [c["method"] for c in recorded["evaluate"]] == ["FP", "Symmetric", "LoopQ", "LoopQ"]
+    assert {c["ppl_windows"] for c in recorded["evaluate"]} == {32}
+    assert json.loads((out / "loopq-w4a4-s1-loops3.json").read_text())["seed"] == 1
+    text = experiments.summary(str(out))
+    table1 = [line for line in text.splitlines() if line.startswith("| FP | fp |")]
+    assert table1 == ["| FP | fp | 1 | 50.00 |  |  |"]  # the 2T FP row (53.00) is not mixed in
+    assert "| 4 | 53.00 | 58.00 ± 0.00 | 63.00 |" in text  # loops | FP fp | LoopQ w4a4 | Symmetric w4a4
