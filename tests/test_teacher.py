@@ -15,6 +15,14 @@ from loopq.testbed import QUICK_WINDOWS, SEQ_LEN
 PLAIN, STRESS = ASSETS / "tiny-ouro", ASSETS / "tiny-ouro-outliers"
 
 
+# Fake-quant RTN perplexity is a step function of the activations: a one-ulp difference (another CPU's BLAS, another
+# torch) flips some rounding decisions. Measured on the quick-check windows: the same RTN model in float64 instead of
+# fp32 moves it by +0.18 % (small-ouro), +0.25 % (small-ouro-sensitive), -0.02 % (tiny-ouro-outliers); the recorded
+# values differ from today's fp32 re-measurement by -0.13 %, +0.04 %, -0.04 %. 1 % is 3x the largest of these and
+# still pins every headline (the smallest gap checked is small-ouro's 3.6 %). FP perplexity is smooth: 1e-4.
+RTN_REL = 1e-2
+
+
 def record(path):
     return json.loads((path / "testbed.json").read_text())
 
@@ -63,7 +71,7 @@ def test_rtn_w4a4_breaks_the_stress_variant(subset):
     fp = perplexity(stress, subset, SEQ_LEN, batch_size=8).ppl
     rtn = perplexity(prepare(stress, QuantConfig.rtn(4, 4, 32)).eval(), subset, SEQ_LEN, batch_size=8).ppl
     assert rtn >= 2 * fp
-    assert rtn == pytest.approx(record(STRESS)["quick_check"]["rtn_w4a4_g32_ppl"], rel=1e-3)
+    assert rtn == pytest.approx(record(STRESS)["quick_check"]["rtn_w4a4_g32_ppl"], rel=RTN_REL)
 
 
 # ---------------------------------------------------------------------------------------------------- second teacher
@@ -94,7 +102,7 @@ def remeasured_fp_and_rtn(path):
     fp = perplexity(model, stream, SEQ_LEN, batch_size=8).ppl
     rtn = perplexity(prepare(model, QuantConfig.rtn(4, 4, 32)).eval(), stream, SEQ_LEN, batch_size=8).ppl
     assert fp == pytest.approx(quick["fp_ppl"], rel=1e-4)
-    assert rtn == pytest.approx(quick["rtn_w4a4_g32_ppl"], rel=1e-3)
+    assert rtn == pytest.approx(quick["rtn_w4a4_g32_ppl"], rel=RTN_REL)
     return fp, rtn
 
 

@@ -180,6 +180,8 @@ class PackedLinearGroup(nn.Module):
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)
         flat = x.reshape(-1, self.spec.in_features)
+        if flat.dtype == torch.float64:  # a float64 model (CPU oracle: norms, attention, residuals in float64)
+            flat = flat.float()  # feeds the kernels the fp32 they compute in anyway
         if self.inv_d is not None:
             flat = flat.float() * _at(self.inv_d, slot)
         left = None if self.left is None else _at(self.left, slot)
