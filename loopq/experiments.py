@@ -79,7 +79,9 @@ ABLATIONS = {
 
 
 def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[str]) -> Path:
-    """``python -m loopq.fit`` in a fresh process; returns the student directory."""
+    """``python -m loopq.fit`` in a fresh process; returns the student directory. A run stopped mid-calibration
+    resumes from its ``checkpoints/last.ckpt`` (``--ckpt_path last``) instead of starting over."""
+    resume = ["--ckpt_path", "last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
     cmd = [
         sys.executable,
         "-m",
@@ -95,6 +97,7 @@ def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[s
         "--trainer.enable_progress_bar",
         "false",
         *extra,
+        *resume,
     ]
     subprocess.run(cmd, check=True, cwd=REPO_ROOT)
     return run_dir / "student"

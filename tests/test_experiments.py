@@ -196,3 +196,19 @@ def test_loop_sweep_per_seed_rows_stay_out_of_table1(recorded, tmp_path, monkeyp
     table1 = [line for line in text.splitlines() if line.startswith("| FP | fp |")]
     assert table1 == ["| FP | fp | 1 | 50.00 |  |  |"]  # the 2T FP row (53.00) is not mixed in
     assert "| 4 | 53.00 | 58.00 ± 0.00 | 63.00 |" in text  # loops | FP fp | LoopQ w4a4 | Symmetric w4a4
+
+
+def test_a_calibration_stopped_midway_resumes_from_its_last_checkpoint(monkeypatch, tmp_path):
+    """A sweep killed mid-run (session end, SIGTERM) continues that run (``loopq.fit --ckpt_path last``, whose
+    resume is tested end to end in tests/calib) instead of calibrating it again from step 0."""
+    commands = []
+    monkeypatch.setattr(experiments.subprocess, "run", lambda cmd, **kw: commands.append(cmd))
+    fresh, stopped = tmp_path / "fresh", tmp_path / "stopped"
+    (stopped / "checkpoints").mkdir(parents=True)
+    (stopped / "checkpoints" / "last.ckpt").write_bytes(b"")
+    for run in (fresh, stopped):
+        assert experiments.calibrate("m", run, "configs/tiny.yaml", 4, ["--seed_everything", "1"]) == run / "student"
+    assert "--ckpt_path" not in commands[0]
+    assert commands[1][-2:] == ["--ckpt_path", "last"] and commands[1][:-2] == [
+        c.replace("fresh", "stopped") for c in commands[0]
+    ]
