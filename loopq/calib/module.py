@@ -280,9 +280,13 @@ class LoopQCalibration(L.LightningModule):
     # ------------------------------------------------------------------ SLT promotion (called by the callback)
     def promote(self, name: str) -> list[nn.Parameter]:
         """Promote group ``name`` to loop-dependent and register its new parameters with the optimizer."""
-        params = quant_groups(self.student)[name].promote()
+        group = quant_groups(self.student)[name]
+        shared_clip = group.act_clip
+        params = group.promote()
         self.promoted.append(name)
         if self._trainer is not None and self.trainer.optimizers:
+            if group.act_clip is not shared_clip:  # LAS off: per-loop clips replaced the shared one
+                drop_param(self.trainer.optimizers[0], shared_clip)
             add_param_group(self.trainer, params, self.hparams.lr)
         return params
 
@@ -411,6 +415,15 @@ def student_keys(student: nn.Module) -> set[str]:
 def promoted_params(student: nn.Module, name: str) -> list[nn.Parameter]:
     """The loop-dependent parameters a promotion created (SLT transforms, weight clips, act clips w/o LAS)."""
     return quant_groups(student)[name].promotion_parameters()
+
+
+def drop_param(opt: torch.optim.Optimizer, param: nn.Parameter) -> None:
+    """Take ``param`` (no longer part of the model) out of ``opt`` and its state, so that the optimizer's layout is
+    the one :meth:`LoopQCalibration.param_groups` rebuilds on resume; a left-over entry made the resumed run's
+    ``load_state_dict`` fail with a group-size mismatch."""
+    for group in opt.param_groups:
+        group["params"] = [p for p in group["params"] if p is not param]
+    opt.state.pop(param, None)
 
 
 def add_param_group(trainer: L.Trainer, params: list[nn.Parameter], lr: float) -> None:

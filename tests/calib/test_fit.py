@@ -40,6 +40,23 @@ def test_resume_after_kill_matches_uninterrupted_run(uninterrupted, tmp_path):
     assert meta_a["promoted"] == meta_b["promoted"] and meta_a["mu"] == pytest.approx(meta_b["mu"])
 
 
+def test_resume_without_las_after_a_promotion_matches_uninterrupted_run(tmp_path):
+    """w/o LAS a promotion replaces the group's shared activation clip by per-loop ones (c_{t,l} only where SLT
+    promoted); the checkpoint after it (step 3, promotions at steps 1 and 4) must resume into the same optimizer
+    layout. It failed with a parameter-group size mismatch before (the Table 2 ablation could not resume)."""
+    killer = json.dumps({"class_path": "tests.helpers.KillAtStep", "init_args": {"step": 5}})
+    run_fit(tmp_path / "full", "--model.quant.las", "false")
+    crashed = run_fit(tmp_path / "resumed", "--model.quant.las", "false", "--trainer.callbacks+", killer, check=False)
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    last = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 3 and len(last["loopq"]["promoted"]) == 1
+    run_fit(tmp_path / "resumed", "--model.quant.las", "false", "--ckpt_path", "last")
+    (a, meta_a), (b, meta_b) = read_student(tmp_path / "full"), read_student(tmp_path / "resumed")
+    assert len(meta_a["promoted"]) == 2 and meta_a["promoted"] == meta_b["promoted"]
+    assert any(v.shape == (4,) for k, v in a.items() if k.endswith("act_clip"))  # per-loop clips were trained
+    assert_same_tensors(a, b, atol=1e-6)
+
+
 def test_unknown_config_key_is_one_line(tmp_path):
     out = run_fit(tmp_path, "--model.lamda", "0.1", check=False)
     assert out.returncode != 0 and "lamda" in out.stderr
