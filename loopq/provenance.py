@@ -6,7 +6,11 @@ Every artifact a run writes (teacher-target cache, calibration checkpoint, stude
   (:func:`teacher_fingerprint`): a teacher rebuilt in place, or copied elsewhere, is recognised by what it holds,
   not by its path or modification time;
 * ``config`` - the resolved calibration config, flattened to dotted keys (the options that cannot change the
-  result, :data:`loopq.fit.COSMETIC`, left out).
+  result, :data:`loopq.fit.COSMETIC`, left out);
+* ``environment`` - the Python, package versions and CPU it ran with (:func:`environment`). Recorded, never
+  compared: calibration is deterministic on one machine and environment but not bit-reproducible across them
+  (a 1e-7 relative change of the teacher's weights moves step 0's largest sharing gap S_l by 20 %, see
+  docs/results.md), so results from two environments are two samples, and this says which rows share one.
 
 Readers compare the record with what they are about to combine it with and refuse a mismatch with one line naming
 the differing keys (:func:`check_same`); each CLI offers an explicit override where a user may really want one.
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +112,38 @@ def check_same(recorded: dict[str, Any], current: dict[str, Any], what: str, fix
         raise ProvenanceError(f"{what} with another {kind} ({describe(keys, recorded, current)}); {fix}")
 
 
+#: the packages whose versions can change a calibration's numbers
+ENVIRONMENT_PACKAGES = ("torch", "lightning", "transformers", "tokenizers", "jsonargparse", "numpy", "triton")
+
+
+def environment() -> dict[str, str]:
+    """Python, the :data:`ENVIRONMENT_PACKAGES` versions (``absent`` when not installed) and the CPU."""
+    env = {"python": platform.python_version(), "machine": platform.machine(), "cpu": _cpu_model()}
+    for name in ENVIRONMENT_PACKAGES:
+        try:
+            env[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            env[name] = "absent"
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def record(teacher_sha256: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The provenance block artifacts store: the teacher's fingerprint and, when known, the flat resolved config."""
+    """The provenance block artifacts store: the teacher's fingerprint, when known the flat resolved config, and
+    the environment (recorded, not compared by :func:`flat_record`)."""
     out: dict[str, Any] = {"teacher_sha256": teacher_sha256}
     if config is not None:
         out["config"] = config
+    out["environment"] = environment()
     return out
 
 

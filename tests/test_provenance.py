@@ -4,7 +4,9 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 
+import lightning
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -109,6 +111,18 @@ def test_student_and_checkpoint_record_teacher_hash_and_config(calibrated):
     assert "trainer.default_root_dir" not in prov["config"]
     ckpt = torch.load(calibrated / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["loopq"]["provenance"] == prov
+    env = prov["environment"]
+    assert env["torch"] == torch.__version__ and env["python"] == sys.version.split()[0]
+    assert env["lightning"] == lightning.__version__ and env["cpu"]
+
+
+def test_the_environment_is_recorded_but_never_compared():
+    """Results of two machines are two samples (docs/results.md), so a resume or an evaluation on another machine
+    with other package versions is not refused for it; only the teacher and the config are compared."""
+    here = record("a" * 64, {"model.lr": 0.005})
+    there = {**here, "environment": {**here["environment"], "torch": "0.0", "cpu": "another"}}
+    assert flat_record(here) == flat_record(there)
+    check_same(flat_record(here), flat_record(there), "the checkpoint was calibrated", "resume as is")
 
 
 def test_resume_with_another_config_is_refused_and_loses_nothing(calibrated, tmp_path):
