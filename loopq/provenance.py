@@ -9,7 +9,7 @@ Every artifact a run writes (teacher-target cache, calibration checkpoint, stude
   result, :data:`loopq.fit.COSMETIC`, left out);
 * ``environment`` - the Python, package versions and CPU it ran with (:func:`environment`). Recorded, never
   compared: calibration is deterministic on one machine and environment but not bit-reproducible across them
-  (a 1e-7 relative change of the teacher's weights moves step 0's largest sharing gap S_l by 20 %, see
+  (a 1e-7 relative change of the teacher's weights moves step 0's sharing gaps S_l by up to 17 %, see
   docs/results.md), so results from two environments are two samples, and this says which rows share one.
 
 Readers compare the record with what they are about to combine it with and refuse a mismatch with one line naming
