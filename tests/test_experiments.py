@@ -212,3 +212,22 @@ def test_a_calibration_stopped_midway_resumes_from_its_last_checkpoint(monkeypat
     assert commands[1][-2:] == ["--ckpt_path", "last"] and commands[1][:-2] == [
         c.replace("fresh", "stopped") for c in commands[0]
     ]
+
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = sorted(p.parent.relative_to(REPO) for p in (REPO / "results").glob("*/summary.md"))
+
+
+@pytest.mark.parametrize("results_dir", COMMITTED, ids=str)
+def test_committed_summary_is_what_its_result_jsons_give(results_dir, tmp_path, monkeypatch, capsys):
+    """docs/results.md quotes the committed ``summary.md`` tables; a result JSON added or re-run without
+    regenerating the summary would leave the docs quoting numbers no row holds."""
+    copy = tmp_path / results_dir
+    copy.mkdir(parents=True)
+    for path in (REPO / results_dir).glob("*.json"):
+        (copy / path.name).write_bytes(path.read_bytes())
+    monkeypatch.chdir(tmp_path)  # the summary's header names its directory, relative as when it was written
+    text = experiments.summary(str(results_dir))
+    capsys.readouterr()
+    fix = f"regenerate it: python -m loopq.experiments summary --out {results_dir}"
+    assert text == (REPO / results_dir / "summary.md").read_text(), fix
