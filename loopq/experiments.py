@@ -272,6 +272,7 @@ def loops(
     tasks: list[str] | None = None,
     seed: int | None = None,
     ppl_windows: int | None = None,
+    method: str = "LoopQ",
 ) -> list[Path]:
     """Fig. 5: FP, Symmetric RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops.
 
@@ -281,19 +282,24 @@ def loops(
     loop (the output after n loops does not depend on later loops), written as one JSON per n with
     ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately.
     ``seed`` names the student's calibration seed (its rows become ``loopq-<bits>-s<seed>-loops<n>``; FP and RTN
-    are shared by the seeds); ``ppl_windows`` evaluates WikiText-2 on its first N windows. Every JSON is tagged
-    ``loop_sweep`` (the top loop count), which keeps it out of :func:`summary`'s Table 1 rows."""
+    are shared by the seeds); ``method`` names the trained method that calibrated it (``FlatQuant``,
+    ``SpinQuant``: rows ``flatquant-<bits>-...``), so baselines' students sweep beside LoopQ's; ``ppl_windows``
+    evaluates WikiText-2 on its first N windows. Every JSON is tagged ``loop_sweep`` (the top loop count), which
+    keeps it out of :func:`summary`'s Table 1 rows."""
+    trained = {row.label: row.slug for row in TABLE1 if row.calibration}
+    if method not in trained:
+        raise UsageError(f"--method {method}: not a calibrated method; use one of {', '.join(trained)}")
     calibrated = read_artifact_meta(student, kind="student")[0]["calibrated_loops"]
     top = max_loops or 2 * calibrated
     root, written = Path(out), []
     rows = {
         "fp": {"model": model, "method": "FP"},
         f"rtn-{bits}": {"model": model, "method": "Symmetric", "bits": bits},
-        seeded(f"loopq-{bits}", seed): {"student": student, "method": "LoopQ", "bits": bits},
+        seeded(f"{trained[method]}-{bits}", seed): {"student": student, "method": method, "bits": bits},
     }
     common = {"limit": limit, "ppl_windows": ppl_windows}
     for slug, row in rows.items():
-        tag = {"loop_sweep": top, "seed": seed if row["method"] == "LoopQ" else None}
+        tag = {"loop_sweep": top, "seed": seed if row["method"] == method else None}
         if tasks:
             for n in range(calibrated, top + 1):
                 path = _eval(root / f"{slug}-loops{n}.json", tasks=tasks, num_loops=n, **common, **row)

@@ -87,6 +87,14 @@ def test_loop_sweep_evaluates_fp_rtn_and_student_once_at_2t(recorded, tmp_path, 
     recorded["evaluate"].clear()
     experiments.loops("teacher", str(tmp_path / "tasks"), student=str(student), tasks=["lambada_openai"])
     assert [c["num_loops"] for c in recorded["evaluate"]] == [3, 4, 5, 6] * 3
+    # a baseline's student sweeps under its own name, beside the shared FP and RTN rows (kept, not re-run)
+    recorded["evaluate"].clear()
+    paths = experiments.loops("teacher", str(tmp_path / "loops"), student=str(student), method="FlatQuant", seed=2)
+    assert [c["method"] for c in recorded["evaluate"]] == ["FlatQuant"]
+    row = json.loads((tmp_path / "loops" / "flatquant-w4a4-s2-loops4.json").read_text())
+    assert (row["method"], row["seed"], row["loop_sweep"]) == ("FlatQuant", 2, 6)
+    with pytest.raises(experiments.UsageError, match="--method Symmetric"):
+        experiments.loops("teacher", str(tmp_path / "loops"), student=str(student), method="Symmetric")
 
 
 def test_seeds_calibrate_every_trained_row_per_seed_and_training_free_rows_once(recorded, tmp_path):
