@@ -10,7 +10,7 @@ promoted up front, CTA rank 8, top-1000 targets, seq 256):
     load      ``load_looplm`` of that directory in bf16
     prepare   ``LoopQCalibration`` (teacher load + fake-quant student: transforms, clips, LAS, CTA, SLT promoted)
     targets   the teacher targets of ``--batch`` samples (top-k logits + every loop's state, fp16)
-    step      one calibration step: student forward over T loops + Eq. 6 loss + backward + AdamW, with per-loop
+    step      one calibration step: student forward over T loops + Eq. 8 loss + backward + AdamW, with per-loop
               activation checkpointing (``model.checkpoint_loops``)
     export    ``export_student`` (weights folded in float64, int4 packed) and ``load_quantized`` of the export,
               plus one forward of the packed model (torch reference kernels on CPU)

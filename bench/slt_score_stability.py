@@ -1,4 +1,4 @@
-"""How stable is the sharing gap S_l (paper §4.2, Eq. 9) that SLT's first round selects on?
+"""How stable is the sharing gap S_l (paper §4.2, Eq. 6) that SLT's first round selects on?
 
 Runs ``python -m loopq.fit`` for one step (its step-0 SLT round scores every looped group) on the teacher as it is
 and on copies whose floating-point weights are multiplied by ``1 + eps * N(0, 1)`` (``eps`` = 1e-7 by default, i.e.

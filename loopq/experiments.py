@@ -226,7 +226,7 @@ def slt_budget(
 def promotion_record(run: Path) -> dict[str, Any]:
     """Which groups calibration ``run`` promoted (``promoted``, from its student) and each round of the sharing-gap
     re-selection (``slt_rounds``: step, the selected groups with their S_l, and the median S_l of all groups, from
-    its last checkpoint; §4.2, Eq. 9). Empty when the run directory is gone (a row resumed from its JSON)."""
+    its last checkpoint; §4.2, Eq. 6). Empty when the run directory is gone (a row resumed from its JSON)."""
     student = run / "student"
     if not (student / STUDENT_META).is_file():
         return {}

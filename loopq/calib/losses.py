@@ -1,4 +1,4 @@
-"""The trajectory-aware calibration objective (paper Eq. 6, in the appendix form with adaptive mu_t).
+"""The trajectory-aware calibration objective (paper Eq. 8, in the appendix form with adaptive mu_t).
 
     L = KL(Z || Z~) + lambda * ( sum_{t=0}^{T-1} [ (1 - mu_t) d(H~_{t,L}, H_{t,L}) + mu_t d(H~_{t,L}, H_T) ]
                                  + sum_{t=0}^{T-2} d(A_t(H~_{t,L}), H_{t+1,0}) )
@@ -10,8 +10,13 @@ with lambda = 0.1, KL at temperature 1 over the teacher's top-k (k = 1000) logit
 Conventions (the paper leaves them open; stated here):
 * H_{t,L} is the state handed from loop t to loop t+1 (``loop_states[t]``), so in the teacher H_{t+1,0} =
   H_{t,L} and the transition term compares the *adapted* student state with the same teacher state;
-* d(a, b) is the squared error averaged over tokens and features (a per-element MSE), so the state terms do not
-  scale with the hidden width; the KL is averaged over tokens;
+* d(a, b) is the squared error of the states, averaged over tokens (as the KL is). ``state_reduction`` says how the
+  hidden dimension D is reduced (``model.state_reduction``):
+  - ``mean`` (the default): averaged over the D features too (a per-element MSE), so the state terms do not scale
+    with the hidden width;
+  - ``sum``: summed over the D features - the squared L2 norm ||H~ - H||_2^2 per token as Eq. 8 writes it, which
+    weighs the trajectory terms D times more than ``mean`` at the same lambda (128x on tiny-ouro, 2048x at
+    Ouro's width). ``sum`` at lambda equals ``mean`` at lambda * D;
 * the top-k KL renormalises the teacher over its top-k tokens and scores the student's full-vocabulary
   log-probabilities on them: sum_k p_k (log p_k - log q_k) >= 0.
 
@@ -52,24 +57,37 @@ def topk_kl(
     return kl.mean() * temperature**2
 
 
-def state_distance(a: Tensor, b: Tensor) -> Tensor:
-    """d(a, b): squared error averaged over tokens and features."""
-    return (at_least_fp32(a) - at_least_fp32(b)).pow(2).mean()
+#: how d(a, b) reduces the hidden dimension (module docstring); tokens are always averaged
+STATE_REDUCTIONS = ("mean", "sum")
 
 
-def trajectory_terms(student: Sequence[Tensor], teacher: Sequence[Tensor], mu: Tensor) -> tuple[Tensor, Tensor]:
+def state_distance(a: Tensor, b: Tensor, reduction: str = "mean") -> Tensor:
+    """d(a, b) of Eq. 8: the squared error, averaged over tokens; over the last (hidden) dimension averaged
+    (``mean``) or summed (``sum``: the squared L2 norm per token)."""
+    err = (at_least_fp32(a) - at_least_fp32(b)).pow(2)
+    if reduction == "sum":
+        return err.sum(-1).mean()
+    if reduction == "mean":
+        return err.mean()
+    raise ValueError(f"state reduction {reduction!r}: use one of {STATE_REDUCTIONS}")
+
+
+def trajectory_terms(
+    student: Sequence[Tensor], teacher: Sequence[Tensor], mu: Tensor, reduction: str = "mean"
+) -> tuple[Tensor, Tensor]:
     """(loop-wise term sum_t (1-mu_t) d(H~_t, H_t), final-target term sum_t mu_t d(H~_t, H_T))."""
     final = teacher[-1]
-    loopwise = sum((1 - mu[t]) * state_distance(s, h) for t, (s, h) in enumerate(zip(student, teacher, strict=True)))
-    to_final = sum(mu[t] * state_distance(s, final) for t, s in enumerate(student))
+    pairs = enumerate(zip(student, teacher, strict=True))
+    loopwise = sum((1 - mu[t]) * state_distance(s, h, reduction) for t, (s, h) in pairs)
+    to_final = sum(mu[t] * state_distance(s, final, reduction) for t, s in enumerate(student))
     return torch.as_tensor(loopwise), torch.as_tensor(to_final)
 
 
-def transition_term(adapted: Sequence[Tensor], teacher: Sequence[Tensor]) -> Tensor:
+def transition_term(adapted: Sequence[Tensor], teacher: Sequence[Tensor], reduction: str = "mean") -> Tensor:
     """sum_{t <= T-2} d(A_t(H~_{t,L}), H_{t+1,0}) with H_{t+1,0} = teacher ``loop_states[t]``."""
     if not adapted:
         return torch.zeros(())
-    return torch.as_tensor(sum(state_distance(a, teacher[t]) for t, a in enumerate(adapted)))
+    return torch.as_tensor(sum(state_distance(a, teacher[t], reduction) for t, a in enumerate(adapted)))
 
 
 def adaptive_mu(teacher: Sequence[Tensor], student: Sequence[Tensor], eps: float = 1e-6) -> Tensor:
@@ -107,11 +125,12 @@ def loopq_loss(
     mu: Tensor,
     lam: float = 0.1,
     temperature: float = 1.0,
+    state_reduction: str = "mean",
 ) -> dict[str, Tensor]:
-    """Every term of Eq. 6 and the total (``loss``); the terms are returned for logging."""
+    """Every term of Eq. 8 and the total (``loss``); the terms are returned for logging."""
     kl = topk_kl(teacher_values, teacher_indices, student_logits, temperature)
-    loopwise, to_final = trajectory_terms(student_states, teacher_states, mu.to(kl.device))
-    transition = transition_term(adapted_states or [], teacher_states).to(kl.device)
+    loopwise, to_final = trajectory_terms(student_states, teacher_states, mu.to(kl.device), state_reduction)
+    transition = transition_term(adapted_states or [], teacher_states, state_reduction).to(kl.device)
     loss = kl + lam * (loopwise + to_final + transition)
     return {"loss": loss, "kl": kl, "loopwise": loopwise, "to_final": to_final, "transition": transition}
 

@@ -13,7 +13,7 @@ wins). Switching a component off is a config switch recorded with the student: `
 ``quant.las: false``, ``quant.cta: false``, ``model.adaptive_mu: false``. Optional callbacks (per-loop
 diagnostics, progress lines) stay in the trainer's list (:mod:`loopq.callbacks`).
 
-``objective`` selects the loss: ``trajectory`` (LoopQ's Eq. 6 over the true recurrence; with ``lam: 0`` the plain
+``objective`` selects the loss: ``trajectory`` (LoopQ's Eq. 8 over the true recurrence; with ``lam: 0`` the plain
 logit KL that SpinQuant trains on) or ``layerwise`` (FlatQuant's recipe: every decoder layer's quantized output
 against the FP output given the FP input, a shared layer once per loop; see :func:`~loopq.calib.losses.layerwise_loss`).
 The training-free baselines (``quant.method`` rtn, smoothquant, quarot) are rejected here: build them with
@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from loopq.artifacts.student import student_meta, write_student
 from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
-from loopq.calib.losses import layerwise_loss, loopq_loss
+from loopq.calib.losses import STATE_REDUCTIONS, layerwise_loss, loopq_loss
 from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
 from loopq.errors import UsageError
@@ -96,6 +96,7 @@ class LoopQCalibration(L.LightningModule):
         teacher: str,
         quant: QuantConfig | None = None,
         lam: float = 0.1,
+        state_reduction: str = "mean",
         temperature: float = 1.0,
         topk: int = 1000,
         lr: float = 5e-3,
@@ -122,6 +123,8 @@ class LoopQCalibration(L.LightningModule):
         quant = quant or QuantConfig()
         if objective not in OBJECTIVES:
             raise ValueError(f"model.objective={objective!r}: use one of {OBJECTIVES}")
+        if state_reduction not in STATE_REDUCTIONS:
+            raise UsageError(f"model.state_reduction={state_reduction!r}: use one of {STATE_REDUCTIONS}")
         if not METHODS[quant.method].trained:
             raise QuantConfigError(
                 f"quant.method={quant.method!r} is training-free: build it with loopq.quant.prepare.prepare_static "
@@ -241,7 +244,7 @@ class LoopQCalibration(L.LightningModule):
         return layerwise_loss(outputs, [c.output for c in calls], [c.t for c in calls])
 
     def trajectory_loss(self, batch: list[Tensor]) -> dict[str, Tensor]:
-        """Student forward over the recurrence + Eq. 6 against the cached teacher targets."""
+        """Student forward over the recurrence + Eq. 8 against the cached teacher targets."""
         idx, ids = batch
         values, indices, teacher_states = self.ensure_targets().batch(idx, ids.device)
         out = self.student(ids, num_loops=self.num_loops, return_trajectory=True)
@@ -255,6 +258,7 @@ class LoopQCalibration(L.LightningModule):
             self.mu,
             self.hparams.lam,
             self.hparams.temperature,
+            self.hparams.get("state_reduction", "mean"),
         )
         self.last_trajectory = Trajectory(teacher_states, [s.detach() for s in out.loop_states])
         return terms

@@ -11,7 +11,7 @@ method           group transform (x' = (x / d) (P1 (x) P2), W' = (W * d) (P1 (x)
 ``quarot``       randomized Hadamard factors, d = gamma of the feeding RMSNorm                    no (data)
 ``spinquant``    Cayley-parameterised rotations started at QuaRot's, d = gamma; learned clips     logit KL
 ``flatquant``    learnable Kronecker factors + diagonal + clips (as LoopQ)                        layer-wise
-``loopq``        learnable Kronecker factors + diagonal + clips, LAS, SLT, CTA                    Eq. 6
+``loopq``        learnable Kronecker factors + diagonal + clips, LAS, SLT, CTA                    Eq. 8
 ===============  ==============================================================================  ===========
 
 :data:`METHODS` fixes the switches each baseline implies; a config that contradicts them is rejected naming the key

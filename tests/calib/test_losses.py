@@ -1,4 +1,4 @@
-"""Eq. 6 and the appendix mu_t, checked against hand computations."""
+"""Eq. 8 and the appendix mu_t, checked against hand computations."""
 
 import math
 
@@ -60,3 +60,31 @@ def test_total_is_kl_plus_lambda_times_state_terms():
     state = terms["loopwise"] + terms["to_final"] + terms["transition"]
     torch.testing.assert_close(terms["loss"], terms["kl"] + 0.1 * state)
     assert all(torch.isfinite(v) for v in terms.values())
+
+
+def test_state_reduction_sum_is_the_squared_l2_norm_per_token():
+    # two tokens of width 3: errors (1, 2, 2) and (0, 0, 3): squared norms 9 and 9
+    student = [torch.tensor([[[1.0, 2.0, 2.0], [0.0, 0.0, 3.0]]])]
+    teacher = [torch.zeros(1, 2, 3)]
+    mu = torch.tensor([0.0])
+    mean_l, _ = trajectory_terms(student, teacher, mu, "mean")
+    sum_l, _ = trajectory_terms(student, teacher, mu, "sum")
+    assert float(mean_l) == pytest.approx(18 / 6)  # per-element MSE (the project's default)
+    assert float(sum_l) == pytest.approx(18 / 2)  # ||.||_2^2 per token, averaged over tokens (Eq. 8 as written)
+    adapted = [torch.full((1, 2, 3), 0.5)]
+    assert float(transition_term(adapted, teacher + teacher, "sum")) == pytest.approx(3 * 0.25)
+    assert float(transition_term(adapted, teacher + teacher, "mean")) == pytest.approx(0.25)
+
+
+def test_sum_reduction_at_lambda_equals_mean_at_lambda_times_width():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, 4, 7, generator=gen)
+    values, indices = teacher_topk(torch.randn(1, 4, 7, generator=gen), 5)
+    teacher = [torch.randn(1, 4, 6, generator=gen) for _ in range(3)]
+    student = [h + 0.1 * torch.randn(1, 4, 6, generator=gen) for h in teacher]
+    mu = torch.tensor([0.3, 0.2, 0.0])
+    summed = loopq_loss(logits, student, student[:2], values, indices, teacher, mu, lam=0.1, state_reduction="sum")
+    meaned = loopq_loss(logits, student, student[:2], values, indices, teacher, mu, lam=0.6, state_reduction="mean")
+    torch.testing.assert_close(summed["loss"], meaned["loss"])
+    with pytest.raises(ValueError, match="state reduction"):
+        loopq_loss(logits, student, None, values, indices, teacher, mu, state_reduction="max")
