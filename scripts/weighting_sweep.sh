@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 teachers=("${@:-small-ouro-sensitive small-ouro}")
 declare -A SETTINGS=(
-  [sum-lam0.1]="--model.state_reduction,sum,--model.lam,0.1"
-  [mean-lam1]="--model.state_reduction,mean,--model.lam,1.0"
-  [mean-lam10]="--model.state_reduction,mean,--model.lam,10.0"
+  [sum-lam0.1]='"--model.state_reduction","sum","--model.lam","0.1"'
+  [mean-lam1]='"--model.state_reduction","mean","--model.lam","1.0"'
+  [mean-lam10]='"--model.state_reduction","mean","--model.lam","10.0"'
 )
 for teacher in ${teachers[@]}; do
   for seed in 0 1 2; do
