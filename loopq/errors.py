@@ -7,6 +7,11 @@ status 2 (argparse's status for bad usage), so a script or a scheduler sees a cl
 a bug and keeps its traceback. ``--debug`` anywhere on the command line (or ``LOOPQ_DEBUG=1``) shows the traceback of
 user errors as well.
 
+A command that fails after ``torch.distributed`` started (DDP, DeepSpeed) exits at once with its status
+(``os._exit`` after flushing): a process group keeps threads alive (NCCL's watchdog) that made a failed run hang
+until killed instead of exiting - the first GPU run's DeepSpeed setup crash. Checkpoints are written atomically, so
+nothing a hard exit skips is lost.
+
 The messages themselves are written where the error is raised: they name the file, option or config key and say
 what to do. :func:`one_line` only folds multi-line messages (jsonargparse's nested ones) into a single line.
 """
@@ -128,6 +133,23 @@ def run_cli(main: Callable[[], object]) -> None:
     except Exception as err:
         found = user_error(err)
         if found is None:
+            exit_if_distributed(1, traceback=True)
             raise
         print(f"error: {one_line(found)}", file=sys.stderr, flush=True)
+        exit_if_distributed(EXIT_STATUS)
         raise SystemExit(EXIT_STATUS) from None
+
+
+def exit_if_distributed(status: int, traceback: bool = False) -> None:
+    """``os._exit(status)`` when a ``torch.distributed`` process group is up (module docstring), after printing the
+    exception being handled (``traceback``) and flushing; otherwise return and let the caller exit normally."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if traceback:
+        import traceback as tb
+
+        tb.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

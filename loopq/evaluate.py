@@ -15,6 +15,9 @@ With ``--model``, ``--method`` Symmetric (or RTN...), SmoothQuant or QuaRot buil
 the teacher (:data:`STATIC_METHODS`, :func:`loopq.quant.prepare.prepare_static`) on ``calib_samples`` windows of
 ``calib_seq_len`` tokens of the calibration text (drawn as ``python -m loopq.fit`` draws them); other labels evaluate
 the teacher itself (FP), except the trained methods' names: SpinQuant, FlatQuant and LoopQ are ``--student``s.
+
+``--device`` (default ``auto``: cuda when available, :mod:`loopq.devices`) is where the model is evaluated; the JSON
+records it. A training-free baseline is calibrated on that device too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jsonargparse import CLI
 from loopq.artifacts import load_artifact, read_artifact_meta, tokenizer_dir
 from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
+from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.files import atomic_write
@@ -100,21 +104,24 @@ def build(
     calib_samples: int = 32,
     calib_seq_len: int = 128,
     teacher: str | None = None,
+    device: torch.device | None = None,
 ) -> tuple[LoopLM, str, str]:
-    """The model to evaluate, the directory its tokenizer lives in, and its actual bit widths."""
+    """The model to evaluate on ``device`` (default: the CPU), the directory its tokenizer lives in, and its actual
+    bit widths."""
+    device = device or torch.device("cpu")
     if student or exported:
         path = student or exported
-        artifact = load_artifact(path, kind="student" if student else "export", teacher=teacher)
+        artifact = load_artifact(path, kind="student" if student else "export", teacher=teacher, device=device)
         return artifact.model, str(tokenizer_dir(path, artifact)), artifact.bits
     if model is None:
         raise UsageError("pass --model (FP or a training-free baseline), --student or --exported")
     check_method(method)
-    fp = load_artifact(model, kind="teacher")
+    fp = load_artifact(model, kind="teacher", device=device)
     teacher, model_dir = fp.model, fp.meta["teacher"]
     baseline = static_method(method)
     if baseline is None:
         return teacher, model_dir, "fp"
-    ids = calibration_samples(model_dir, calib_samples, calib_seq_len)
+    ids = calibration_samples(model_dir, calib_samples, calib_seq_len).to(device)
     return prepare_static(teacher, static_config(baseline, bits), ids), model_dir, bits
 
 
@@ -135,13 +142,15 @@ def evaluate(
     calib_samples: int = 32,
     calib_seq_len: int = 128,
     teacher: str | None = None,
+    device: str = AUTO,
 ) -> dict[str, Any]:
     """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``.
 
     ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``.
     ``teacher``: the teacher directory of a ``student`` whose recorded path is gone (it must have the recorded
     content hash). The JSON records the provenance: the teacher's content hash, and a student's or export's
-    calibration config."""
+    calibration config. ``device``: auto (cuda when available), cpu, cuda or cuda:N."""
+    where = resolve_device(device)
     if ppl_windows is not None and ppl_windows < 1:
         raise UsageError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
     task_list = ["loopq_paper"] if tasks is None else tasks
@@ -149,9 +158,9 @@ def evaluate(
     if out:  # before any work: a result never replaces a model file or anything but an earlier result
         check_output_file(out, [model, student, exported])
     start = time.time()
-    net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len, teacher)
+    net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len, teacher, where)
     tokenizer = load_tokenizer(tok_dir)
-    stream = torch.tensor(wikitext2_stream(tokenizer))
+    stream = torch.tensor(wikitext2_stream(tokenizer), device="cpu")  # host tokens; windows move per batch
     if ppl_windows is not None:
         stream = stream[: ppl_windows * ppl_seq_len]
     ppl = perplexity(net, stream, ppl_seq_len, batch_size, num_loops, per_loop=True)
@@ -164,6 +173,7 @@ def evaluate(
         "wikitext2_ppl": ppl.ppl,
         "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
         "wikitext2_windows": ppl.num_windows,
+        "device": device_label(where),
         "provenance": provenance_of(model, student, exported),
     }
     if model and static_method(method) not in (None, "rtn"):
@@ -174,6 +184,13 @@ def evaluate(
     if out:
         atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     return result
+
+
+def device_label(device: torch.device) -> str:
+    """``cpu``, or ``cuda (NVIDIA H100 80GB HBM3)``: where a result was computed, for its JSON."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def provenance_of(model: str | None, student: str | None, exported: str | None) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from loopq.artifacts import load_artifact, tokenizer_dir
 from loopq.data.tokenizer import eos_id, load_tokenizer
+from loopq.devices import resolve_device
 from loopq.errors import OneLineParser, UsageError, run_cli
 from loopq.models import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold
@@ -49,12 +50,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str, Path]:
     parser.add_argument("--num_loops", type=int, default=None, help="loops per token (default: the trained count)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling draws")
     parser.add_argument("--no_cache", action="store_true", help="re-run the full forward per token (no KV cache)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available; default), cpu, cuda, cuda:N")
     parser.add_argument(
         "--exit_threshold", type=float, default=None, help="Ouro early exit: stop looping a token at this threshold"
     )
     parser.add_argument("--kv_bits", type=int, default=None, help="store the KV cache in 8 or 4 bits (16: as is)")
     args = parser.parse_args(argv)
+    args.device = resolve_device(args.device)
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     check_exit_threshold(args.exit_threshold)
     check_kv_bits(args.kv_bits)

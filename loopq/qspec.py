@@ -5,6 +5,14 @@ ratio c in (0, 1]:  s_g = c * max|x_g| / q_max,  code = clip(round(x / s_g), q_m
 q_min = -2^(b-1); rounding is half-to-even. The fake-quant training path (:mod:`loopq.quant.primitives`) and the
 packed kernels (:mod:`loopq.kernels`) both build on these functions, so their codes agree bit for bit; this module
 imports nothing from ``loopq``.
+
+**One arithmetic on every device.** Every division here is an IEEE (correctly rounded) fp32 division by a *tensor*:
+PyTorch on CUDA evaluates ``tensor / python_number`` as ``tensor * (1 / number)``, which differs from the CPU's
+division by one ulp in about half of all scales (and then flips codes), while ``tensor / tensor`` divides on both.
+The Triton quantizer divides with ``tl.math.div_rn`` (plain ``/`` is approximate on NVIDIA GPUs). So the scale is
+``(absmax * clip) / q_max`` with ``q_max`` as a 0-dim tensor (:func:`qmax_tensor`) and the code is
+``round(x / s)``; ``tests/quant/test_arithmetic.py`` pins both against a float64 oracle and checks that no division
+in these paths takes a Python number.
 """
 
 from __future__ import annotations
@@ -39,10 +47,20 @@ def to_groups(x: Tensor, group_size: int) -> Tensor:
     return x.reshape(*x.shape[:-1], n // g, g)
 
 
+def qmax_tensor(bits: int, like: Tensor) -> Tensor:
+    """q_max as a 0-dim tensor of ``like``'s dtype on its device: the divisor of every scale (module docstring)."""
+    return torch.full((), qrange(bits)[1], dtype=like.dtype, device=like.device)
+
+
+def scales_from_absmax(absmax: Tensor, bits: int, clip: Tensor | float = 1.0) -> Tensor:
+    """s = (clip * absmax) / q_max, floored at :data:`SCALE_EPS`: one fp32 product, one IEEE division."""
+    scaled = absmax * clip
+    return torch.div(scaled, qmax_tensor(bits, scaled)).clamp_min(SCALE_EPS)
+
+
 def group_scales(groups: Tensor, bits: int, clip: Tensor | float = 1.0) -> Tensor:
     """Per-group scale s = clip * absmax / q_max, shape ``[..., G, 1]``; ``clip`` broadcasts over rows."""
-    absmax = groups.abs().amax(dim=-1, keepdim=True)
-    return (absmax * clip / qrange(bits)[1]).clamp_min(SCALE_EPS)
+    return scales_from_absmax(groups.abs().amax(dim=-1, keepdim=True), bits, clip)
 
 
 def quantize_codes(x: Tensor, bits: int, group_size: int, clip: Tensor | float = 1.0) -> tuple[Tensor, Tensor]:

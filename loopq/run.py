@@ -52,6 +52,7 @@ from loopq.artifacts.layout import EXPORT_META, STUDENT_META, STUDENT_WEIGHTS
 from loopq.calib.checkpoint_io import newest_intact
 from loopq.callbacks.line_progress import LineProgress
 from loopq.data.tokenizer import load_tokenizer
+from loopq.devices import resolve_device
 from loopq.errors import LoopQError, OneLineParser, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.eval.tasks import check_tasks
@@ -85,6 +86,7 @@ class Options:
     eval_batch_size: int = 8
     eval_exported: bool = False
     force: bool = False
+    device: str = "auto"  # where export checks and evaluations run (loopq.devices); calibration: trainer.accelerator
 
 
 class DeferredCLI(fit.LoopQCLI):
@@ -149,6 +151,7 @@ class Pipeline(StageRunner):
             "limit": self.options.limit,
             "ppl_windows": self.options.ppl_windows,
             "batch_size": self.options.eval_batch_size,
+            "device": str(resolve_device(self.options.device)),  # resolved: a result says where it was computed
         }
         out = self.result_paths()[model["method"]]
         inputs = {**settings, "teacher_sha256": self.teacher_sha256}  # a rebuilt teacher re-runs the evaluation
@@ -219,7 +222,9 @@ class Pipeline(StageRunner):
     def export(self) -> dict[str, Any]:
         student, meta = load_student(self.student_dir)
         export_student(student, meta, self.exported_dir)
-        check = export_check(student, load_quantized(self.exported_dir), meta["teacher"])
+        device = resolve_device(self.options.device)
+        exported = load_quantized(self.exported_dir, device=device)
+        check = export_check(student.to(device), exported, meta["teacher"])
         size = footprint(load_quantized(self.exported_dir, dtype=torch.bfloat16))
         mb = {"size_mb": size["total"] / 2**20, "bf16_mb": size["bf16_model"] / 2**20}
         note = (
@@ -272,7 +277,9 @@ def use_line_progress(trainer: Any) -> None:
 
 def export_check(student: Any, exported: Any, tokenizer_dir: str, seq_len: int = 256) -> dict[str, Any]:
     """WikiText-2 perplexity of the fake-quant student and the exported int model on the first windows."""
-    stream = torch.tensor(wikitext2_stream(load_tokenizer(tokenizer_dir)))[: EXPORT_CHECK_WINDOWS * seq_len]
+    stream = torch.tensor(wikitext2_stream(load_tokenizer(tokenizer_dir)), device="cpu")[
+        : EXPORT_CHECK_WINDOWS * seq_len
+    ]
     return {
         "windows": EXPORT_CHECK_WINDOWS,
         "fake_quant_ppl": perplexity(student, stream, seq_len, batch_size=8).ppl,
@@ -370,7 +377,13 @@ def parse_args(argv: list[str] | None) -> tuple[Options, list[str]]:
     parser.add_argument("--eval_batch_size", type=positive, default=8, help="evaluation batch size (default 8)")
     parser.add_argument("--eval_exported", action="store_true", help="evaluate the int model as LoopQ (slow on CPU)")
     parser.add_argument("--force", action="store_true", help="rerun every stage, recalibrating from scratch")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where to export-check and evaluate: auto (cuda when available), cpu, cuda, cuda:N",
+    )
     args, fit_args = parser.parse_known_args(argv)
+    resolve_device(args.device)  # a bad --device is refused before calibrating
     return Options(**{**vars(args), "tasks": tuple(args.tasks)}), fit_args
 
 

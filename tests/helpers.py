@@ -143,3 +143,12 @@ class RecordPrecision(L.Callback):
         }
         with open(self.path, "w") as f:
             json.dump(record, f)
+
+
+class FailInSetup(L.Callback):
+    """Raise in ``setup`` (a data error, as a crash in data-dependent initialisation would be)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from loopq.data.text import DataError
+
+        raise DataError("injected failure in setup")

@@ -194,6 +194,22 @@ class LoopQCalibration(L.LightningModule):
                 self.promote(name)
         self.initialise_from_data()
 
+    # ------------------------------------------------------------------ placement: the one place that decides devices
+    @property
+    def compute_device(self) -> torch.device:
+        """Where this run computes: the strategy's root device once a trainer is attached, else where the student's
+        parameters are. Not ``self.device``: Lightning sets that to the accelerator *before* it moves the parameters
+        (in ``setup`` the tensors are still on the CPU while ``self.device`` already says cuda)."""
+        if self._trainer is not None:
+            return self.trainer.strategy.root_device
+        return next(self.student.parameters()).device
+
+    def place(self) -> None:
+        """Move the module to :attr:`compute_device` now. Lightning moves it only after ``setup``, but data-dependent
+        initialisation and up-front SLT rounds run in ``setup`` and need the teacher where the data goes; moving it
+        early is the move Lightning (and DeepSpeed) would make anyway, and a no-op when it is there already."""
+        self.to(self.compute_device)
+
     def initialise_from_data(self) -> None:
         """Data-dependent start, once per fresh run, from the first global batch (a resumed run loads its state).
 
@@ -204,9 +220,10 @@ class LoopQCalibration(L.LightningModule):
         """
         if self._data_initialised or self.trainer.ckpt_path:
             return
+        self.place()
         dm = self.trainer.datamodule
         global_batch = dm.hparams.batch_size * self.trainer.world_size  # data.batch_size is per process
-        ids = dm.samples[:global_batch].to(self.device)
+        ids = dm.samples[:global_batch].to(self.compute_device)
         if self.quant_config.diag_init == "smooth":
             init_diagonal_from_data(self.teacher, self.student, ids, self.quant_config.diag_alpha)
         if self.hparams.init_clipping:
@@ -347,7 +364,7 @@ class LoopQCalibration(L.LightningModule):
         for name in state["promoted"]:
             if name not in self.promoted:
                 self.promote(name)
-        self.mu.copy_(torch.tensor(state["mu"]))
+        self.mu.copy_(torch.tensor(state["mu"], device=self.mu.device))
 
     def on_fit_end(self) -> None:
         out = self.hparams.output_dir or (Path(self.trainer.default_root_dir) / "student")

@@ -45,7 +45,7 @@ class AdaptiveMu(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.mu is not None:
-            pl_module.mu.copy_(torch.tensor(self.mu))
+            pl_module.mu.copy_(torch.tensor(self.mu, device=pl_module.mu.device))
 
     def state_dict(self) -> dict[str, Any]:
         return {"mu": self.mu}

@@ -77,7 +77,10 @@ class SharingGapReselection(L.Callback):
             self.upfront = _must_run_upfront(trainer)
         if not self.upfront or stage != "fit" or self.selected or trainer.ckpt_path:
             return  # resumed runs restore the selection from the checkpoint
-        pl_module.to(trainer.strategy.root_device)
+        if hasattr(pl_module, "place"):
+            pl_module.place()  # the module decides where it computes (LoopQCalibration.compute_device)
+        else:
+            pl_module.to(trainer.strategy.root_device)
         if hasattr(pl_module, "initialise_from_data"):
             pl_module.initialise_from_data()  # score with the diagonals and clipping training starts from
         loader = trainer.datamodule.train_dataloader()

@@ -148,7 +148,7 @@ class CalibrationDataModule(L.LightningDataModule):
 
         sampler = CalibrationSampler(len(self.samples), bs, total, self.hparams.seed, rank, world, start)
         return DataLoader(
-            TensorDataset(torch.arange(len(self.samples)), self.samples),
+            TensorDataset(torch.arange(len(self.samples), device="cpu"), self.samples),
             batch_size=bs,
             sampler=sampler,
             num_workers=self.hparams.num_workers,

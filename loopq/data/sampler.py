@@ -25,7 +25,7 @@ def stream_indices(num_samples: int, seed: int, start: int, count: int) -> list[
     pos = start
     while len(out) < count:
         epoch, offset = divmod(pos, num_samples)
-        perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch), device="cpu").tolist()
         take = perm[offset : offset + count - len(out)]
         out.extend(take)
         pos += len(take)

@@ -19,7 +19,7 @@ def token_stream(docs: Sequence[str], tokenizer: Tokenizer) -> Tensor:
     for enc in tokenizer.encode_batch(list(docs), add_special_tokens=False):
         ids.extend(enc.ids)
         ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device="cpu")  # host data; batches move with the trainer
 
 
 def random_windows(stream: Tensor, num_samples: int, seq_len: int, seed: int, source: str = "data") -> Tensor:
@@ -30,7 +30,7 @@ def random_windows(stream: Tensor, num_samples: int, seq_len: int, seed: int, so
             "add text or lower seq_len"
         )
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, stream.numel() - seq_len + 1, (num_samples,), generator=gen)
+    starts = torch.randint(0, stream.numel() - seq_len + 1, (num_samples,), generator=gen, device="cpu")
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 

@@ -2,7 +2,8 @@
 
     python -m loopq.eval --model loopq --model_args pretrained=<model dir>,num_loops=4 --tasks loopq_paper
 
-Any lm-eval flag works; ``--include_path`` defaults to ``loopq/eval/tasks`` (lm-eval's own tasks stay available).
+Any lm-eval flag works; ``--include_path`` defaults to ``loopq/eval/tasks`` (lm-eval's own tasks stay available) and
+``--device`` to cuda when PyTorch sees a GPU, else cpu (:mod:`loopq.devices`).
 A ``pretrained`` directory that holds no model is refused before lm-eval indexes its tasks, and an unknown task
 name ends with one ``error:`` line naming ``--tasks``.
 """
@@ -14,6 +15,7 @@ import sys
 from lm_eval.__main__ import cli_evaluate
 
 import loopq.eval.lm  # noqa: F401  (registers the "loopq" model)
+from loopq.devices import resolve_device
 from loopq.errors import UsageError, run_cli
 from loopq.eval.tasks import TASKS_DIR
 from loopq.models.io import read_config, resolve_model_dir
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         check_pretrained(args)
         if "--include_path" not in args:
             args += ["--include_path", str(TASKS_DIR)]
+        if option(args, "--device") is None:  # lm-eval's own default is cuda:0 whatever the machine has
+            args += ["--device", str(resolve_device())]
     sys.argv = [sys.argv[0], *args]
     try:
         cli_evaluate()

@@ -203,9 +203,9 @@ class LoopQLM(TemplateLM):
 
     def _pad(self, rows: Sequence[Sequence[int]]) -> Tensor:
         width = max(len(r) for r in rows)
-        out = torch.full((len(rows), width), self.eot_token_id, dtype=torch.long)
+        out = torch.full((len(rows), width), self.eot_token_id, dtype=torch.long, device="cpu")
         for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long, device="cpu")
         return out
 
     def _loglikelihood_tokens(

@@ -57,7 +57,7 @@ def readout(model: LoopLM, state: Tensor, ctx: dict[str, Any]) -> Tensor:
 
 def token_windows(token_stream: Tensor | Sequence[int], seq_len: int) -> Tensor:
     """``[N, seq_len]`` non-overlapping windows of the stream; the incomplete tail is dropped."""
-    tokens = torch.as_tensor(token_stream, dtype=torch.long).flatten()
+    tokens = torch.as_tensor(token_stream, dtype=torch.long, device="cpu").flatten()  # windows move per batch
     if seq_len < 2:
         raise LoopLMError(f"seq_len must be >= 2 (a window predicts seq_len - 1 tokens), got {seq_len}")
     n = tokens.numel() // seq_len

@@ -147,7 +147,7 @@ def quantize_activation(
     tile = n1p * n2p if has_transform else kp
     block_m = max(1, min(triton.next_power_of_2(m), _tile_budget(x) // tile))
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    clip32 = float(torch.tensor(clip, dtype=torch.float32))
+    clip32 = float(torch.tensor(clip, dtype=torch.float32, device="cpu"))  # the fp32 value, as a Python float
     _quantize_kernel[(triton.cdiv(m, block_m),)](
         x,
         left,

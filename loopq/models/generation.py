@@ -43,7 +43,11 @@ def check_prompt(model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None
     """Refuse an empty prompt, or one that with ``max_new_tokens`` more tokens exceeds the model's positions."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise LoopLMError(f"--prompt is empty (input_ids of shape {tuple(input_ids.shape)}); give at least one token")
-    lengths = attention_mask.long().sum(dim=1) if attention_mask is not None else torch.full((1,), input_ids.shape[1])
+    lengths = (
+        attention_mask.long().sum(dim=1)
+        if attention_mask is not None
+        else torch.full((1,), input_ids.shape[1], device=input_ids.device)
+    )
     if int(lengths.min()) == 0:
         raise LoopLMError("--prompt is empty for a row of the batch (all padding); give at least one token per prompt")
     longest, limit = int(lengths.max()), model.max_positions

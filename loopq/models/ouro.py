@@ -272,7 +272,10 @@ class OuroLM(LoopLM):
         in older versions, one per attention layer): harmless in a checkpoint when it is what ``rope_theta`` and the
         head dim imply, refused otherwise."""
         c = self.config
-        value, implied_by = rope_inv_freq(c.dh, c.rope_theta), f"rope_theta={c.rope_theta}, head_dim={c.dh}"
+        value, implied_by = (
+            rope_inv_freq(c.dh, c.rope_theta, torch.device("cpu")),
+            f"rope_theta={c.rope_theta}, head_dim={c.dh}",
+        )
         layers = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(c.num_hidden_layers)]
         return {name: (value, implied_by) for name in ["model.rotary_emb.inv_freq", *layers]}
 

@@ -244,8 +244,8 @@ class BlockSpec:
 
 def rope_table(head_dim: int, length: int, base: float, condense_ratio: float) -> Tensor:
     """Upstream ``precompute_freqs_cis``: fp32 ``[1, length, 1, head_dim/2, 2]`` of (cos, sin) per interleaved pair."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    positions = torch.arange(length, dtype=torch.float32) / condense_ratio
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    positions = torch.arange(length, dtype=torch.float32, device="cpu") / condense_ratio
     angles = torch.outer(positions, inv_freq)
     return torch.stack([angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]], dim=4)
 
@@ -506,12 +506,12 @@ class ParcaeLM(LoopLM):
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std, embed_scale, _ = c.scales
         if c.state_init == "zero":
-            return torch.zeros(shape)
+            return torch.zeros(shape, device="cpu")  # drawn on the host, moved by the caller
         if c.state_init == "like-init":
-            x = torch.empty(shape)
+            x = torch.empty(shape, device="cpu")
             nn.init.trunc_normal_(x, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
             return x * embed_scale if embed_scale != 1 else x
-        x = torch.randn(shape, generator=gen)
+        x = torch.randn(shape, generator=gen, device="cpu")
         if c.state_init == "embed":
             return x.mul(1 / math.sqrt(c.n_embd))
         if c.state_init == "unit":

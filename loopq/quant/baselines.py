@@ -116,7 +116,8 @@ def smoothquant_group(
     """Identity factors; the diagonal stays 1 until :func:`smooth_` sets it from data (frozen either way)."""
     tr = group.transform
     n1, n2 = kron_factors(tr.n)
-    tr.left, tr.right = FixedFactor(torch.eye(n1)), FixedFactor(torch.eye(n2))
+    eye = {"dtype": tr.log_d.dtype, "device": tr.log_d.device}
+    tr.left, tr.right = FixedFactor(torch.eye(n1, **eye)), FixedFactor(torch.eye(n2, **eye))
     tr.log_d.requires_grad_(False)
 
 

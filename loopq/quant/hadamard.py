@@ -33,8 +33,8 @@ def sylvester(n: int) -> Tensor:
     """The Sylvester Hadamard matrix of order ``n = 2^k`` (float64)."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"Sylvester's construction needs a power of two, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    h = torch.ones(1, 1, dtype=torch.float64, device="cpu")
+    base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64, device="cpu")
     while h.shape[0] < n:
         h = torch.kron(h, base)
     return h
@@ -49,12 +49,12 @@ def paley(q: int) -> Tensor:
     if not is_prime(q) or q % 4 != 3:
         raise ValueError(f"Paley construction I needs a prime q = 3 (mod 4), got {q}")
     residues = {(i * i) % q for i in range(1, q)}
-    chi = torch.tensor([0.0] + [1.0 if a in residues else -1.0 for a in range(1, q)], dtype=torch.float64)
-    idx = torch.arange(q)
+    chi = torch.tensor([0.0] + [1.0 if a in residues else -1.0 for a in range(1, q)], dtype=torch.float64, device="cpu")
+    idx = torch.arange(q, device="cpu")
     jacobsthal = chi[(idx[None, :] - idx[:, None]) % q]
-    s = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    s = torch.zeros(q + 1, q + 1, dtype=torch.float64, device="cpu")
     s[0, 1:], s[1:, 0], s[1:, 1:] = 1.0, -1.0, jacobsthal
-    return torch.eye(q + 1, dtype=torch.float64) + s
+    return torch.eye(q + 1, dtype=torch.float64, device="cpu") + s
 
 
 def hadamard(n: int) -> Tensor | None:
@@ -72,7 +72,7 @@ def hadamard(n: int) -> Tensor | None:
 
 def random_orthogonal(n: int, generator: torch.Generator) -> Tensor:
     """A Haar-random orthogonal matrix (QR of a Gaussian with the signs of R's diagonal fixed), float32."""
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64, device=generator.device))
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
@@ -82,5 +82,5 @@ def randomized_hadamard(n: int, generator: torch.Generator) -> Tensor:
     h = hadamard(n)
     if h is None:
         return random_orthogonal(n, generator)
-    signs = torch.randint(0, 2, (n,), generator=generator).double() * 2 - 1
+    signs = torch.randint(0, 2, (n,), generator=generator, device=generator.device).double() * 2 - 1
     return (signs[:, None] * h / math.sqrt(n)).float()

@@ -89,7 +89,7 @@ def init_transform(group: QuantLinearGroup, how: str, gen: torch.Generator) -> N
     with torch.no_grad():
         if how == "rotation":
             for factor in (tr.left, tr.right):
-                factor.u.copy_(torch.randn(factor.u.shape, generator=gen))
+                factor.u.copy_(torch.randn(factor.u.shape, generator=gen, device=gen.device))
         else:
             tr.randomize_(gen)
 
@@ -233,14 +233,15 @@ def _init_act_clip(group: QuantLinearGroup, per_slot: dict[int, Tensor]) -> list
         data = per_slot.get(i) if group.act_clip.numel() > 1 else torch.cat(list(per_slot.values()))
         data = data if data is not None else next(iter(per_slot.values()))
         ratios.append(best_clip_ratio(data, group.a_bits, group.group_size))
-    group.act_clip.copy_(clip_logit(torch.tensor(ratios)))
+    group.act_clip.copy_(clip_logit(torch.tensor(ratios, device=group.act_clip.device)))
     return ratios
 
 
 def _init_weight_clip(group: QuantLinearGroup, grid: Tensor | None = None) -> None:
     if not group.weight_clip.requires_grad:
         return
-    grid = torch.linspace(0.55, 1.0, 10) if grid is None else grid
-    errors = row_clip_errors(group.effective_weight_fp(0), group.w_bits, group.group_size, grid)
+    weight = group.effective_weight_fp(0)
+    grid = torch.linspace(0.55, 1.0, 10, device=weight.device) if grid is None else grid.to(weight.device)
+    errors = row_clip_errors(weight, group.w_bits, group.group_size, grid)
     best = grid[errors.argmin(dim=0)]
     group.weight_clip.copy_(clip_logit(best).reshape(1, -1))

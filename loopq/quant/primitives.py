@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from loopq.qspec import (  # the integer spec the fake-quant path builds on
-    SCALE_EPS,
     group_scales,
     qrange,
+    scales_from_absmax,
     to_groups,
 )
 
@@ -70,7 +70,8 @@ def clip_ratio(logit: Tensor) -> Tensor:
 
 def clip_logit(ratio: float | Tensor) -> Tensor:
     """Inverse of :func:`clip_ratio` (ratios are capped just below 1 so the logit stays finite)."""
-    r = torch.as_tensor(ratio, dtype=torch.float32).clamp(1e-4, 1 - 1e-4)
+    r = torch.as_tensor(ratio, dtype=torch.float32, device=ratio.device if isinstance(ratio, Tensor) else None)
+    r = r.clamp(1e-4, 1 - 1e-4)
     return torch.log(r) - torch.log1p(-r)
 
 
@@ -78,7 +79,7 @@ def best_clip_ratio(x: Tensor, bits: int, group_size: int, grid: Tensor | None =
     """The clipping ratio on ``grid`` that minimises the fake-quant MSE of the sample ``x`` (init for LAS)."""
     if bits >= 16:
         return 1.0 - 1e-4
-    grid = torch.linspace(0.55, 1.0, 10) if grid is None else grid
+    grid = torch.linspace(0.55, 1.0, 10, device=x.device) if grid is None else grid
     errors = torch.stack([(fake_quant(x, bits, group_size, float(c)) - x).pow(2).mean() for c in grid])
     return float(grid[int(torch.argmin(errors))])
 
@@ -94,7 +95,7 @@ def row_clip_errors(weight: Tensor, bits: int, group_size: int, grid: Tensor) ->
     absmax = groups.abs().amax(dim=-1, keepdim=True)
     errors = []
     for c in grid.tolist():
-        scales = (absmax * c / qmax).clamp_min(SCALE_EPS)
+        scales = scales_from_absmax(absmax, bits, c)
         err = torch.div(groups, scales).round_().clamp_(qmin, qmax).mul_(scales).sub_(groups).pow_(2)
         errors.append(err.sum(dim=(-1, -2)))
     return torch.stack(errors)

@@ -88,8 +88,8 @@ class FactorMatrix(nn.Module):
         """A random invertible, non-orthogonal factor (tests of function preservation)."""
         with torch.no_grad():
             for p in (self.u, self.v):
-                p.copy_(torch.randn(p.shape, generator=generator) * scale)
-            self.log_s.copy_(torch.randn(self.log_s.shape, generator=generator) * scale)
+                p.copy_(torch.randn(p.shape, generator=generator, device=generator.device) * scale)
+            self.log_s.copy_(torch.randn(self.log_s.shape, generator=generator, device=generator.device) * scale)
 
 
 class FixedFactor(nn.Module):
@@ -173,7 +173,7 @@ class KroneckerTransform(nn.Module):
         self.right.randomize_(generator, scale)
         if self.log_d is not None:
             with torch.no_grad():
-                self.log_d.copy_(torch.randn(self.n, generator=generator) * scale)
+                self.log_d.copy_(torch.randn(self.n, generator=generator, device=generator.device) * scale)
 
 
 def fold_weight(weight: Tensor, transform: KroneckerTransform | None) -> Tensor:

@@ -258,3 +258,32 @@ def test_file_readers_name_the_file(tmp_path: Path):
     assert zipfile.is_zipfile(pickled)
     with pytest.raises(USER_ERRORS, match=r"weights\.safetensors: a torch zip/pickle checkpoint, not safetensors"):
         read_safetensors(pickled)
+
+
+HOLDS_THE_PROCESS = """
+import threading, torch.distributed as dist
+from loopq.errors import UsageError, run_cli
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+threading.Thread(target=threading.Event().wait, daemon=False).start()  # as NCCL's watchdog: never ends
+def main():
+    raise {error}
+run_cli(main)
+"""
+
+
+@pytest.mark.parametrize(("error", "status"), [("UsageError('--x: bad')", 2), ("RuntimeError('a bug')", 1)])
+def test_failure_with_a_process_group_exits_instead_of_hanging(error, status):
+    """The first GPU run's DeepSpeed crash in setup left the process hanging until killed: a live process group's
+    threads kept the interpreter alive. Here a non-daemon thread plays that part; the command must still exit."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = HOLDS_THE_PROCESS.format(port=port, error=error)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode == status, out.stderr[-2000:]
+    if status == 2:
+        assert out.stderr.strip().splitlines()[-1] == "error: --x: bad"
+    else:
+        assert "RuntimeError: a bug" in out.stderr  # a bug keeps its traceback
