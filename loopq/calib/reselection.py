@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
-from loopq.calib.slt import sharing_gap_scores
+from loopq.calib.slt import probe_scores
 
 
 def round_due(step: int, selected: int, budget: int, start_step: int, every_n_steps: int) -> bool:
@@ -105,7 +105,10 @@ class SharingGapReselection(L.Callback):
         reduce = None
         if trainer.world_size > 1:
             reduce = lambda flat: trainer.strategy.reduce(flat, reduce_op="mean")  # noqa: E731
-        return sharing_gap_scores(pl_module, batches, self.eps_rel, reduce, chunk=self.probe_groups)
+        found = probe_scores(pl_module, batches, self.eps_rel, reduce, chunk=self.probe_groups)
+        if found.fitted is not None:
+            self.probe_groups = found.fitted  # what fit: later rounds start from it instead of running out again
+        return found.scores
 
     def run_round(
         self, trainer: L.Trainer, pl_module: Any, batches: list[Any], step: int, upfront: bool = False

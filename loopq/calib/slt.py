@@ -6,21 +6,43 @@
 processes, and returns S_l per group (:mod:`loopq.quant.sharing_gap`). ``chunk`` probes that many groups per
 forward/backward pass (in model order): every probed group has T per-loop quantized weights and their gradients
 alive in the pass, so a real-size model probes in chunks (``slt_probe_groups``) to fit a GPU, at the price of one
-pass per chunk and batch; the scores do not depend on the chunking. The SLT reselection schedule
+pass per chunk and batch; the scores do not depend on the chunking. A chunk that runs out of device memory is
+halved and probed again (one process: :func:`sharing_gap_scores` returns the chunk size that fit, which the
+reselection callback keeps for its later rounds); across processes an out-of-memory error is one line naming the
+option, since ranks cannot agree on a retry in the middle of a collective. The SLT reselection schedule
 (``callbacks/sharing_gap.py``) promotes the top-scored groups; ``loopq.testbed`` reports the scores of a fresh
 student as a property of the teacher.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from loopq.errors import LoopQError
 from loopq.quant import looped_quant_groups
 from loopq.quant.sharing_gap import SharingGapAccumulator
+
+#: what a probe pass raises when the device is full (CUDA and other accelerators)
+OUT_OF_MEMORY = (torch.OutOfMemoryError,)
+
+
+class ProbeMemoryError(LoopQError):
+    """The SLT probe does not fit even one group per pass, or ran out of memory across processes."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """S_l per probed group; ``fitted``: the groups per pass that fit after running out of memory (what the next
+    round should start from), None when the requested chunk fit."""
+
+    scores: dict[str, float]
+    fitted: int | None = None
 
 
 def sharing_gap_scores(
@@ -35,14 +57,66 @@ def sharing_gap_scores(
     ``eps_rel`` scales the curvature floor with each group's mean Fisher (scale-free scores); ``reduce`` averages a
     flat gradient vector across processes (one all-reduce per batch for every chunk); ``chunk`` > 0 probes that many
     groups per pass (0: all in one pass)."""
+    return probe_scores(module, batches, eps_rel, reduce, chunk).scores
+
+
+def probe_scores(
+    module: Any,
+    batches: Sequence[Sequence[Tensor]],
+    eps_rel: float = 1e-3,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+    chunk: int = 0,
+) -> ProbeResult:
+    """:func:`sharing_gap_scores` and the chunk size that fit: a chunk that runs out of memory is halved and probed
+    again when ``reduce`` is None (one process); the scores do not depend on the chunking."""
     groups = {n: g for n, g in looped_quant_groups(module.student).items() if not g.promoted}
     names = list(groups)
-    size = chunk if chunk > 0 else max(len(names), 1)
+    size = min(chunk, len(names)) if chunk > 0 else max(len(names), 1)
     acc: dict[str, SharingGapAccumulator] = {}
-    for start in range(0, len(names), size):
-        acc |= probe_chunk(module, {n: groups[n] for n in names[start : start + size]}, batches, reduce)
+    start, fitted = 0, None
+    while start < len(names):
+        part = {n: groups[n] for n in names[start : start + size]}
+        found = try_probe_chunk(module, part, batches, reduce)
+        if found is None:
+            size = fitted = smaller_chunk(size, reduce is not None)
+            continue
+        acc |= found
+        start += len(part)
     psi_scale = {n: float(a.psi.mean()) / a.count for n, a in acc.items()}
-    return {n: a.score(eps=eps_rel * psi_scale[n] + 1e-30) for n, a in acc.items()}
+    return ProbeResult({n: a.score(eps=eps_rel * psi_scale[n] + 1e-30) for n, a in acc.items()}, fitted)
+
+
+def try_probe_chunk(
+    module: Any,
+    groups: dict[str, Any],
+    batches: Sequence[Sequence[Tensor]],
+    reduce: Callable[[Tensor], Tensor] | None,
+) -> dict[str, SharingGapAccumulator] | None:
+    """:func:`probe_chunk`, or None when it ran out of device memory (its tensors freed before returning)."""
+    try:
+        return probe_chunk(module, groups, batches, reduce)
+    except OUT_OF_MEMORY:
+        pass  # leave the except block first: its traceback holds the failed pass's tensors
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None
+
+
+def smaller_chunk(size: int, distributed: bool) -> int:
+    """The next chunk size after an out-of-memory pass of ``size`` groups (halved), or a one-line error."""
+    if distributed:
+        raise ProbeMemoryError(
+            f"SLT probe ran out of device memory with {size} groups per pass across processes; set "
+            f"model.slt_probe_groups (or SharingGapReselection.probe_groups) to {max(1, size // 2)} or less"
+        )
+    if size <= 1:
+        raise ProbeMemoryError(
+            "SLT probe ran out of device memory with one group per pass; lower data.batch_size or data.seq_len, "
+            "or turn on model.checkpoint_loops / model.checkpoint_weights"
+        )
+    print(f"[loopq] SLT probe: out of device memory with {size} groups per pass; probing {size // 2} at a time")
+    return size // 2
 
 
 def probe_chunk(
@@ -58,7 +132,7 @@ def probe_chunk(
     acc = {n: SharingGapAccumulator() for n in probed}
     try:
         for batch in batches if probed else []:
-            batch = [t.to(module.device) for t in batch]
+            batch = [t.to(getattr(module, "compute_device", module.device)) for t in batch]
             with torch.enable_grad():
                 loss = module.compute_loss(batch)["loss"]
                 deltas = [d for g in probed.values() for d in g.probe]

@@ -85,3 +85,40 @@ def test_probing_in_chunks_gives_the_scores_of_one_pass():
     assert list(chunked.values()) == pytest.approx(list(whole.values()), rel=1e-4)
     with pytest.raises(ValueError, match="probe_groups"):
         SharingGapReselection(probe_groups=-1)
+
+
+def test_a_probe_that_runs_out_of_memory_halves_its_chunk_and_keeps_the_scores(capsys):
+    """The first GPU run of the 2.6B config ran out of memory in the SLT probe (24 groups per pass). Here a pass of
+    more than 3 probed groups "runs out of memory": 8 -> 4 -> 2 groups per pass, same scores as one pass, and the
+    callback keeps the size that fit for its later rounds."""
+    import torch
+
+    from loopq.calib.slt import ProbeMemoryError, probe_scores, sharing_gap_scores
+    from loopq.calib.targets import compute_targets
+    from loopq.quant import looped_quant_groups
+
+    module = LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2))
+    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    module.targets = compute_targets(module.teacher, ids, 1000, module.num_loops)
+    batches = [[torch.arange(2), ids]]
+    whole = sharing_gap_scores(module, batches)
+    real = module.compute_loss
+
+    def limited(batch, limit=3):
+        if sum(g.probe is not None for g in looped_quant_groups(module.student).values()) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(batch)
+
+    module.compute_loss = limited
+    found = probe_scores(module, batches)
+    assert found.fitted == 2 and "probing 4 at a time" in capsys.readouterr().out
+    assert list(found.scores.values()) == pytest.approx(list(whole.values()), rel=1e-4)
+    assert all(g.probe is None for g in looped_quant_groups(module.student).values())  # nothing left attached
+    callback = SharingGapReselection(probe_groups=8)
+    trainer = type("T", (), {"world_size": 1})()
+    assert callback.score(trainer, module, batches).keys() == whole.keys() and callback.probe_groups == 2
+    module.compute_loss = lambda batch: limited(batch, limit=0)
+    with pytest.raises(ProbeMemoryError, match="one group per pass"):
+        probe_scores(module, batches)
+    with pytest.raises(ProbeMemoryError, match="slt_probe_groups"):
+        probe_scores(module, batches, reduce=lambda flat: flat, chunk=4)
