@@ -123,10 +123,15 @@ def print_plan(config: Any) -> None:
 
 
 def main(args: list[str] | None = None) -> LoopQCalibration:
+    """Calibrate. The process group is closed after a finished (or signal-stopped) run; after an error it is left to
+    :func:`loopq.errors.run_cli`, which exits at once: destroying a group with work in flight can hang (NCCL)."""
     try:
-        return calibrate(build_cli(args))
-    finally:
+        module = calibrate(build_cli(args))
+    except SystemExit:
         close_process_group()
+        raise
+    close_process_group()
+    return module
 
 
 def close_process_group() -> None:

@@ -1,4 +1,4 @@
-"""The five stages of the GPU check, each returning one :class:`~loopq.gpu_check.table.StageResult`.
+"""The stages of the GPU check, each returning one :class:`~loopq.gpu_check.table.StageResult`.
 
 1. ``environment``: torch / triton / CUDA versions, the GPU, its compute capability and memory, its known peaks.
 2. ``kernel-tests``: ``pytest tests/kernels`` in a subprocess with ``TRITON_INTERPRET=0``: the same tests CI runs
@@ -11,6 +11,8 @@
    2048, MLP 5632, 16 heads of 128, vocabulary 49152, 4 loops; :data:`STEP_LAYERS` of its 24 layers) at batch
    4 x 256 tokens under bf16 autocast (as ``bf16-mixed`` runs it), against the FP model's forward+backward, with
    peak CUDA memory. Random weights cost the same time as trained ones.
+6. ``pipeline`` and 7. ``paper-shape``: the user's flow on cuda - export, evaluation and generation agreeing with the
+   CPU, and ``configs/ouro2.6b.yaml`` at real shape against its memory plan (:mod:`loopq.gpu_check.flow`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import triton
 
 from loopq.artifacts.student import check_student_dir, read_student_meta
 from loopq.errors import one_line
-from loopq.gpu_check import kernel_bench
+from loopq.gpu_check import flow, kernel_bench
 from loopq.gpu_check.peaks import peaks_for
 from loopq.gpu_check.table import FAIL, OK, StageResult
 from loopq.models.ouro import OuroConfig, OuroLM
@@ -43,6 +45,7 @@ from loopq.quant import QuantConfig, prepare, quant_groups
 
 KERNEL_TESTS = REPO_ROOT / "tests" / "kernels"
 TINY_CONFIG = "configs/tiny.yaml"
+TINY_TEACHER = str(REPO_ROOT / "loopq" / "assets" / "tiny-ouro")  # configs/tiny.yaml's teacher
 CALIBRATION_STEPS, QUICK_CALIBRATION_STEPS = 20, 5
 STEP_LAYERS, QUICK_STEP_LAYERS = 4, 2
 STEP_BATCH, STEP_SEQ = 4, 256
@@ -271,13 +274,34 @@ def tail(text: str, lines: int) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+# ------------------------------------------------------------------------------------ 6-7 the user's flow
+def pipeline_stage(ctx: Context) -> StageResult:
+    """:func:`loopq.gpu_check.flow.pipeline` on the student the ``calibration`` stage wrote (calibrated now if that
+    stage was skipped or failed)."""
+    student = ctx.workdir / "calibration" / "student"
+    if not student.is_dir():
+        calibration(ctx)
+    if not student.is_dir():
+        return StageResult("pipeline", FAIL, "no calibrated student: the calibration on cuda failed (see above)")
+    return flow.pipeline(ctx.workdir / "pipeline", student, TINY_TEACHER)
+
+
+def paper_shape_stage(ctx: Context) -> StageResult:
+    """:func:`loopq.gpu_check.flow.paper_shape`: the paper's command at full depth (quick: 8 of the 48 layers)."""
+    layers = 8 if ctx.quick else None
+    steps = flow.QUICK_PAPER_STEPS if ctx.quick else flow.PAPER_STEPS
+    return flow.paper_shape(ctx.workdir / "paper-shape", steps, layers)
+
+
 #: the stages in the order they run (``--skip`` takes these names)
 STAGES: dict[str, Callable[[Context], StageResult]] = {
     "environment": environment,
     "kernel-tests": kernel_tests,
     "kernel-bench": kernel_bench_stage,
     "calibration": calibration,
+    "pipeline": pipeline_stage,
     "step": step,
+    "paper-shape": paper_shape_stage,
 }
 
 
