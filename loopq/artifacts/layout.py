@@ -41,6 +41,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TEACHER_FILES = (MODEL_CONFIG, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TRAINING_RECORD = "training_record.json"
 TESTBED_RECORD = "testbed.json"
+#: the lock file of a directory a command is writing (:class:`loopq.locks.DirectoryLock`)
+RUN_LOCK = ".loopq.lock"
 
 #: what :func:`loopq.artifacts.load_artifact` loads
 ArtifactKind = Literal["teacher", "student", "export"]
@@ -104,4 +106,22 @@ def check_output_dir(
     kind = model_kind(out)
     if kind is not None and kind not in replaces:
         raise GuardError(f"{key} {out}: holds a {kind} that this command would overwrite; pass another directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name != RUN_LOCK) if kind is None and out.is_dir() else []
+    if foreign:
+        raise GuardError(
+            f"{key} {out}: holds files this command did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); pass a new or empty directory"
+        )
     return out
+
+
+def check_owned(out: Path, writes: Iterable[str], owned: Iterable[str], key: str = "--out") -> None:
+    """Refuse to write ``writes`` into ``out`` if one of them exists there but is not ``owned`` (listed in the
+    manifest of the earlier output being replaced): a file the user put there is never overwritten."""
+    owned = set(owned)
+    clash = [name for name in writes if (Path(out) / name).exists() and name not in owned]
+    if clash:
+        raise GuardError(
+            f"{key} {out}: {', '.join(clash)} there was not written by this command and would be overwritten; "
+            "move it away or pass another directory"
+        )
