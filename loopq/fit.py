@@ -115,7 +115,9 @@ class LoopQCLI(LightningCLI):
         check_calibration(self.config)
         model = self.config.model
         model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
-        if self.check_student and not (self.config.get("force") or self.config.get("allow_config_change")):
+        # a resume is checked against its checkpoint's record instead (check_resume, with its own override)
+        overridden = self.config.get("force") or self.config.get("allow_config_change") or self.config.get("ckpt_path")
+        if self.check_student and not overridden:
             check_student_replace(self.config)
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 holds it for the whole run
             root = self.config.trainer.default_root_dir or os.getcwd()
