@@ -3,9 +3,9 @@
 Every ``python -m loopq.<command>`` ends its ``__main__`` block with ``run_cli(main)``. A *user error* - anything
 derived from :class:`LoopQError` (each package's own error class is one), an unreadable JSON / safetensors file, a
 missing path, a refused command-line option - then prints ``error: <message>`` on one line of stderr and exits with
-status 2 (argparse's status for bad usage), so a script or a scheduler sees a clear, short reason. Anything else is
-a bug and keeps its traceback. ``--debug`` anywhere on the command line (or ``LOOPQ_DEBUG=1``) shows the traceback of
-user errors as well.
+status 2 (argparse's status for bad usage), so a script or a scheduler sees a clear, short reason; Ctrl-C ends with
+one line and status 130 (the shell's). Anything else is a bug and keeps its traceback. ``--debug`` anywhere on the
+command line (or ``LOOPQ_DEBUG=1``) shows the traceback of user errors as well.
 
 A command that fails after ``torch.distributed`` started (DDP, DeepSpeed) exits at once with its status
 (``os._exit`` after flushing): a process group keeps threads alive (NCCL's watchdog) that made a failed run hang
@@ -33,6 +33,9 @@ from safetensors import SafetensorError
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "LOOPQ_DEBUG"
 EXIT_STATUS = 2
+#: the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+INTERRUPT_STATUS = 130
+INTERRUPTED = "interrupted (Ctrl-C); every file written so far is complete (atomic writes): run the command again"
 
 
 class LoopQError(ValueError):
@@ -122,7 +125,7 @@ def debug_requested(argv: list[str]) -> bool:
 
 def run_cli(main: Callable[[], object]) -> None:
     """Run a command's ``main()`` (which reads ``sys.argv``, with ``--debug`` removed from it): a user error exits
-    with one ``error:`` line and status 2, unless debugging was asked for."""
+    with one ``error:`` line and status 2, Ctrl-C with one line and status 130, unless debugging was asked for."""
     debug = debug_requested(sys.argv[1:])
     sys.argv = [arg for arg in sys.argv if arg != DEBUG_FLAG]
     if debug:
@@ -130,6 +133,9 @@ def run_cli(main: Callable[[], object]) -> None:
         return
     try:
         main()
+    except KeyboardInterrupt:
+        print(f"error: {INTERRUPTED}", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPT_STATUS) from None
     except Exception as err:
         found = user_error(err)
         if found is None:

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
-from loopq.artifacts import check_output_dir, check_student_dir, export_student, load_quantized, load_student
-from loopq.artifacts.layout import STUDENT_META
+from loopq.artifacts import check_student_dir, export_student, load_quantized, load_student
+from loopq.artifacts.export import check_export_dir
+from loopq.artifacts.layout import RUN_LOCK, STUDENT_META
 from loopq.artifacts.student import read_student_meta
 from loopq.errors import OneLineParser, run_cli
+from loopq.locks import DirectoryLock
 from loopq.quant.accounting import footprint, format_footprint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -31,11 +33,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     args = parser.parse_args(argv)
     check_student_dir(args.ckpt)
-    reads = [args.ckpt, read_student_meta(args.ckpt).get("teacher")]
-    check_output_dir(args.out, reads, "--out", replaces=("export",))
-    student, meta = load_student(args.ckpt)
-    export_student(student, meta, args.out)
-    report = footprint(load_quantized(args.out, dtype=DTYPES[args.fp_dtype]))
+    teacher = read_student_meta(args.ckpt).get("teacher")
+    check_export_dir(args.out, teacher, reads=(args.ckpt,))
+    with DirectoryLock(args.out, RUN_LOCK, "loopq.export", "--out"):  # one writer at a time
+        student, meta = load_student(args.ckpt)
+        export_student(student, meta, args.out)
+        report = footprint(load_quantized(args.out, dtype=DTYPES[args.fp_dtype]))
     print(f"exported {args.ckpt} -> {args.out}\n{format_footprint(report)}")
     return report
 

@@ -34,6 +34,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
 from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
@@ -42,8 +43,10 @@ from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
 from loopq.guards import check_calibration
+from loopq.locks import DirectoryLock
+from loopq.models.io import resolve_model_dir
 from loopq.plan import format_plan, plan_from_config
-from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record
+from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record, teacher_fingerprint
 
 #: options that do not change the calibrated student: a resume or a loopq.run re-run may differ in them
 COSMETIC = frozenset(
@@ -57,6 +60,7 @@ COSMETIC = frozenset(
         "trainer.log_every_n_steps",
         "print_plan",
         "plan_config",
+        "force",
     }
 )
 
@@ -88,17 +92,48 @@ class LoopQCLI(LightningCLI):
         parser.add_argument(
             "--plan_config", type=str | None, default=None, help="--print_plan: the teacher's config.json to plan with"
         )
+        parser.add_argument(
+            "--force",
+            type=bool,
+            default=False,
+            help="replace a student in the output directory that was calibrated with another config or teacher",
+        )
         parser.link_arguments("model.teacher", "data.tokenizer")
+
+    #: refuse to replace a student calibrated with another config (``loopq.run`` applies its own rule instead)
+    check_student = True
+    command = "loopq.fit"
+    lock: DirectoryLock | None = None
 
     def before_instantiate_classes(self) -> None:
         """Before the teacher loads: ``--print_plan`` (then exit), output folders that overlap the teacher, loop
-        counts that cannot fit; ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies."""
+        counts that cannot fit, a student of another config in the output directory; ``model.teacher_dtype: auto``
+        becomes the dtype ``trainer.precision`` implies. Then the run directory is locked (one writer at a time)."""
         if self.config.get("print_plan"):
             print_plan(self.config)
             raise SystemExit(0)
         check_calibration(self.config)
         model = self.config.model
         model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
+        # a resume is checked against its checkpoint's record instead (check_resume, with its own override)
+        overridden = self.config.get("force") or self.config.get("allow_config_change") or self.config.get("ckpt_path")
+        if self.check_student and not overridden:
+            check_student_replace(self.config)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 holds it for the whole run
+            root = self.config.trainer.default_root_dir or os.getcwd()
+            self.lock = DirectoryLock(root, RUN_LOCK, self.command, "--trainer.default_root_dir").acquire()
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def after_instantiate(self) -> None:
         """Everything of a run lives under ``trainer.default_root_dir``: checkpoints (so ``--ckpt_path last``
@@ -125,13 +160,41 @@ def print_plan(config: Any) -> None:
 def main(args: list[str] | None = None) -> LoopQCalibration:
     """Calibrate. The process group is closed after a finished (or signal-stopped) run; after an error it is left to
     :func:`loopq.errors.run_cli`, which exits at once: destroying a group with work in flight can hang (NCCL)."""
+    cli = build_cli(args)
     try:
-        module = calibrate(build_cli(args))
+        module = calibrate(cli)
     except SystemExit:
+        cli.release_lock()
         close_process_group()
         raise
+    except BaseException:
+        cli.release_lock()  # the run directory is free again; the process group is left to run_cli's hard exit
+        raise
+    cli.release_lock()
     close_process_group()
     return module
+
+
+def student_dir(config: Any) -> Path:
+    """Where the calibration writes its student: ``model.output_dir``, else ``<default_root_dir>/student``."""
+    root = Path(config.trainer.default_root_dir or os.getcwd())
+    return Path(config.model.output_dir) if config.model.output_dir else root / "student"
+
+
+def check_student_replace(config: Any) -> None:
+    """A student already in the output directory is replaced only by a calibration of the same teacher and config
+    (the rule of ``loopq.run``); ``--force`` replaces it anyway."""
+    meta = json_object(student_dir(config) / STUDENT_META)
+    if not meta:
+        return
+    teacher = resolve_model_dir(str(config.model.teacher))
+    current = flat_record(record(teacher_fingerprint(teacher), fit_settings(config)))
+    what = f"{student_dir(config)} holds a student calibrated"
+    fix = "pass --force true to replace it, or another --trainer.default_root_dir / --model.output_dir"
+    if not meta.get("provenance"):
+        raise ProvenanceError(f"{what} without a recorded config; {fix}")
+    recorded = flat_record(meta["provenance"])
+    check_same(recorded, current, what, fix)
 
 
 def close_process_group() -> None:

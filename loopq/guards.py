@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
-from loopq.errors import GuardError
+from loopq.errors import GuardError, UsageError
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.io import architecture_for, read_config
 
@@ -70,6 +71,25 @@ def check_run_root(
     return root
 
 
+def check_writable(path: str | os.PathLike[str], key: str, named: str | os.PathLike[str] | None = None) -> Path:
+    """The directory ``path`` (or the nearest part of it that exists, where it would be created) accepts a new file:
+    tried with a temporary file, so a read-only folder or filesystem is refused before any work, not after it.
+    ``named``: what the message calls the output (a file in ``path``), default ``path``."""
+    path = Path(path)
+    named = path if named is None else named
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise GuardError(f"{key} {named}: {existing} is a file, not a directory; pass another path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise GuardError(
+            f"{key} {named}: {existing} is not writable ({err.strerror or err}); pass a directory you can write to"
+        ) from None
+    return path
+
+
 def is_result(path: Path) -> bool:
     """Whether ``path`` is a results JSON of ``loopq.evaluate`` (the only file an evaluation may replace)."""
     data = json_object(path)
@@ -92,6 +112,7 @@ def check_output_file(
         raise GuardError(f"{key} {out}: {out.parent} is a {kind} directory; write results elsewhere")
     if out.exists() and not is_result(out):
         raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
+    check_writable(out.parent, key, named=out)
     return out
 
 
@@ -259,14 +280,33 @@ def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
 
 
 # ---------------------------------------------------------------------------------------------------- loopq.fit
+def check_schedule(max_steps: int | None, warmup_steps: int) -> None:
+    """The calibration's cosine schedule runs over ``trainer.max_steps``: it must be a step count (-1, Lightning's
+    "no limit", would train 1000 epochs with the learning rate at 0 after step 1; 0 trains nothing), and the warm-up
+    must end before it."""
+    if max_steps is None or max_steps < 1:
+        raise UsageError(
+            f"--trainer.max_steps {max_steps}: the calibration's learning-rate schedule runs over trainer.max_steps, "
+            "so it must be 1 or more (configs/tiny.yaml uses 300)"
+        )
+    if not 0 <= warmup_steps < max_steps:
+        raise UsageError(
+            f"--model.warmup_steps {warmup_steps}: must be >= 0 and below --trainer.max_steps {max_steps}, or the "
+            "schedule never leaves its warm-up"
+        )
+
+
 def check_calibration(config: Any) -> None:
     """Everything :mod:`loopq.fit` (and :mod:`loopq.run`) checks on its parsed config before building anything:
     the run, student and target-cache directories against the teacher, and the loop count against the memory."""
+    check_schedule(config.trainer.max_steps, config.model.warmup_steps)
     teacher = str(config.model.teacher)
     root = Path(config.trainer.default_root_dir or os.getcwd())
     check_run_root(root, teacher)
+    check_writable(root, "--trainer.default_root_dir")
     if config.model.output_dir:
         check_output_dir(config.model.output_dir, [teacher], "--model.output_dir", replaces=("student",))
+        check_writable(config.model.output_dir, "--model.output_dir")
     cache = config.model.target_cache_dir
     for read in local_dirs([teacher] if cache else []):  # a cache file there would change the teacher's fingerprint
         how = relation(Path(cache), read)

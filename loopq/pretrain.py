@@ -45,13 +45,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from loopq.artifacts.layout import check_output_dir
+from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.callbacks.stop_on_signal import exit_status
 from loopq.callbacks.stop_on_signal import install as install_stop_on_signal
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import run_cli
+from loopq.locks import DirectoryLock
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
 
@@ -309,8 +310,11 @@ def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningMo
         parser_kwargs={"default_env": False, "exit_on_error": False},
     )
     install_stop_on_signal(cli.trainer)
+    command = f"loopq.{model_class.__module__.rpartition('.')[2]}"
+    root = cli.trainer.default_root_dir
     try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+        with DirectoryLock(root, RUN_LOCK, command, "--trainer.default_root_dir"):  # one writer at a time
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.callbacks.stop_on_signal)
         raise SystemExit(exit_status(cli.trainer)) from None
 

@@ -91,7 +91,11 @@ class Options:
 
 class DeferredCLI(fit.LoopQCLI):
     """The calibration CLI, parsed and checked up front but built (teacher loaded, trainer created) only when a
-    student has to be calibrated."""
+    student has to be calibrated. Parsing locks the run directory for this process (one writer at a time); the
+    pipeline's own rule decides whether a student may be replaced (:meth:`Pipeline.check_calibration`)."""
+
+    check_student = False
+    command = "loopq.run"
 
     def instantiate_classes(self) -> None:
         """Deferred to :meth:`build`."""
@@ -393,9 +397,12 @@ def main(argv: list[str] | None = None) -> Path:
     with warnings.catch_warnings():  # Lightning warns when args are passed while sys.argv has some: they are ours
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli: DeferredCLI = fit.build_cli(fit_args, DeferredCLI)  # type: ignore[assignment]
-    check_teacher(str(cli.config.model.teacher))
-    check_before_calibration(cli.config, options)
-    return Pipeline(cli, options).run()
+    try:
+        check_teacher(str(cli.config.model.teacher))
+        check_before_calibration(cli.config, options)
+        return Pipeline(cli, options).run()
+    finally:
+        cli.release_lock()
 
 
 if __name__ == "__main__":

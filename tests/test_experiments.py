@@ -8,6 +8,7 @@ import torch
 
 from loopq import experiments
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.seal import seal
 
 
 @pytest.fixture
@@ -18,7 +19,7 @@ def recorded(monkeypatch, tmp_path):
         calls["calibrate"].append((run_dir.name, a_bits, extra))
         student = run_dir / "student"
         student.mkdir(parents=True)
-        (student / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "calibrated_loops": 4}))
+        (student / STUDENT_META).write_text(json.dumps(seal({"format": STUDENT_FORMAT, "calibrated_loops": 4})))
         (student / STUDENT_WEIGHTS).write_bytes(b"not read")
         return student
 
@@ -56,7 +57,7 @@ def test_num_samples_sweep_sets_the_data_size(recorded, tmp_path):
 def test_loop_sweep_evaluates_fp_rtn_and_student_once_at_2t(recorded, tmp_path, monkeypatch):
     student = tmp_path / "student"
     student.mkdir()
-    (student / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "calibrated_loops": 3}))
+    (student / STUDENT_META).write_text(json.dumps(seal({"format": STUDENT_FORMAT, "calibrated_loops": 3})))
     (student / STUDENT_WEIGHTS).write_bytes(b"not read: evaluate is replaced below")
 
     def evaluate(out, **kwargs):
@@ -145,7 +146,7 @@ def test_slt_sweep_records_the_promoted_groups_and_their_sharing_gap(recorded, t
         student = run_dir / "student"
         student.mkdir(parents=True)
         meta = {"format": STUDENT_FORMAT, "calibrated_loops": 4, "promoted": promoted}
-        (student / STUDENT_META).write_text(json.dumps(meta))
+        (student / STUDENT_META).write_text(json.dumps(seal(meta)))
         (student / STUDENT_WEIGHTS).write_bytes(b"not read")
         scores = {"model.layers.5.mlp.down_proj": 1400.0 + seed, "model.layers.2.mlp.down_proj": 1000.0}
         scores |= {f"model.layers.{i}.self_attn.o_proj": 300.0 for i in range(3)}
@@ -178,7 +179,7 @@ def test_loop_sweep_per_seed_rows_stay_out_of_table1(recorded, tmp_path, monkeyp
     folder; now every loop-sweep JSON is tagged and tabulated on its own, one LoopQ row per seed."""
     student = tmp_path / "student"
     student.mkdir()
-    (student / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "calibrated_loops": 2}))
+    (student / STUDENT_META).write_text(json.dumps(seal({"format": STUDENT_FORMAT, "calibrated_loops": 2})))
     (student / STUDENT_WEIGHTS).write_bytes(b"not read: evaluate is replaced below")
 
     def evaluate(out, **kwargs):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.seal import seal
 from loopq.errors import UsageError
 from loopq.gpu_check import cli, kernel_bench, stages
 from loopq.gpu_check.kernel_bench import KernelRow, check_row, format_rows, goal_for, summarize, worst_speedup
@@ -196,7 +197,7 @@ def fake_run(root: Path, losses: list[str], student: bool = True) -> Path:
     (root / "csv" / "version_0" / "metrics.csv").write_text("\n".join(rows) + "\n")
     if student:
         (root / "student").mkdir()
-        (root / "student" / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT}))
+        (root / "student" / STUDENT_META).write_text(json.dumps(seal({"format": STUDENT_FORMAT})))
         (root / "student" / STUDENT_WEIGHTS).write_bytes(b"")
     return root
 

@@ -10,7 +10,7 @@ PACKAGE = REPO_ROOT / "loopq"
 
 #: top-level parts of ``loopq`` by layer, from the ground up (a part may import its own layer and those below)
 LAYERS: list[set[str]] = [
-    {"errors", "paths", "files", "provenance", "qspec", "stats", "stages", "devices"},
+    {"errors", "paths", "files", "locks", "provenance", "qspec", "stats", "stages", "devices"},
     {"models", "kernels"},
     {"quant", "data"},
     {"calib", "callbacks", "artifacts"},

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from loopq.artifacts import export_student, load_quantized, load_student
 from loopq.artifacts import read_student_meta as read_meta
+from loopq.artifacts.seal import seal
 from loopq.fit import COSMETIC
 from loopq.paths import REPO_ROOT
 from loopq.provenance import (
@@ -168,7 +169,7 @@ def test_moved_run_directory_finds_its_teacher_beside_it(calibrated, tmp_path):
     shutil.copytree(calibrated, moved)  # teacher/ and run/ together, the recorded absolute path is elsewhere
     meta = json.loads((moved / "run" / "student" / "loopq_quant.json").read_text())
     meta["teacher"] = str(tmp_path / "gone")
-    (moved / "run" / "student" / "loopq_quant.json").write_text(json.dumps(meta))
+    (moved / "run" / "student" / "loopq_quant.json").write_text(json.dumps(seal(meta)))  # as if written there
     _, loaded = load_student(moved / "run" / "student")
     assert loaded["teacher"] == str((moved / "teacher").resolve())
 
@@ -183,7 +184,7 @@ def test_edited_export_description_is_refused(calibrated, tmp_path):
     group = next(iter(edited["groups"]))
     edited["groups"][group]["a_bits"] = 8
     path.write_text(json.dumps(edited, indent=2))
-    with pytest.raises(ExportError, match="edited after export"):
+    with pytest.raises(ExportError, match="edited after it was written"):
         load_quantized(out)
 
 

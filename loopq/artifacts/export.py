@@ -12,9 +12,14 @@
   once; no pickle;
 * ``loopq_export.json`` (:data:`EXPORT_META`) - format version, arch, QuantConfig, each group's layout (slots,
   shapes), promoted groups, calibrated loops, the CTA layout, the student's provenance (teacher content hash,
-  calibration config) and ``meta_sha256``, a digest of everything else in the file: a hand-edited description (say
-  a group's ``a_bits``) would run with other bits than it is labelled with, so :func:`load_quantized` refuses it;
+  calibration config), the size and sha256 of every other file (``files``) and ``meta_sha256``, a digest of
+  everything else in the file (:mod:`loopq.artifacts.seal`): a hand-edited description (say a group's ``a_bits``)
+  would run with other bits than it is labelled with, and flipped or swapped-in weights would print garbage or
+  another model's numbers under this one's provenance, so :func:`load_quantized` refuses both;
 * the teacher's ``config.json`` and tokenizer files.
+
+The description is written last: a directory whose export was interrupted has no (or the previous) description,
+whose manifest then does not match, and is refused on load.
 
 :func:`load_quantized` follows gpt-fast: build the architecture from ``config.json`` on the meta device, swap the
 listed groups for packed ones, install the adapters, then ``load_state_dict(assign=True)``.
@@ -40,17 +45,21 @@ from loopq.artifacts.layout import (
     MODEL_CONFIG,
     TOKENIZER_FILES,
     check_output_dir,
+    check_owned,
+    json_object,
 )
+from loopq.artifacts.seal import FILES, check_quant_agrees, manifest, seal, unseal, verify_file
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.kernels import GROUP_SIZE
 from loopq.models.base import LoopLM
 from loopq.models.io import architecture_for, read_config, resolve_model_dir
-from loopq.provenance import json_digest
 from loopq.quant.accounting import packed_groups
 from loopq.quant.config import QuantConfig
 from loopq.quant.cta import TransitionAdapters
 from loopq.quant.packed import ExportError, PackedGroupSpec, PackedLinearGroup
 from loopq.quant.prepare import quant_groups
+
+REEXPORT = "export it again with python -m loopq.export"
 
 __all__ = ["ExportError", "convert", "export_student", "load_quantized", "read_export_meta", "tied_aliases"]
 
@@ -77,19 +86,36 @@ def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -
     ``out_dir`` may be new or an earlier export, never the teacher's directory or another model's
     (:func:`loopq.artifacts.layout.check_output_dir`).
     """
-    out = check_output_dir(out_dir, [meta.get("teacher")], "--out", replaces=("export",))
+    out = check_export_dir(out_dir, meta.get("teacher"))
     model = convert(student)
     state = _unaliased_state(model)
     atomic_write(out / EXPORT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": EXPORT_FORMAT}))
-    description = export_meta(model, meta.get("teacher"), meta.get("provenance"))
+    written = [EXPORT_WEIGHTS, *_copy_teacher_files(student, meta.get("teacher"), out)]
+    description = export_meta(model, meta.get("teacher"), meta.get("provenance"), manifest(out, written))
     atomic_write(out / EXPORT_META, lambda p: p.write_text(json.dumps(description, indent=2) + "\n"))
-    _copy_teacher_files(student, meta.get("teacher"), out)
     return out
 
 
-def export_meta(model: LoopLM, teacher: str | None = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON description of a converted model: everything :func:`load_quantized` needs besides the tensors,
-    sealed by ``meta_sha256`` (see module docstring)."""
+def check_export_dir(out_dir: str | Path, teacher: str | None, reads: tuple[Any, ...] = (), key: str = "--out") -> Path:
+    """``out_dir`` is new, empty or an earlier export (:func:`~loopq.artifacts.layout.check_output_dir`), and of
+    the files an export writes, only those the earlier export's manifest lists are there to be replaced."""
+    out = check_output_dir(out_dir, [teacher, *reads], key, replaces=("export",))
+    previous = json_object(out / EXPORT_META)
+    owned = [EXPORT_META, *previous.get(FILES, {})] if previous.get(FILES) is not None else [EXPORT_META]
+    if previous and previous.get(FILES) is None:  # an export of format v1, before manifests: everything it wrote
+        owned += [EXPORT_WEIGHTS, MODEL_CONFIG, *TOKENIZER_FILES]
+    check_owned(out, [EXPORT_WEIGHTS, EXPORT_META, *export_files(teacher)], owned, key)
+    return out
+
+
+def export_meta(
+    model: LoopLM,
+    teacher: str | None = None,
+    provenance: dict[str, Any] | None = None,
+    files: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The JSON description of a converted model: everything :func:`load_quantized` needs besides the tensors and
+    the ``files`` manifest (:func:`loopq.artifacts.seal.manifest`), sealed by ``meta_sha256`` (module docstring)."""
     groups = dict(packed_groups(model))
     described = {
         "format": EXPORT_FORMAT,
@@ -102,8 +128,9 @@ def export_meta(model: LoopLM, teacher: str | None = None, provenance: dict[str,
         "groups": {name: g.spec.to_dict() for name, g in groups.items()},
         "transition": _transition_layout(model.transition),
         "provenance": provenance,
+        FILES: files or {},
     }
-    return {**described, "meta_sha256": json_digest(described)}
+    return seal(described)
 
 
 def _transition_layout(tr: TransitionAdapters | None) -> dict[str, Any] | None:
@@ -138,36 +165,52 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _copy_teacher_files(student: LoopLM, teacher: str | None, out: Path) -> None:
-    """The teacher's own config.json and tokenizer files (or the model's config when there is no teacher dir)."""
+def export_files(teacher: str | None) -> list[str]:
+    """The files besides the weights and description that an export of a student of ``teacher`` writes."""
+    source = resolve_model_dir(teacher) if teacher else None
+    if source is None or not (source / MODEL_CONFIG).is_file():
+        return [MODEL_CONFIG]
+    return [name for name in (MODEL_CONFIG, *TOKENIZER_FILES) if (source / name).is_file()]
+
+
+def _copy_teacher_files(student: LoopLM, teacher: str | None, out: Path) -> list[str]:
+    """The teacher's own config.json and tokenizer files (or the model's config when there is no teacher dir);
+    returns the names written."""
+    names = export_files(teacher)
     source = resolve_model_dir(teacher) if teacher else None
     if source is None or not (source / MODEL_CONFIG).is_file():
         atomic_write(out / MODEL_CONFIG, lambda p: p.write_text(student.config_json() + "\n"))
-        return
-    for name in (MODEL_CONFIG, *TOKENIZER_FILES):
-        if (source / name).is_file():
-            atomic_write(out / name, lambda p, name=name: shutil.copyfile(source / name, p))
+        return names
+    for name in names:
+        atomic_write(out / name, lambda p, name=name: shutil.copyfile(source / name, p))
+    return names
 
 
 # ---------------------------------------------------------------------------------------------------- load
 def read_export_meta(directory: str | Path) -> dict[str, Any]:
-    """The checked, unsealed :data:`EXPORT_META` of an export directory (a hand-edited one is refused)."""
+    """The checked, unsealed :data:`EXPORT_META` of an export directory: a hand-edited one (seal missing or
+    broken, quant config other than its provenance's, promoted groups other than its layout's) is refused."""
     directory = Path(directory)
     path = directory / EXPORT_META
     if not path.is_file():
         raise ExportError(f"{path}: missing - {directory} is not a LoopQ export (run python -m loopq.export)")
-    meta = read_json(path, ExportError, "export again with python -m loopq.export")
+    meta = read_json(path, ExportError, REEXPORT)
+    if not isinstance(meta, dict):
+        raise ExportError(f"{path}: not a JSON object; {REEXPORT}")
     if meta.get("format") != EXPORT_FORMAT:
-        raise ExportError(
-            f"{path}: format {meta.get('format')!r} is not {EXPORT_FORMAT!r}; re-export with this version"
-        )
-    sealed = meta.pop("meta_sha256", None)
-    if sealed is not None and sealed != json_digest(meta):
-        raise ExportError(
-            f"{path}: edited after export (its content no longer matches meta_sha256), so its bits and layout may "
-            "not be what the tensors were made with; re-export with python -m loopq.export"
-        )
+        raise ExportError(f"{path}: format {meta.get('format')!r} is not {EXPORT_FORMAT!r}; {REEXPORT}")
+    meta = unseal(meta, path, ExportError, REEXPORT)
+    check_quant_agrees(meta, path, ExportError, REEXPORT)
+    promoted = [name for name, spec in meta["groups"].items() if PackedGroupSpec.from_dict(spec).weight_slots > 1]
+    if sorted(meta["promoted"]) != sorted(promoted):
+        raise ExportError(f"{path}: promoted {meta['promoted']} is not its layout's {promoted}; {REEXPORT}")
     return meta
+
+
+def verify_export_files(directory: Path, meta: dict[str, Any]) -> None:
+    """Every file the export's description lists has the recorded size and sha256 (one read of each)."""
+    for name in dict.fromkeys((MODEL_CONFIG, EXPORT_WEIGHTS, *meta[FILES])):
+        verify_file(directory, name, meta, EXPORT_META, ExportError, REEXPORT)
 
 
 def load_quantized(
@@ -176,6 +219,7 @@ def load_quantized(
     """Rebuild an exported model; ``dtype`` casts the FP modules only (packed tensors keep their formats)."""
     directory = Path(directory)
     meta = read_export_meta(directory)
+    verify_export_files(directory, meta)
     model = _skeleton(directory, meta)
     aliases = tied_aliases(model)
     state = _read_state(directory, meta, aliases, dtype)
@@ -218,7 +262,7 @@ def _read_state(
     path = directory / EXPORT_WEIGHTS
     if not path.is_file():
         raise ExportError(f"{path}: missing - the export in {directory} is incomplete; export again")
-    state = read_safetensors(path, ExportError, "export again with python -m loopq.export")
+    state = read_safetensors(path, ExportError, REEXPORT)
     for alias, name in aliases.items():
         if name in state:
             state.setdefault(alias, state[name])

@@ -4,10 +4,11 @@ Every file name and format version of a student or export directory is a constan
 
 * a **student** (``python -m loopq.fit``): :data:`STUDENT_WEIGHTS` (the quantization parameters: transforms, clipping
   logits, adapters) and :data:`STUDENT_META` (QuantConfig, the teacher, promoted groups, calibrated loops, mu_t and
-  the provenance), format :data:`STUDENT_FORMAT`;
+  the provenance, sealed with the size and sha256 of the weights, :mod:`loopq.artifacts.seal`), format
+  :data:`STUDENT_FORMAT` (:data:`STUDENT_LEGACY_FORMATS` are still read, unverified, with a warning);
 * an **export** (``python -m loopq.export``): :data:`EXPORT_WEIGHTS` (every tensor of the packed model) and
-  :data:`EXPORT_META` (the layout, sealed by ``meta_sha256``), format :data:`EXPORT_FORMAT`, plus the teacher's
-  ``config.json`` and :data:`TOKENIZER_FILES`;
+  :data:`EXPORT_META` (the layout and the size and sha256 of every file, sealed by ``meta_sha256``), format
+  :data:`EXPORT_FORMAT`, plus the teacher's ``config.json`` and :data:`TOKENIZER_FILES`;
 * a **teacher**: any of :data:`TEACHER_FILES`; ``loopq.pretrain`` adds :data:`TRAINING_RECORD`, a stress variant
   written by ``loopq.testbed --outliers-out`` has ``outliers`` in its :data:`TESTBED_RECORD`.
 
@@ -29,15 +30,19 @@ from loopq.errors import GuardError
 
 STUDENT_WEIGHTS = "loopq_student.safetensors"
 STUDENT_META = "loopq_quant.json"
-STUDENT_FORMAT = "loopq-student-v1"
+STUDENT_FORMAT = "loopq-student-v2"
+#: older student formats still read: unsealed, weights not content-verified (a warning says so)
+STUDENT_LEGACY_FORMATS = ("loopq-student-v1",)
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_META = "loopq_export.json"
-EXPORT_FORMAT = "loopq-export-v1"
+EXPORT_FORMAT = "loopq-export-v2"
 MODEL_CONFIG = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "encoder.json", "vocab.bpe")
 TEACHER_FILES = (MODEL_CONFIG, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TRAINING_RECORD = "training_record.json"
 TESTBED_RECORD = "testbed.json"
+#: the lock file of a directory a command is writing (:class:`loopq.locks.DirectoryLock`)
+RUN_LOCK = ".loopq.lock"
 
 #: what :func:`loopq.artifacts.load_artifact` loads
 ArtifactKind = Literal["teacher", "student", "export"]
@@ -101,4 +106,22 @@ def check_output_dir(
     kind = model_kind(out)
     if kind is not None and kind not in replaces:
         raise GuardError(f"{key} {out}: holds a {kind} that this command would overwrite; pass another directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name != RUN_LOCK) if kind is None and out.is_dir() else []
+    if foreign:
+        raise GuardError(
+            f"{key} {out}: holds files this command did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); pass a new or empty directory"
+        )
     return out
+
+
+def check_owned(out: Path, writes: Iterable[str], owned: Iterable[str], key: str = "--out") -> None:
+    """Refuse to write ``writes`` into ``out`` if one of them exists there but is not ``owned`` (listed in the
+    manifest of the earlier output being replaced): a file the user put there is never overwritten."""
+    owned = set(owned)
+    clash = [name for name in writes if (Path(out) / name).exists() and name not in owned]
+    if clash:
+        raise GuardError(
+            f"{key} {out}: {', '.join(clash)} there was not written by this command and would be overwritten; "
+            "move it away or pass another directory"
+        )

@@ -3,7 +3,9 @@
 A student directory holds :data:`~loopq.artifacts.layout.STUDENT_WEIGHTS` (transforms, clipping logits, adapters -
 everything the teacher does not have) and :data:`~loopq.artifacts.layout.STUDENT_META` (:func:`student_meta`:
 QuantConfig, teacher directory, promoted groups, calibrated loop count, final mu_t, and the provenance: the
-teacher's content hash and the resolved calibration config).
+teacher's content hash and the resolved calibration config), sealed with the size and sha256 of the weights
+(:mod:`loopq.artifacts.seal`): an edited description, weights changed or copied in from another student, or a
+quant config that disagrees with the recorded calibration config are refused with one line naming the file.
 :func:`load_student` rebuilds structure first (prepare + re-promotion) and then loads the tensors strictly - no
 pickle anywhere. The teacher it loads (the recorded path, the same path relative to the student directory when the
 run directory was moved, or one the caller passes) must have the recorded content hash: a student is never put on
@@ -14,13 +16,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_LEGACY_FORMATS, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.seal import FILES, check_quant_agrees, manifest, seal, unseal, verify_file
 from loopq.errors import LoopQError
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models import LoopLM, load_looplm
@@ -28,6 +32,7 @@ from loopq.provenance import ProvenanceError, teacher_fingerprint
 from loopq.quant import QuantConfig, prepare, quant_groups
 
 RECALIBRATE = "calibrate the student again with python -m loopq.fit"
+_WARNED: set[Path] = set()
 
 
 class StudentFormatError(LoopQError):
@@ -63,11 +68,13 @@ def student_meta(
 
 
 def write_student(student: torch.nn.Module, meta: dict[str, Any], directory: str | Path) -> Path:
-    """Write ``student``'s quantization parameters and ``meta`` (:func:`student_meta`), atomically file by file."""
+    """Write ``student``'s quantization parameters and ``meta`` (:func:`student_meta`), atomically file by file; the
+    description is written last, in the current format, with the weights' size and sha256, sealed."""
     directory = Path(directory)
     state = quant_state(student)
     atomic_write(directory / STUDENT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": STUDENT_FORMAT}))
-    atomic_write(directory / STUDENT_META, lambda p: p.write_text(json.dumps(meta, indent=2) + "\n"))
+    sealed = seal({**meta, "format": STUDENT_FORMAT, FILES: manifest(directory, [STUDENT_WEIGHTS])})
+    atomic_write(directory / STUDENT_META, lambda p: p.write_text(json.dumps(sealed, indent=2) + "\n"))
     return directory
 
 
@@ -82,14 +89,30 @@ def check_student_dir(directory: str | Path) -> None:
 
 
 def read_student_meta(directory: str | Path) -> dict[str, Any]:
-    """The checked :data:`STUDENT_META` of a student directory."""
+    """The checked, unsealed :data:`STUDENT_META` of a student directory (a legacy format is read with a warning
+    that it is not verified)."""
     path = Path(directory) / STUDENT_META
     if not path.is_file():
         raise StudentFormatError(f"{path}: missing - {directory} is not a LoopQ student (run python -m loopq.fit)")
     meta = read_json(path, StudentFormatError, RECALIBRATE)
-    if meta.get("format") != STUDENT_FORMAT:
-        raise StudentFormatError(f"{path}: format {meta.get('format')!r} is not {STUDENT_FORMAT!r}")
+    if not isinstance(meta, dict):
+        raise StudentFormatError(f"{path}: not a JSON object; {RECALIBRATE}")
+    if meta.get("format") in STUDENT_LEGACY_FORMATS:
+        warn_legacy(path, meta["format"])
+    elif meta.get("format") != STUDENT_FORMAT:
+        raise StudentFormatError(f"{path}: format {meta.get('format')!r} is not {STUDENT_FORMAT!r}; {RECALIBRATE}")
+    else:
+        meta = unseal(meta, path, StudentFormatError, RECALIBRATE)
+    check_quant_agrees(meta, path, StudentFormatError, RECALIBRATE)
     return meta
+
+
+def warn_legacy(path: Path, fmt: str) -> None:
+    """One warning line per legacy student description and process: it is read, but nothing in it is verified."""
+    if path.resolve() not in _WARNED:
+        _WARNED.add(path.resolve())
+        print(f"[loopq] warning: {path}: format {fmt} is not content-verified; {RECALIBRATE} to seal it",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def teacher_dir_of(directory: Path, meta: dict[str, Any]) -> Path:
@@ -148,6 +171,8 @@ def load_student(
                 f"{directory / STUDENT_META}: promoted group {name!r} does not exist in the teacher"
             )
         groups[name].promote()
+    if meta["format"] == STUDENT_FORMAT:
+        verify_file(directory, STUDENT_WEIGHTS, meta, STUDENT_META, StudentFormatError, RECALIBRATE)
     state = read_safetensors(directory / STUDENT_WEIGHTS, StudentFormatError, RECALIBRATE)
     expected = {n for n, p in student.named_parameters() if p.requires_grad}
     if set(state) != expected:

@@ -23,6 +23,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from loopq.artifacts.layout import STUDENT_FORMAT
+from loopq.artifacts.seal import FILES, manifest, seal
 from loopq.errors import USER_ERRORS, OneLineParser, UsageError, one_line, user_error
 from loopq.files import read_json, read_safetensors
 from loopq.models import LoopLMError
@@ -91,8 +93,9 @@ def student(tmp_path: Path) -> Path:
         "calibrated_loops": 4,
         "mu": [1.0] * 4,
     }
-    (directory / "loopq_quant.json").write_text(json.dumps(meta))
     save_file({"x": torch.zeros(256)}, str(directory / "loopq_student.safetensors"))
+    meta |= {"format": STUDENT_FORMAT, FILES: manifest(directory, ["loopq_student.safetensors"])}
+    (directory / "loopq_quant.json").write_text(json.dumps(seal(meta)))
     truncate(directory / "loopq_student.safetensors")
     return directory
 
@@ -167,7 +170,8 @@ def test_evaluate_truncated_teacher_weights(teacher: Path, tmp_path: Path):
 def test_export_truncated_student_weights(student: Path, tmp_path: Path):
     before = hashes(student)
     proc = cli("export", "--ckpt", student, "--out", tmp_path / "exported")
-    assert_one_line_error(proc, r"student/loopq_student\.safetensors: not a readable safetensors file, truncated")
+    line = assert_one_line_error(proc, r"student/loopq_student\.safetensors: not the file loopq_quant\.json was")
+    assert re.search(r"\(\d+ bytes, recorded \d+ bytes\): it was changed or replaced since; calibrate", line)
     assert hashes(student) == before and not (tmp_path / "exported").exists()
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from loopq import evaluate, export, fit, guards, pretrain, run, testbed
 from loopq.artifacts import layout
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.seal import seal
 from loopq.calib.checkpoint_io import CheckpointError, checkpoint_problem, newest_intact
 from loopq.callbacks.stop_on_signal import StopOnSignal, exit_status
 from loopq.errors import GuardError, LoopQError
@@ -61,7 +62,7 @@ def student(tmp_path: Path, teacher: Path) -> Path:
     """A student directory as loopq.fit writes it, as far as the guards read it (they act before loading it)."""
     directory = tmp_path / "student"
     directory.mkdir()
-    (directory / STUDENT_META).write_text(json.dumps({"format": STUDENT_FORMAT, "teacher": str(teacher)}))
+    (directory / STUDENT_META).write_text(json.dumps(seal({"format": STUDENT_FORMAT, "teacher": str(teacher)})))
     (directory / STUDENT_WEIGHTS).write_bytes(b"not read before the guard")
     return directory
 
