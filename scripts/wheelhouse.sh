@@ -30,12 +30,22 @@ for p in "${platforms[@]}"; do platform_args+=(--platform "$p"); done
 mkdir -p "$out"
 list="$(mktemp)"
 trap 'rm -f "$list"' EXIT
-# the tested pins, without torch/triton (the node's own) and without deepspeed (built below)
-grep -E '^[A-Za-z0-9_.-]+==' constraints.txt | grep -viE '^(torch|triton|deepspeed)==' > "$list"
-pip download --no-deps --only-binary=:all: --python-version "$python_version" "${platform_args[@]}" \
-  --implementation cp -d "$out" -r "$list"
-deepspeed="$(grep -iE '^deepspeed==' constraints.txt)"
-DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation "$deepspeed" -w "$out" 2>/dev/null ||
-  DS_BUILD_OPS=0 pip wheel --no-deps "$deepspeed" -w "$out"
-pip wheel --no-deps . -w "$out"
+# the tested pins, without torch/triton (the node's own)
+grep -E '^[A-Za-z0-9_.-]+==' constraints.txt | grep -viE '^(torch|triton)==' > "$list"
+built=()
+while read -r pin; do
+  # a binary wheel for the target when one is published; else (deepspeed, rouge_score, ...: source only) a wheel
+  # built here, which is pure Python for all of them (DS_BUILD_OPS=0: deepspeed's ops JIT-compile on the node)
+  if ! pip download --no-deps --only-binary=:all: --python-version "$python_version" "${platform_args[@]}" \
+      --implementation cp -d "$out" "$pin" >/dev/null 2>&1; then
+    DS_BUILD_OPS=0 pip wheel --no-deps "$pin" -w "$out" >/dev/null
+    built+=("$pin")
+  fi
+done < "$list"
+pip download --no-deps --only-binary=:all: -d "$out" "setuptools>=69" wheel >/dev/null  # to build LoopQ there
+pip wheel --no-deps . -w "$out" >/dev/null
+for wheel in "$out"/*.whl; do
+  case "$wheel" in *-none-any.whl|*-cp"${python_version/./}"-*|*-abi3-*) ;; *) echo "warning: $wheel is not for cp${python_version/./}" >&2 ;; esac
+done
+echo "built from source: ${built[*]:-none}"
 echo "wheelhouse: $(ls "$out" | wc -l) wheels in $out for cp${python_version/./} ${platforms[*]}"
