@@ -147,9 +147,18 @@ def record(teacher_sha256: str, config: dict[str, Any] | None = None) -> dict[st
     return out
 
 
+#: options added after records were written, with the value every older record calibrated with: a record without
+#: the key is read as having that value (a student or checkpoint from before the option existed is not "another
+#: config" for it)
+LATER_OPTIONS = {"model.state_reduction": "mean"}
+
+
 def flat_record(block: dict[str, Any] | None) -> dict[str, Any]:
     """A provenance block as one flat dict for :func:`check_same` (``teacher_sha256`` + ``config.*`` keys)."""
     block = block or {}
     flat = {"teacher_sha256": block.get("teacher_sha256")}
-    flat.update({f"config.{k}": v for k, v in (block.get("config") or {}).items()})
+    config = block.get("config") or {}
+    if config:
+        config = {**LATER_OPTIONS, **config}
+    flat.update({f"config.{k}": v for k, v in config.items()})
     return flat

@@ -200,3 +200,14 @@ def test_only_the_method_callbacks_count_in_the_recorded_config():
     with_debug = fit_settings(config(method, "tests.helpers.KillAtStep", "lightning.pytorch.callbacks.ModelCheckpoint"))
     assert with_debug == fit_settings(config(method))
     assert fit_settings(config(method)) != fit_settings(config())  # dropping SLT reselection changes the student
+
+
+def test_a_record_from_before_an_option_existed_reads_as_its_default():
+    """Students and checkpoints written before ``model.state_reduction`` existed were calibrated with ``mean``: they
+    match a current config of ``mean`` and differ from one of ``sum``."""
+    old = {"teacher_sha256": "t", "config": {"model.lam": 0.1}}
+    now = {"teacher_sha256": "t", "config": {"model.lam": 0.1, "model.state_reduction": "mean"}}
+    check_same(flat_record(old), flat_record(now), "x", "fix")
+    summed = {"teacher_sha256": "t", "config": {"model.lam": 0.1, "model.state_reduction": "sum"}}
+    with pytest.raises(ProvenanceError, match="state_reduction"):
+        check_same(flat_record(old), flat_record(summed), "x", "fix")
