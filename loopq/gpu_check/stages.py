@@ -198,6 +198,30 @@ def cuda_median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def profile_step(fn: Callable[[], object], rows: int = 15) -> dict[str, object]:
+    """Where a step's time goes (issue 27: the student's step at 4x the FP one): ``torch.profiler`` over one call -
+    the top ``rows`` operators by self CUDA time (printed, and returned as text), the number of kernel launches, and
+    the CPU time against the CUDA time (a step whose CPU time exceeds its GPU time is dispatch-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+    print(table)
+    on_device = [e for e in events if e.device_type.name == "CUDA"]
+    return {
+        "top_ops": table,
+        "kernel_launches": sum(e.count for e in on_device),
+        "cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        "cuda_ms": sum(e.self_device_time_total for e in on_device) / 1e3,
+    }
+
+
 def peak_gib(fn: Callable[[], object]) -> float:
     """Peak CUDA memory allocated while ``fn`` runs (everything resident included), in GiB."""
     torch.cuda.synchronize()
@@ -234,6 +258,7 @@ def step(ctx: Context) -> StageResult:
     times = {"student_ms": cuda_median_ms(train_step(student, ids, losses), iters, warmup)}
     details: dict[str, object] = {"layers": layers, "batch": STEP_BATCH, "seq": STEP_SEQ, "quant": asdict(STUDENT)}
     details["student_peak_gib"] = peak_gib(train_step(student, ids, losses))
+    details["student_profile"] = profile_step(train_step(student, ids, losses))
     if not ctx.quick:
         for group in quant_groups(student).values():
             group.compiled = True  # model.compile_quantizers: true, as configs/ouro1.4b.yaml calibrates
@@ -257,6 +282,12 @@ def step_result(times: dict[str, float], details: dict[str, object], layers: int
         if key in times:
             parts.append(f"{label} {times[key]:.1f} ms ({times[key] / fp:.2f}x)")
     parts.append(f"student peak {details['student_peak_gib']:.1f} GiB")
+    profile = details.get("student_profile")
+    if isinstance(profile, dict):
+        parts.append(
+            f"profiled student step: {profile['kernel_launches']} kernel launches, CPU {profile['cpu_ms']:.0f} ms vs "
+            f"CUDA {profile['cuda_ms']:.0f} ms"
+        )
     losses = [float(v) for v in details["losses"]]  # type: ignore[attr-defined]
     finite = all(math.isfinite(v) for v in losses)
     if not finite:
