@@ -296,7 +296,7 @@ def test_step_trains_the_students_quantization_parameters_only():
 
 
 def test_profile_of_a_step_counts_its_time():
-    """The ``step`` stage profiles one student step (where a 4x step goes); on the CPU the same call profiles CPU ops."""
+    """The ``step`` stage profiles one student step (where a 4x step goes); on the CPU it profiles CPU ops."""
     x = torch.randn(64, 64, requires_grad=True)
     profile = stages.profile_step(lambda: (x @ x).sum().backward(), rows=5)
     assert "aten::mm" in profile["top_ops"] and profile["cpu_ms"] > 0
