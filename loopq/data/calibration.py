@@ -100,11 +100,15 @@ def check_enough_tokens(tokens: int, num_samples: int, holdout_samples: int, seq
     windows = num_samples + holdout_samples
     if tokens >= windows * seq_len:
         return
+    fits = tokens // seq_len - holdout_samples  # samples of this length that fit beside the held-out ones
+    lower = [f"data.num_samples to {fits}"] if fits >= 1 else []
+    if tokens // windows >= 2:
+        lower.append(f"data.seq_len to {tokens // windows}")
+    fix = "add text to data.sources" + (f", or lower {' or '.join(lower)}" if lower else "")
     raise DataError(
         f"data.sources: {tokens} tokens, but data.num_samples={num_samples} + data.holdout_samples={holdout_samples} "
         f"windows of data.seq_len={seq_len} need {windows * seq_len} (fewer would overlap, and the held-out windows "
-        f"would repeat training text); add text to data.sources, or lower data.num_samples to "
-        f"{max(tokens // seq_len - holdout_samples, 0)} or data.seq_len to {tokens // windows}"
+        f"would repeat training text); {fix}"
     )
 
 

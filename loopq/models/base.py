@@ -531,8 +531,8 @@ class LoopLM(nn.Module):
             problem = dtype_problem(tensor, want)
             if problem is not None:
                 raise LoopLMError(
-                    f"{(origins or {}).get(nkey, source)}: tensor {nkey!r} {problem}; the file is not a weights file "
-                    "of this model as written: re-download or re-convert it"
+                    f"{(origins or {}).get(nkey, source)}: tensor {nkey!r} {problem}; this file was not written as the "
+                    "model's weights: re-download or re-convert it"
                 )
         return {by_native[k]: v for k, v in native.items()}
 
