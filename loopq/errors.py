@@ -26,11 +26,13 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from safetensors import SafetensorError
 
 DEBUG_FLAG = "--debug"
+CONFIG_FLAG = "--config"
 DEBUG_ENV = "LOOPQ_DEBUG"
 EXIT_STATUS = 2
 #: the shell's status for a command ended by Ctrl-C (128 + SIGINT)
@@ -123,15 +125,47 @@ def debug_requested(argv: list[str]) -> bool:
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
 
 
+def config_files(argv: list[str]) -> list[Path]:
+    """The files named by ``--config FILE`` / ``--config=FILE`` in ``argv``."""
+    after = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == CONFIG_FLAG]
+    inline = [arg.split("=", 1)[1] for arg in argv if arg.startswith(f"{CONFIG_FLAG}=")]
+    return [Path(value) for value in [*after, *inline]]
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Every ``--config`` file that exists holds a mapping of settings. jsonargparse refuses an empty one (or a list,
+    a bare word) with ``Unexpected config:`` and its content, naming neither the file nor the fix; a missing file or
+    a YAML syntax error it reports itself, with the file or the line."""
+    import yaml
+
+    for path in config_files(argv):
+        try:
+            data = yaml.safe_load(path.read_text()) if path.is_file() else {}
+        except (yaml.YAMLError, UnicodeDecodeError):
+            continue
+        if data is None:
+            raise UsageError(
+                f"{CONFIG_FLAG} {path}: the file is empty (no settings); write settings into it or leave it out"
+            )
+        if not isinstance(data, dict):
+            raise UsageError(
+                f"{CONFIG_FLAG} {path}: holds a {type(data).__name__}, not settings (`key: value` lines, as in "
+                "configs/tiny.yaml)"
+            )
+
+
 def run_cli(main: Callable[[], object]) -> None:
     """Run a command's ``main()`` (which reads ``sys.argv``, with ``--debug`` removed from it): a user error exits
-    with one ``error:`` line and status 2, Ctrl-C with one line and status 130, unless debugging was asked for."""
+    with one ``error:`` line and status 2, Ctrl-C with one line and status 130, unless debugging was asked for.
+    ``--config`` files are checked first (:func:`check_config_files`)."""
     debug = debug_requested(sys.argv[1:])
     sys.argv = [arg for arg in sys.argv if arg != DEBUG_FLAG]
     if debug:
+        check_config_files(sys.argv[1:])
         main()
         return
     try:
+        check_config_files(sys.argv[1:])
         main()
     except KeyboardInterrupt:
         print(f"error: {INTERRUPTED}", file=sys.stderr, flush=True)

@@ -37,7 +37,7 @@ from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError, run_cli
 from loopq.eval.perplexity import perplexity, wikitext2_stream
 from loopq.files import atomic_write
-from loopq.guards import check_output_file
+from loopq.guards import check_output_file, check_positions
 from loopq.models import LoopLM
 from loopq.models.io import resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
@@ -105,13 +105,16 @@ def build(
     calib_seq_len: int = 128,
     teacher: str | None = None,
     device: torch.device | None = None,
+    ppl_seq_len: int | None = None,
 ) -> tuple[LoopLM, str, str]:
     """The model to evaluate on ``device`` (default: the CPU), the directory its tokenizer lives in, and its actual
-    bit widths."""
+    bit widths. ``ppl_seq_len`` (and a baseline's ``calib_seq_len``) are checked against the model's positions as
+    soon as it is loaded, before a baseline is calibrated."""
     device = device or torch.device("cpu")
     if student or exported:
         path = student or exported
         artifact = load_artifact(path, kind="student" if student else "export", teacher=teacher, device=device)
+        check_lengths(artifact.model, {"--ppl_seq_len": ppl_seq_len})
         return artifact.model, str(tokenizer_dir(path, artifact)), artifact.bits
     if model is None:
         raise UsageError("pass --model (FP or a training-free baseline), --student or --exported")
@@ -119,10 +122,18 @@ def build(
     fp = load_artifact(model, kind="teacher", device=device)
     teacher, model_dir = fp.model, fp.meta["teacher"]
     baseline = static_method(method)
+    check_lengths(teacher, {"--ppl_seq_len": ppl_seq_len, "--calib_seq_len": calib_seq_len if baseline else None})
     if baseline is None:
         return teacher, model_dir, "fp"
     ids = calibration_samples(model_dir, calib_samples, calib_seq_len).to(device)
     return prepare_static(teacher, static_config(baseline, bits), ids), model_dir, bits
+
+
+def check_lengths(net: LoopLM, lengths: dict[str, int | None]) -> None:
+    """Each sequence-length option given (not None) fits the positions of ``net``."""
+    for key, length in lengths.items():
+        if length is not None:
+            check_positions(net, length, key)
 
 
 def evaluate(
@@ -158,7 +169,9 @@ def evaluate(
     if out:  # before any work: a result never replaces a model file or anything but an earlier result
         check_output_file(out, [model, student, exported])
     start = time.time()
-    net, tok_dir, bits = build(model, student, exported, method, bits, calib_samples, calib_seq_len, teacher, where)
+    net, tok_dir, bits = build(
+        model, student, exported, method, bits, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
+    )
     tokenizer = load_tokenizer(tok_dir)
     stream = torch.tensor(wikitext2_stream(tokenizer), device="cpu")  # host tokens; windows move per batch
     if ppl_windows is not None:

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
-from loopq.calib.checkpoint_io import newest_intact
+from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
 from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.callbacks.stop_on_signal import exit_status
@@ -106,12 +106,14 @@ class LoopQCLI(LightningCLI):
     lock: DirectoryLock | None = None
 
     def before_instantiate_classes(self) -> None:
-        """Before the teacher loads: ``--print_plan`` (then exit), output folders that overlap the teacher, loop
-        counts that cannot fit, a student of another config in the output directory; ``model.teacher_dtype: auto``
-        becomes the dtype ``trainer.precision`` implies. Then the run directory is locked (one writer at a time)."""
+        """Before the teacher loads: ``--print_plan`` (then exit), a ``--ckpt_path`` that is no checkpoint, the
+        checks of :func:`~loopq.guards.check_calibration`, a student of another config in the output directory;
+        ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies. Then the run directory is
+        locked (one writer at a time)."""
         if self.config.get("print_plan"):
             print_plan(self.config)
             raise SystemExit(0)
+        check_ckpt_path(self.config.get("ckpt_path"))
         check_calibration(self.config)
         model = self.config.model
         model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
+from loopq.data.calibration import calibration_stream, check_enough_tokens
 from loopq.errors import GuardError, UsageError
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.io import architecture_for, read_config
@@ -266,17 +267,31 @@ def device_memory(accelerator: str | None) -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
-    """:func:`loop_shape` of a local teacher directory, built on the meta device from its config.json alone (None
-    for a hub id or a path that is not a model: the loader reports those)."""
+def meta_teacher(teacher: str | os.PathLike[str]) -> LoopLM | None:
+    """A local teacher directory's model built on the meta device from its config.json alone (nothing allocated,
+    no weights read); None for a hub id or a path that is not a model: the loader reports those."""
     directory = Path(teacher)
     if not (directory / "config.json").is_file():
         return None
     config = read_config(directory)
     cls = architecture_for(config, str(directory / "config.json"))
     with torch.device("meta"):
-        model = cls(cls.config_from_dict(config))
-    return loop_shape(model)
+        return cls(cls.config_from_dict(config))
+
+
+def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
+    """:func:`loop_shape` of a local teacher directory (:func:`meta_teacher`), or None."""
+    model = meta_teacher(teacher)
+    return None if model is None else loop_shape(model)
+
+
+def check_positions(model: LoopLM, length: int, key: str, what: str = "the model") -> None:
+    """A sequence-length option may not exceed the positions ``model`` has (RoPE table / position embeddings)."""
+    if length > model.max_positions:
+        raise UsageError(
+            f"{key} {length}: longer than the {model.max_positions} positions {what} has (its config.json); pass "
+            f"{key} {model.max_positions} or less"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- loopq.fit
@@ -296,9 +311,19 @@ def check_schedule(max_steps: int | None, warmup_steps: int) -> None:
         )
 
 
+def check_calibration_text(data: Any) -> None:
+    """The calibration text holds enough tokens for the requested windows (:func:`~loopq.data.calibration.
+    check_enough_tokens`), checked before the teacher loads when every source is a local file (an ``hf:`` source
+    is downloaded, and checked, when the data module is set up); the stream stays cached for that setup."""
+    if any(str(spec).startswith("hf:") for spec in data.sources or ()):
+        return
+    stream = calibration_stream(data.tokenizer, data.sources, data.root)
+    check_enough_tokens(stream.numel(), data.num_samples, data.holdout_samples, data.seq_len)
+
+
 def check_calibration(config: Any) -> None:
     """Everything :mod:`loopq.fit` (and :mod:`loopq.run`) checks on its parsed config before building anything:
-    the run, student and target-cache directories against the teacher, and the loop count against the memory."""
+    the run, student and target-cache directories against the teacher, then :func:`check_against_teacher`."""
     check_schedule(config.trainer.max_steps, config.model.warmup_steps)
     teacher = str(config.model.teacher)
     root = Path(config.trainer.default_root_dir or os.getcwd())
@@ -312,13 +337,19 @@ def check_calibration(config: Any) -> None:
         how = relation(Path(cache), read)
         if how in ("is", "is inside"):
             raise GuardError(f"--model.target_cache_dir {cache}: {how} the teacher {read}; pass another directory")
-    shape = teacher_shape(teacher)
-    if shape is None:
-        return
+    model = meta_teacher(teacher)
+    if model is not None:
+        check_against_teacher(config, model)
+
+
+def check_against_teacher(config: Any, model: LoopLM) -> None:
+    """For a local teacher (``model``: built on the meta device): ``data.seq_len`` against its positions, the loop
+    count against the memory, and the calibration text against the windows asked for."""
+    check_positions(model, config.data.seq_len, "--data.seq_len", f"the teacher {config.model.teacher}")
     quant = config.model.quant
     precision = str(getattr(config.trainer, "precision", None) or "32")
     plan = loop_plan(
-        shape,
+        loop_shape(model),
         getattr(quant, "num_loops", None) if quant is not None else None,
         batch=config.data.batch_size,
         seq_len=config.data.seq_len,
@@ -327,3 +358,4 @@ def check_calibration(config: Any) -> None:
         checkpoint_loops=bool(config.model.checkpoint_loops),
     )
     check_loop_plan(plan, available_memory(), device_memory(getattr(config.trainer, "accelerator", None)))
+    check_calibration_text(config.data)

@@ -28,6 +28,7 @@ from loopq.artifacts.seal import FILES, check_quant_agrees, manifest, seal, unse
 from loopq.errors import LoopQError
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models import LoopLM, load_looplm
+from loopq.models.base import dtype_problem
 from loopq.provenance import ProvenanceError, teacher_fingerprint
 from loopq.quant import QuantConfig, prepare, quant_groups
 
@@ -174,11 +175,21 @@ def load_student(
     if meta["format"] == STUDENT_FORMAT:
         verify_file(directory, STUDENT_WEIGHTS, meta, STUDENT_META, StudentFormatError, RECALIBRATE)
     state = read_safetensors(directory / STUDENT_WEIGHTS, StudentFormatError, RECALIBRATE)
-    expected = {n for n, p in student.named_parameters() if p.requires_grad}
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise StudentFormatError(
-            f"{directory / STUDENT_WEIGHTS}: parameters do not match (missing {missing[:5]}, extra {extra[:5]})"
-        )
+    check_student_state(directory / STUDENT_WEIGHTS, state, student)
     student.load_state_dict(state, strict=False)
     return student.eval(), meta
+
+
+def check_student_state(path: Path, state: dict[str, torch.Tensor], student: torch.nn.Module) -> None:
+    """The weights file holds exactly the student's trainable parameters, each of its shape and of a float dtype
+    (``load_state_dict`` would cast an int32 tensor silently, or fail with a traceback on a wrong shape)."""
+    params = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    if set(state) != set(params):
+        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise StudentFormatError(f"{path}: parameters do not match (missing {missing[:5]}, extra {extra[:5]})")
+    for name, tensor in state.items():
+        problem = dtype_problem(tensor, params[name])
+        if problem is None and tensor.shape != params[name].shape:
+            problem = f"has shape {tuple(tensor.shape)}, the student built from its teacher {tuple(params[name].shape)}"
+        if problem is not None:
+            raise StudentFormatError(f"{path}: tensor {name!r} {problem}; {RECALIBRATE}")

@@ -8,7 +8,7 @@ A checkpoint can still be damaged later (a full disk, a copy cut short). :func:`
 ``--ckpt_path last`` resumes from: the newest checkpoint whose zip archive is whole - every member's CRC is checked,
 which reads the file once and unpickles nothing - skipping (with one line each) newer ones that are not. A DeepSpeed
 checkpoint is a directory: it counts as whole when LoopQ's sidecar (written last) is readable and every ``.pt`` in
-it is.
+it is. :func:`check_ckpt_path` applies the same test to a ``--ckpt_path`` the user names, before the teacher loads.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from loopq.artifacts.layout import model_kind
 from loopq.errors import LoopQError
 
 
@@ -83,6 +84,59 @@ def checkpoint_problem(path: Path) -> str | None:
     if path.stat().st_size == 0:
         return "empty file"
     return _zip_problem(path)
+
+
+#: what ``--ckpt_path`` takes, for the messages that refuse something else
+CKPT_PATH_TAKES = (
+    "--ckpt_path takes 'last' or a checkpoint under <run>/checkpoints (a .ckpt file, or a DeepSpeed checkpoint "
+    "directory)"
+)
+
+
+def _file_problem(path: Path) -> str | None:
+    """Why the file ``path`` is not a whole ``torch.save`` archive (which holds ``<name>/data.pkl``); None if it is."""
+    if not zipfile.is_zipfile(path):
+        with path.open("rb") as f:
+            zip_start = f.read(4) == b"PK\x03\x04"
+        if zip_start:
+            return "a zip archive cut short or damaged (its central directory is missing)"
+        return "not a checkpoint: not the zip archive torch.save writes"
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        return problem
+    with zipfile.ZipFile(path) as archive:
+        if any(name.endswith("data.pkl") for name in archive.namelist()):
+            return None
+    return "a zip archive, but not one written by torch.save"
+
+
+def _directory_problem(path: Path) -> str | None:
+    """Why the directory ``path`` is not a whole DeepSpeed checkpoint; None if it is."""
+    if next(path.rglob("*.pt"), None) is None:
+        return "a directory without checkpoint files (a DeepSpeed checkpoint holds .pt files and loopq.json)"
+    return checkpoint_problem(path)
+
+
+def check_ckpt_path(ckpt_path: str | None) -> None:
+    """A ``--ckpt_path`` other than ``last`` must be a whole checkpoint: refused before any work, with one line
+    saying what it is instead (missing, a run, student or other model directory, a file that is no checkpoint)."""
+    if ckpt_path in (None, "last"):
+        return
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise CheckpointError(f"--ckpt_path {path}: no such file or directory; {CKPT_PATH_TAKES}")
+    if (path / "checkpoints").is_dir():
+        raise CheckpointError(
+            f"--ckpt_path {path}: is a run directory; pass --ckpt_path last with --trainer.default_root_dir {path}, or "
+            f"a checkpoint under {path / 'checkpoints'}"
+        )
+    kind = model_kind(path)
+    if kind is not None:
+        what = "a calibrated student" if kind == "student" else f"a {kind} directory"
+        raise CheckpointError(f"--ckpt_path {path}: is {what}, not a calibration checkpoint; {CKPT_PATH_TAKES}")
+    problem = _directory_problem(path) if path.is_dir() else _file_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"--ckpt_path {path}: {problem}; {CKPT_PATH_TAKES}")
 
 
 def newest_intact(candidates: Iterable[Path], option: str = "--ckpt_path last") -> Path | None:

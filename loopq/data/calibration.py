@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from loopq.data.fingerprints import sampled_hashes
 from loopq.data.sampler import CalibrationSampler
-from loopq.data.stream import check_vocab, random_windows, token_stream
+from loopq.data.stream import check_one_window, check_vocab, random_windows, token_stream
 from loopq.data.text import (
     DEFAULT_CALIBRATION_SOURCES,
     DataError,
@@ -86,6 +86,32 @@ def load_calibration_docs(sources: list[str], root: Path | None) -> list[str]:
     return docs
 
 
+def calibration_stream(tokenizer: str, sources: list[str] | None, root: str | None) -> Tensor:
+    """The token stream of the calibration sources (default: :data:`DEFAULT_CALIBRATION_SOURCES` under the data
+    root), tokenized once per process."""
+    directory = Path(root).expanduser() if root else data_dir()
+    return _tokenized(str(tokenizer), tuple(sources or DEFAULT_CALIBRATION_SOURCES), directory)
+
+
+def check_enough_tokens(tokens: int, num_samples: int, holdout_samples: int, seq_len: int) -> None:
+    """The calibration windows and the held-out ones must fit the text side by side: with fewer tokens they overlap,
+    the same text is calibrated on several times and the held-out windows repeat training text."""
+    check_one_window(tokens, seq_len, "data.sources")
+    windows = num_samples + holdout_samples
+    if tokens >= windows * seq_len:
+        return
+    fits = tokens // seq_len - holdout_samples  # samples of this length that fit beside the held-out ones
+    lower = [f"data.num_samples to {fits}"] if fits >= 1 else []
+    if tokens // windows >= 2:
+        lower.append(f"data.seq_len to {tokens // windows}")
+    fix = "add text to data.sources" + (f", or lower {' or '.join(lower)}" if lower else "")
+    raise DataError(
+        f"data.sources: {tokens} tokens, but data.num_samples={num_samples} + data.holdout_samples={holdout_samples} "
+        f"windows of data.seq_len={seq_len} need {windows * seq_len} (fewer would overlap, and the held-out windows "
+        f"would repeat training text); {fix}"
+    )
+
+
 class CalibrationDataModule(L.LightningDataModule):
     """Random fixed-length windows of the calibration corpus, plus a held-out batch for diagnostics."""
 
@@ -116,8 +142,8 @@ class CalibrationDataModule(L.LightningDataModule):
         if self.samples is not None:
             return
         hp = self.hparams
-        root = Path(hp.root).expanduser() if hp.root else data_dir()
-        stream = _tokenized(str(hp.tokenizer), tuple(hp.sources or DEFAULT_CALIBRATION_SOURCES), root)
+        stream = calibration_stream(hp.tokenizer, hp.sources, hp.root)
+        check_enough_tokens(stream.numel(), hp.num_samples, hp.holdout_samples, hp.seq_len)
         total = hp.num_samples + hp.holdout_samples
         windows = random_windows(stream, total, hp.seq_len, hp.seed, source="data.sources")
         if hp.vocab_size is not None:

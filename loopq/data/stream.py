@@ -24,14 +24,18 @@ def token_stream(docs: Sequence[str], tokenizer: Tokenizer) -> Tensor:
 
 def random_windows(stream: Tensor, num_samples: int, seq_len: int, seed: int, source: str = "data") -> Tensor:
     """``num_samples`` windows of ``seq_len`` tokens at uniformly random offsets (deterministic in ``seed``)."""
-    if stream.numel() < seq_len + 1:
-        raise DataError(
-            f"{source}: only {stream.numel()} tokens, shorter than one sample of seq_len={seq_len}; "
-            "add text or lower seq_len"
-        )
+    check_one_window(stream.numel(), seq_len, source)
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - seq_len + 1, (num_samples,), generator=gen, device="cpu")
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+
+
+def check_one_window(tokens: int, seq_len: int, source: str = "data") -> None:
+    """A stream of ``tokens`` tokens must be longer than one window of ``seq_len``."""
+    if tokens < seq_len + 1:
+        raise DataError(
+            f"{source}: only {tokens} tokens, shorter than one sample of seq_len={seq_len}; add text or lower seq_len"
+        )
 
 
 def contiguous_windows(stream: Tensor, seq_len: int) -> Tensor:

@@ -4,8 +4,8 @@
 
 Any lm-eval flag works; ``--include_path`` defaults to ``loopq/eval/tasks`` (lm-eval's own tasks stay available) and
 ``--device`` to cuda when PyTorch sees a GPU, else cpu (:mod:`loopq.devices`).
-A ``pretrained`` directory that holds no model is refused before lm-eval indexes its tasks, and an unknown task
-name ends with one ``error:`` line naming ``--tasks``.
+A ``model_args`` key the ``loopq`` model does not take, or a ``pretrained`` directory that holds no model, is refused
+before lm-eval indexes its tasks, and an unknown task name ends with one ``error:`` line naming ``--tasks``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 
 from lm_eval.__main__ import cli_evaluate
+from lm_eval.utils import simple_parse_args_string
 
-import loopq.eval.lm  # noqa: F401  (registers the "loopq" model)
 from loopq.devices import resolve_device
 from loopq.errors import UsageError, run_cli
+from loopq.eval.lm import check_model_args  # importing it registers the "loopq" model
 from loopq.eval.tasks import TASKS_DIR
 from loopq.models.io import read_config, resolve_model_dir
 
@@ -34,19 +35,21 @@ def option(args: list[str], name: str) -> str | None:
     return None
 
 
-def check_pretrained(args: list[str]) -> None:
-    """``--model loopq --model_args pretrained=<dir>``: the directory must hold a model (config.json)."""
+def check_loopq_args(args: list[str]) -> None:
+    """``--model loopq --model_args pretrained=<dir>,...``: every key is one the model takes, and the directory holds
+    a model (config.json)."""
     if option(args, "--model") != "loopq":
         return
-    pairs = dict(p.split("=", 1) for p in (option(args, "--model_args") or "").split(",") if "=" in p)
+    pairs = simple_parse_args_string(option(args, "--model_args") or "")
+    check_model_args(pairs)
     if "pretrained" in pairs:
-        read_config(resolve_model_dir(pairs["pretrained"]))
+        read_config(resolve_model_dir(str(pairs["pretrained"])))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and not {"-h", "--help"} & set(args):
-        check_pretrained(args)
+        check_loopq_args(args)
         if "--include_path" not in args:
             args += ["--include_path", str(TASKS_DIR)]
         if option(args, "--device") is None:  # lm-eval's own default is cuda:0 whatever the machine has

@@ -26,9 +26,11 @@ by ``python -m loopq.export`` (packed W4A4/W4A8 model).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tokenizers import Tokenizer
 from torch import Tensor
 from tqdm import tqdm
@@ -82,6 +84,25 @@ def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[value]
 
 
+def model_arg_names() -> list[str]:
+    """The ``model_args`` keys the ``loopq`` model takes: the parameters of :class:`LoopQLM`."""
+    return [name for name in inspect.signature(LoopQLM.__init__).parameters if name != "self"]
+
+
+def check_model_args(keys: Iterable[str]) -> None:
+    """Refuse a ``model_args`` key that :class:`LoopQLM` does not take (a misspelling such as ``num_loop`` would
+    otherwise end in a TypeError traceback), naming the accepted keys."""
+    accepted = model_arg_names()
+    unknown = [key for key in keys if key not in accepted]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], accepted, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise LoopLMError(
+        f"--model_args: unknown key(s) {unknown} for the loopq model{hint}; it accepts {', '.join(accepted)}"
+    )
+
+
 def _available(device: str | torch.device) -> torch.device:
     """``device``, or CPU when it names CUDA on a machine without it (lm-eval's CLI defaults to ``cuda:0``)."""
     device = torch.device(device)
@@ -121,6 +142,12 @@ class LoopQLM(TemplateLM):
         self.max_length = _positive_int("max_length", max_length)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         self._check_vocab()
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LoopQLM:
+        """lm-eval's constructor from ``model_args`` (``pretrained=<dir>,num_loops=4``), keys checked first."""
+        check_model_args(simple_parse_args_string(arg_string))
+        return super().create_from_arg_string(arg_string, additional_config)
 
     @classmethod
     def from_model(cls, model: LoopLM, tokenizer: str | os.PathLike[str] | Tokenizer, **kwargs: Any) -> LoopQLM:

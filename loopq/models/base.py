@@ -175,6 +175,15 @@ def config_to_native(config: Any, tags: Mapping[str, Any]) -> dict[str, Any]:
     return {**extra, **data, **tags}
 
 
+def dtype_problem(tensor: Tensor, want: Tensor) -> str | None:
+    """Why a stored tensor cannot fill the model's ``want``: it must be floating point where ``want`` is (any float
+    dtype: it is cast on load) and integer where ``want`` is; None when it can."""
+    if tensor.is_floating_point() == want.is_floating_point():
+        return None
+    expected = "a floating-point dtype (float32, bfloat16 or float16)" if want.is_floating_point() else want.dtype
+    return f"is stored as {tensor.dtype} but the model expects {expected}"
+
+
 class LoopLM(nn.Module):
     """Base class of all looped LMs; see the module docstring for the recurrence."""
 
@@ -513,11 +522,17 @@ class LoopLM(nn.Module):
                 "check that config.json describes these weights"
             )
         for nkey, tensor in native.items():
-            want = own[by_native[nkey]].shape
-            if tuple(tensor.shape) != tuple(want):
+            want = own[by_native[nkey]]
+            if tuple(tensor.shape) != tuple(want.shape):
                 raise LoopLMError(
                     f"{(origins or {}).get(nkey, source)}: tensor {nkey!r} has shape {tuple(tensor.shape)} but "
-                    f"config.json implies {tuple(want)}; the config does not describe these weights"
+                    f"config.json implies {tuple(want.shape)}; the config does not describe these weights"
+                )
+            problem = dtype_problem(tensor, want)
+            if problem is not None:
+                raise LoopLMError(
+                    f"{(origins or {}).get(nkey, source)}: tensor {nkey!r} {problem}; this file was not written as the "
+                    "model's weights: re-download or re-convert it"
                 )
         return {by_native[k]: v for k, v in native.items()}
 
