@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -119,12 +120,23 @@ ENVIRONMENT_PACKAGES = ("torch", "lightning", "transformers", "tokenizers", "jso
 def environment() -> dict[str, str]:
     """Python, the :data:`ENVIRONMENT_PACKAGES` versions (``absent`` when not installed) and the CPU."""
     env = {"python": platform.python_version(), "machine": platform.machine(), "cpu": _cpu_model()}
+    env["cpu_paths"] = cpu_paths()
     for name in ENVIRONMENT_PACKAGES:
         try:
             env[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             env[name] = "absent"
     return env
+
+
+def cpu_paths() -> str:
+    """The CPU code paths that decide fp32 summation order (``loopq``'s docstring): ATen's capability in use and the
+    MKL / oneDNN settings, e.g. ``aten AVX2, MKL_CBWR AVX2, ONEDNN_MAX_CPU_ISA AVX2``."""
+    import torch
+
+    parts = [f"aten {torch.backends.cpu.get_cpu_capability()}"]
+    parts += [f"{name} {os.environ.get(name, 'unset')}" for name in ("MKL_CBWR", "ONEDNN_MAX_CPU_ISA")]
+    return ", ".join(parts)
 
 
 def _cpu_model() -> str:
