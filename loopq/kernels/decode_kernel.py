@@ -7,13 +7,13 @@ scale per 32) against BF16's 2, so up to 3.56x a BF16 matmul if every SM streams
 
 * splits K: program ``(i, s)`` owns output columns ``[i BLOCK_N, (i + 1) BLOCK_N)`` and the groups
   ``[s G_s, (s + 1) G_s)``; :func:`decode_config` picks ``BLOCK_N`` and ``G_s`` per shape so that M = 1 launches at
-  least :data:`TARGET_PROGRAMS` programs (Ouro-1.4B: 480 to 768, against 32 to 176 for the tile kernel);
+  least :data:`TARGET_PROGRAMS` programs (Ouro-1.4B: 512 to 768, against 32 to 176 for the tile kernel);
 * reads ``BLOCK_G`` groups per iteration, ``BLOCK_G * 16`` contiguous bytes of each weight row (16-byte aligned:
   rows are ``K / 2`` bytes, a multiple of 16, so the loads compile to ``ld.global.v4``), with ``evict_first`` since
   each weight byte is read once;
 * for M <= 4 multiplies on CUDA cores: activations and weights are packed alike (the low nibble holds the even k),
   so ``dot = sum_j lo(a_j) lo(w_j) + hi(a_j) hi(w_j)`` needs no re-interleaving, and no row is padded; for
-  4 < M <= 16 it unpacks one group per iteration into a 16-row int8 tensor-core dot, as the tile kernel does;
+  4 < M <= 16 it unpacks the groups to natural K order for a batched 16-row int8 tensor-core dot, one per group;
 * writes fp32 partial sums ``[S, M, N]`` that :func:`_reduce_kernel` adds in split order (deterministic, no
   atomics) while casting to the output dtype; with one split the kernel writes the output itself.
 
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopq.kernels.gemm_kernel import _interleave, _unpack_int4
+from loopq.kernels.gemm_kernel import _unpack_int4
 
 #: the decode path serves calls of at most this many tokens (``loopq.kernels.ops`` dispatches on it)
 MAX_M = 16
@@ -67,14 +67,14 @@ def decode_config(m: int, n: int, k: int, target_programs: int = TARGET_PROGRAMS
     """Tiles and split-K of an ``[m, k] x [n, k]^T`` decode GEMM (``1 <= m <= MAX_M``, ``k`` a multiple of 32).
 
     M <= 4 runs on CUDA cores with ``BLOCK_M * BLOCK_N * BLOCK_G = 256`` (registers); larger M on a 16-row tensor
-    core dot, one group per iteration, 32 columns per program. K is split into as many splits as bring the grid to
+    core dot, four groups per iteration, 32 columns per program. K is split into as many splits as bring the grid to
     ``target_programs`` (a power of two, each split a whole number of iterations), but the fp32 partial sums may
     not exceed a quarter of the weight's bytes (they are written and read back).
     """
     block_m = triton.next_power_of_2(m)
     use_dot = block_m > 4
     if use_dot:
-        block_m, block_n, block_g = 16, 32, 1
+        block_m, block_n, block_g = 16, 32, 4
     else:
         block_n = 64 if block_m == 1 else 32
         block_g = _CUDA_CORE_PRODUCTS // (block_m * block_n)
@@ -84,7 +84,9 @@ def decode_config(m: int, n: int, k: int, target_programs: int = TARGET_PROGRAMS
     max_by_traffic = max(1, (n * k * 9 // 16) // (32 * m * n))  # partials: 4 B written + read, <= 1/4
     splits = min(triton.next_power_of_2(triton.cdiv(target_programs, n_blocks)), iterations, max_by_traffic)
     groups_per_split = block_g * triton.cdiv(iterations, splits)
-    return DecodeConfig(block_m, block_n, block_g, groups_per_split, triton.cdiv(groups, groups_per_split), use_dot)
+    splits = triton.cdiv(groups, groups_per_split)
+    num_warps = 2 if block_m == 4 else 4  # 16 weight bytes per thread and iteration
+    return DecodeConfig(block_m, block_n, block_g, groups_per_split, splits, use_dot, num_warps)
 
 
 @triton.jit
@@ -112,66 +114,87 @@ def _decode_kernel(
     g_end = tl.minimum(g_begin + groups_per_split, groups)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(g_begin, g_end, BLOCK_G):
-        rg = g + tl.arange(0, BLOCK_G)
-        g_mask = rg < g_end
-        kb = g * 16 + tl.arange(0, BLOCK_G * 16)  # byte j of the packed row holds k = 2j, 2j + 1
-        w = tl.load(
-            w_ptr + rn[:, None] * row_bytes + kb[None, :],
-            mask=n_mask[:, None] & (kb < g_end * 16)[None, :],
-            other=0,
-            eviction_policy="evict_first",
-        )
-        sa = tl.load(sa_ptr + rm[:, None] * groups + rg[None, :], mask=m_mask[:, None] & g_mask[None, :], other=0.0)
-        sw = tl.load(sw_ptr + rn[:, None] * groups + rg[None, :], mask=n_mask[:, None] & g_mask[None, :], other=0.0)
         if USE_DOT:
-            acc = _dot_group(acc, a_ptr, w, sa, sw, rm, m_mask, row_bytes, g, A_INT4, BLOCK_M, BLOCK_N)
+            acc = _tensor_core_groups(
+                acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
+                A_INT4, BLOCK_M, BLOCK_N, BLOCK_G,
+            )  # fmt: skip
         else:
-            a_mask = m_mask[:, None] & (kb < g_end * 16)[None, :]
-            a_lo, a_hi = _load_activation_pairs(a_ptr, rm, a_mask, kb, row_bytes, A_INT4)
-            acc = _cuda_core_groups(acc, a_lo, a_hi, w, sa, sw, BLOCK_M, BLOCK_N, BLOCK_G)
+            acc = _cuda_core_groups(
+                acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
+                A_INT4, BLOCK_M, BLOCK_N, BLOCK_G,
+            )  # fmt: skip
     out = part_ptr + tl.program_id(1) * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(part_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _load_activation_pairs(a_ptr, rm, mask, kb, row_bytes, A_INT4: tl.constexpr):
-    """Codes of k = 2j (lo) and k = 2j + 1 (hi) for the bytes ``kb`` of the weight rows, as int32 ``[BLOCK_M, .]``."""
+def _cuda_core_groups(
+    acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
+    A_INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """``acc += sum_g dot_g * (s_a s_w)`` over groups ``g .. g + BLOCK_G`` (those below ``g_end``): each row's
+    ``BLOCK_G * 16`` weight bytes in one load, exact int32 group dots of the unpacked nibbles on CUDA cores."""
+    rg = g + tl.arange(0, BLOCK_G)
+    g_mask = rg < g_end
+    kb = g * 16 + tl.arange(0, BLOCK_G * 16)  # byte j of a packed row holds k = 2j (low nibble), 2j + 1 (high)
+    k_mask = (kb < g_end * 16)[None, :]
+    w = tl.load(
+        w_ptr + rn[:, None] * row_bytes + kb[None, :],
+        mask=n_mask[:, None] & k_mask,
+        other=0,
+        eviction_policy="evict_first",
+    )
+    a_mask = m_mask[:, None] & k_mask
     if A_INT4:
-        lo, hi = _unpack_int4(tl.load(a_ptr + rm[:, None] * row_bytes + kb[None, :], mask=mask, other=0))
+        a_lo, a_hi = _unpack_int4(tl.load(a_ptr + rm[:, None] * row_bytes + kb[None, :], mask=a_mask, other=0))
     else:
         even = a_ptr + rm[:, None] * (2 * row_bytes) + 2 * kb[None, :]
-        lo = tl.load(even, mask=mask, other=0)
-        hi = tl.load(even + 1, mask=mask, other=0)
-    return lo.to(tl.int32), hi.to(tl.int32)
-
-
-@triton.jit
-def _cuda_core_groups(acc, a_lo, a_hi, w, sa, sw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``acc += sum_g dot_g * (s_a s_w)`` for ``BLOCK_G`` groups: exact int32 group dots of the unpacked nibbles."""
+        a_lo, a_hi = tl.load(even, mask=a_mask, other=0), tl.load(even + 1, mask=a_mask, other=0)
     w_lo, w_hi = _unpack_int4(w)
-    prod = a_lo[:, None, :] * w_lo.to(tl.int32)[None, :, :] + a_hi[:, None, :] * w_hi.to(tl.int32)[None, :, :]
+    a_lo, a_hi = a_lo.to(tl.int32)[:, None, :], a_hi.to(tl.int32)[:, None, :]
+    prod = a_lo * w_lo.to(tl.int32)[None, :, :] + a_hi * w_hi.to(tl.int32)[None, :, :]
     dots = tl.sum(tl.reshape(prod, [BLOCK_M, BLOCK_N, BLOCK_G, 16]), axis=3)
+    sa = tl.load(sa_ptr + rm[:, None] * groups + rg[None, :], mask=m_mask[:, None] & g_mask[None, :], other=0.0)
+    sw = tl.load(sw_ptr + rn[:, None] * groups + rg[None, :], mask=n_mask[:, None] & g_mask[None, :], other=0.0)
     scale = sa.to(tl.float32)[:, None, :] * sw.to(tl.float32)[None, :, :]
     return acc + tl.sum(dots.to(tl.float32) * scale, axis=2)
 
 
 @triton.jit
-def _dot_group(
-    acc, a_ptr, w, sa, sw, rm, m_mask, row_bytes, g, A_INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """``acc += dot * (s_a s_w)`` for one group on the tensor cores (``BLOCK_G = 1``: ``w`` is ``[BLOCK_N, 16]``)."""
+def _tensor_core_groups(
+    acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
+    A_INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """The same on the tensor cores: ``[BLOCK_G, BLOCK_N, 16]`` weight bytes in one load, unpacked to natural K
+    order, one batched int8 dot ``[BLOCK_G, BLOCK_M, 32] x [BLOCK_G, 32, BLOCK_N]`` (a depth-32 dot per group)."""
+    rg = (g + tl.arange(0, BLOCK_G))[:, None, None]
+    g_mask = rg < g_end
+    kb = rg * 16 + tl.arange(0, 16)[None, None, :]
+    w = tl.load(
+        w_ptr + rn[None, :, None] * row_bytes + kb,
+        mask=n_mask[None, :, None] & g_mask,
+        other=0,
+        eviction_policy="evict_first",
+    )
+    a_mask = m_mask[None, :, None] & g_mask
     if A_INT4:
-        a_bytes = tl.load(
-            a_ptr + rm[:, None] * row_bytes + g * 16 + tl.arange(0, 16)[None, :], mask=m_mask[:, None], other=0
-        )
-        a_even, a_odd = _unpack_int4(a_bytes)
-        a = _interleave(a_even, a_odd, BLOCK_M)
+        a = _natural_order(tl.load(a_ptr + rm[None, :, None] * row_bytes + kb, mask=a_mask, other=0), BLOCK_G, BLOCK_M)
     else:
-        a_row = a_ptr + rm[:, None] * (2 * row_bytes) + g * 32
-        a = tl.load(a_row + tl.arange(0, 32)[None, :], mask=m_mask[:, None], other=0)
-    w_even, w_odd = _unpack_int4(w)
-    dot = tl.dot(a, tl.trans(_interleave(w_even, w_odd, BLOCK_N)), out_dtype=tl.int32)
-    return acc + dot.to(tl.float32) * (sa.to(tl.float32) * tl.trans(sw.to(tl.float32)))
+        a_ptrs = a_ptr + rm[None, :, None] * (2 * row_bytes) + rg * 32 + tl.arange(0, 32)[None, None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0)
+    w = tl.permute(_natural_order(w, BLOCK_G, BLOCK_N), (0, 2, 1))
+    dots = tl.dot(a, w, out_dtype=tl.int32)
+    sa = tl.load(sa_ptr + rm[None, :, None] * groups + rg, mask=a_mask, other=0.0).to(tl.float32)
+    sw = tl.load(sw_ptr + rn[None, None, :] * groups + rg, mask=n_mask[None, None, :] & g_mask, other=0.0)
+    return acc + tl.sum(dots.to(tl.float32) * (sa * sw.to(tl.float32)), axis=0)
+
+
+@triton.jit
+def _natural_order(packed, BLOCK_G: tl.constexpr, ROWS: tl.constexpr):
+    """``[BLOCK_G, ROWS, 16]`` packed bytes -> ``[BLOCK_G, ROWS, 32]`` int8 codes in natural K order."""
+    even, odd = _unpack_int4(packed)
+    return tl.reshape(tl.join(even, odd), [BLOCK_G, ROWS, 32])
 
 
 @triton.jit

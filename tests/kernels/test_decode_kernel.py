@@ -29,8 +29,8 @@ CASES = {
     "m1-default": (1, 40, 160, None),  # 5 groups: splits of 4 + 1
     "m2-default": (2, 70, 352, None),  # 11 groups: splits of 4 + 4 + 3
     "m3-split": (3, 33, 224, DecodeConfig(4, 32, 2, 4, 2, False)),  # 7 groups: 4 + 3, last iteration half masked
-    "m9-dot": (9, 40, 96, None),
-    "m16-dot-split": (16, 40, 160, DecodeConfig(16, 32, 1, 2, 3, True)),  # 5 groups: 2 + 2 + 1
+    "m9-dot": (9, 40, 96, None),  # 3 groups: one iteration, 1 of 4 masked
+    "m16-dot-split": (16, 40, 160, DecodeConfig(16, 32, 4, 4, 2, True)),  # 5 groups: 4 + 1, 3 of 4 masked
 }
 
 
