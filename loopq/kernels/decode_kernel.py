@@ -6,11 +6,12 @@ scale per 32) against BF16's 2, so up to 3.56x a BF16 matmul if every SM streams
 16-row tensor-core dot. This kernel instead
 
 * splits K: program ``(i, s)`` owns output columns ``[i BLOCK_N, (i + 1) BLOCK_N)`` and the groups
-  ``[s G_s, (s + 1) G_s)``; :func:`decode_config` picks ``BLOCK_N`` and ``G_s`` per shape so that M = 1 launches at
-  least :data:`TARGET_PROGRAMS` programs (Ouro-1.4B: 512 to 768, against 32 to 176 for the tile kernel);
+  ``[s G_s, (s + 1) G_s)``; :func:`decode_config` picks ``BLOCK_N`` and ``G_s`` per shape so that M = 1 launches
+  about :data:`TARGET_PROGRAMS` programs, at most one split per iteration (Ouro-1.4B: 512 to 768, against 64 to 352
+  for the tile kernel);
 * reads ``BLOCK_G`` groups per iteration, ``BLOCK_G * 16`` contiguous bytes of each weight row (16-byte aligned:
-  rows are ``K / 2`` bytes, a multiple of 16, so the loads compile to ``ld.global.v4``), with ``evict_first`` since
-  each weight byte is read once;
+  rows are ``K / 2`` bytes, a multiple of 16, so the loads compile to ``ld.global.v4``, or 16-byte ``cp.async``
+  where the tensor-core loop is pipelined), with ``evict_first`` since each weight byte is read once;
 * for M <= 4 multiplies on CUDA cores: activations and weights are packed alike (the low nibble holds the even k),
   so ``dot = sum_j lo(a_j) lo(w_j) + hi(a_j) hi(w_j)`` needs no re-interleaving, and no row is padded; for
   4 < M <= 16 it unpacks the groups to natural K order for a batched 16-row int8 tensor-core dot, one per group;
