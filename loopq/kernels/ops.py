@@ -13,15 +13,25 @@ import torch
 from torch import Tensor
 from triton.runtime import JITFunction
 
-from loopq.kernels import gemm_kernel, quantize_kernel, reference
+from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel, reference
 from loopq.kernels.packing import GROUP_SIZE
 
 BACKENDS = ("torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _QUANTIZE = {"torch": reference.quantize_activation, "triton": quantize_kernel.quantize_activation}
-_GEMM_W4A4 = {"torch": reference.gemm_w4a4, "triton": partial(gemm_kernel.gemm, a_int4=True)}
-_GEMM_W4A8 = {"torch": reference.gemm_w4a8, "triton": partial(gemm_kernel.gemm, a_int4=False)}
+
+
+def _triton_gemm(
+    a: Tensor, a_scales: Tensor, w_packed: Tensor, w_scales: Tensor, out_dtype: torch.dtype, a_int4: bool
+) -> Tensor:
+    """Decode calls (1..16 tokens) take the split-K kernel, larger ones the tile kernel (see ``gemm_w4a4``)."""
+    kernel = decode_kernel if 0 < a.shape[0] <= decode_kernel.MAX_M else gemm_kernel
+    return kernel.gemm(a, a_scales, w_packed, w_scales, out_dtype, a_int4)
+
+
+_GEMM_W4A4 = {"torch": reference.gemm_w4a4, "triton": partial(_triton_gemm, a_int4=True)}
+_GEMM_W4A8 = {"torch": reference.gemm_w4a8, "triton": partial(_triton_gemm, a_int4=False)}
 
 
 def quantize_activation(
@@ -63,7 +73,12 @@ def gemm_w4a4(
     out_dtype: torch.dtype = torch.float32,
     backend: str | None = None,
 ) -> Tensor:
-    """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``."""
+    """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``.
+
+    With ``backend="triton"``, M > 16 runs the tile kernel (bit-exact with the torch backend) and 1 <= M <= 16 the
+    split-K decode kernel, whose fp32 output is within ``reference.gemm_fp64``'s rounding bound of the float64 value
+    of the same codes (see :mod:`loopq.kernels.decode_kernel`). The same holds for :func:`gemm_w4a8`.
+    """
     backend = _check_gemm("a_packed", a_packed, 4, a_scales, w_packed, w_scales, out_dtype, backend)
     return _GEMM_W4A4[backend](a_packed, a_scales, w_packed, w_scales, out_dtype)
 

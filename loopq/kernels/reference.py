@@ -61,3 +61,22 @@ def gemm_w4a4(a_packed: Tensor, a_scales: Tensor, w_packed: Tensor, w_scales: Te
 
 def gemm_w4a8(a_int8: Tensor, a_scales: Tensor, w_packed: Tensor, w_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
     return gemm(a_int8, a_scales, unpack_int4(w_packed), w_scales, out_dtype)
+
+
+def gemm_fp64(a_codes: Tensor, a_scales: Tensor, w_codes: Tensor, w_scales: Tensor) -> tuple[Tensor, Tensor]:
+    """The GEMM of int8-stored codes in float64, and the fp32 rounding bound any summation order must meet.
+
+    Returns ``(ref64, bound)``, ``[M, N]`` each: ``ref64 = sum_g dot_g s_a s_w`` (exact up to float64 rounding, as
+    ``dot_g s_a s_w`` needs at most 16 + 24 + 11 bits) and ``bound = gamma_{G+1} sum_k |a_k w_k s_a s_w|`` with
+    ``gamma_n = n u / (1 - n u)``, ``u = 2^-24``: G per-group terms each rounded twice (the scale product, then
+    times the exact dot) and summed by at most G - 1 fp32 additions in any bracketing. A kernel's fp32 output
+    ``out`` is correct when ``|out - ref64| <= bound`` (``loopq.kernels.decode_kernel``'s contract).
+    """
+    groups = a_scales.shape[1]
+    a = a_codes.double().reshape(a_codes.shape[0], groups, -1)
+    w = w_codes.double().reshape(w_codes.shape[0], groups, -1)
+    s = a_scales.double().T[:, :, None] * w_scales.double().T[:, None, :]  # [G, M, N]
+    dots = torch.einsum("mgk,ngk->gmn", a, w)
+    magnitudes = torch.einsum("mgk,ngk->gmn", a.abs(), w.abs())
+    nu = (groups + 1) * 2.0**-24
+    return (dots * s).sum(0), nu / (1 - nu) * (magnitudes * s.abs()).sum(0)

@@ -1,19 +1,29 @@
 """Compile the Triton kernels ahead of time for an NVIDIA target, without a GPU (``ptxas`` ships with triton).
 
 Run as ``python -m tests.kernels.gpu_compile [arch]`` with TRITON_INTERPRET unset; prints one line per kernel
-configuration with PTX facts the bit-exactness relies on.
+configuration with PTX facts the bit-exactness relies on and, for the decode GEMM, the facts its speed relies on:
+the weight's loads by width (``ld.global`` / ``cp.async`` with the evict-first cache hint only the weight carries),
+registers and spills as ``ptxas -v`` reports them, and its grid at M = 1 on Ouro-1.4B's shapes.
 """
 
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loopq.kernels import gemm_kernel, quantize_kernel
+from loopq.gpu_check.kernel_bench import SHAPES
+from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
 
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
 GEMM_CONFIGS = ((True, 128, 64, 8), (False, 16, 32, 4))
+#: the decode configs ``decode_config`` picks at M = 1 (CUDA cores), 4 (CUDA cores, 4 rows) and 16 (tensor cores)
+DECODE_CONFIGS = tuple(decode_kernel.decode_config(m, *SHAPES[0]) for m in (1, 4, 16))
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bool, bits: int, block_m: int):
@@ -34,6 +44,47 @@ def compile_gemm(target: GPUTarget, a_int4: bool, block_m: int, block_n: int, nu
     return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
+def compile_decode(target: GPUTarget, a_int4: bool, cfg: decode_kernel.DecodeConfig):
+    sig = {"a_ptr": "*u8" if a_int4 else "*i8", "sa_ptr": "*fp32", "w_ptr": "*u8", "sw_ptr": "*fp16"}
+    sig |= {"part_ptr": "*fp32", "M": "i32", "N": "i32", "row_bytes": "i32", "groups": "i32"}
+    sig |= {"groups_per_split": "i32"}
+    const = dict(A_INT4=a_int4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_DOT=cfg.use_dot)
+    # what the launcher specializes: 16-byte aligned pointers, row_bytes = K / 2 a multiple of 16 (Ouro's K)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7)}
+    src = ASTSource(
+        decode_kernel._decode_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned
+    )
+    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
+
+
+def weight_load_bytes(ptx: str) -> list[int]:
+    """Bytes per thread of each load instruction that can carry the weight: ``ld.global`` with the evict-first
+    hint (only the weight's ``eviction_policy="evict_first"`` gives it) and, where the loop is pipelined through
+    shared memory, every ``cp.async`` (sm_80 drops the hint there; the activation copies are among them)."""
+    sizes = []
+    for line in ptx.splitlines():
+        if "cp.async" in line and "shared.global" in line:
+            sizes.append(int(re.search(r"\], (0x[0-9a-f]+)", line).group(1), 16))
+        elif "ld.global" in line and "evict_first" in line:
+            vec = re.search(r"\.v(\d)\.b(\d+)", line)
+            scalar = re.search(r"\.b(\d+) ", line)
+            sizes.append(int(vec.group(1)) * int(vec.group(2)) // 8 if vec else int(scalar.group(1)) // 8)
+    return sizes
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes stored + loaded) from the bundled ``ptxas -v`` (the one triton uses for ``arch``)."""
+    ptxas = BIN / ("ptxas-blackwell" if arch >= 90 and (BIN / "ptxas-blackwell").exists() else "ptxas")
+    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        cmd = [str(ptxas), "-v", f"--gpu-name={gpu}", str(src), "-o", str(Path(tmp) / "kernel.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return int(re.search(r"Used (\d+) registers", log).group(1)), spills
+
+
 def main(arch: int) -> None:
     target = GPUTarget("cuda", arch, 32)
     for cfg in QUANT_CONFIGS:
@@ -51,6 +102,22 @@ def main(arch: int) -> None:
     for cfg in GEMM_CONFIGS:
         ptx = compile_gemm(target, *cfg).asm["ptx"]
         print("gemm", cfg, "int8 mma", ptx.count(".s32.s8.s8"), "fma", ptx.count("fma."))
+    for cfg in DECODE_CONFIGS:
+        for a_int4 in (True, False):
+            ptx = compile_decode(target, a_int4, cfg).asm["ptx"]
+            sizes = weight_load_bytes(ptx)
+            regs, spills = ptxas_usage(ptx, arch)
+            wide, narrow = sum(b >= 8 for b in sizes), sum(b < 8 for b in sizes)
+            name = f"decode m{cfg.block_m} n{cfg.block_n} g{cfg.block_g} w{cfg.num_warps} a{4 if a_int4 else 8}"
+            print(name, "weight loads", max(sizes, default=0), "B wide", wide, "narrow", narrow, end=" ")
+            print("int8 mma", ptx.count(".s32.s8.s8"), "regs", regs, "spills", spills)
+    sig = {"part_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(decode_kernel._reduce_kernel, sig, constexprs={"SPLITS": 22, "BLOCK": 1024})
+    ptx = triton.compile(src, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
+    print("reduce splits 22 fadd", len(re.findall(r"\badd(?:\.rn)?\.f32", ptx)))
+    for n, k in SHAPES:
+        blocks, splits = decode_kernel.decode_config(1, n, k).grid(n)
+        print(f"decode-grid N={n} K={k} M=1 programs {blocks * splits}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """The kernels compile for real NVIDIA targets (PTX + ptxas, no GPU needed), with the properties bit-exactness
-relies on: no FMA contraction and IEEE division in the quantizer, int8 tensor-core dots in the GEMM.
+relies on: no FMA contraction and IEEE division in the quantizer, int8 tensor-core dots in the GEMM; and the
+ahead-of-time proxies of the decode GEMM's speed (issue 28): 16-byte weight loads and nothing narrower than 8
+bytes among them, no register spills (``ptxas -v``), int8 ``mma`` only on the M = 16 path, and at least 132
+programs (one per H100 SM) at M = 1 on every Ouro-1.4B shape.
 
 The interpreter accepts programs the GPU compiler rejects (and vice versa), so this catches GPU-only breakage.
 It runs in a subprocess because this test session has TRITON_INTERPRET=1.
@@ -32,3 +35,11 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     assert len(quant) == 3 and len(gemm) == 2
     assert all(re.search(r"fma 0 div.rn [1-9]\d* div.approx 0$", s) for s in quant), quant
     assert all(re.search(r"int8 mma [1-9]\d* fma 0$", s) for s in gemm), gemm
+    decode = [s for s in lines if s.startswith("decode m")]
+    assert len(decode) == 6
+    assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 ", s) for s in decode), decode
+    assert all(re.search(r" spills 0$", s) for s in decode), decode
+    assert all(("int8 mma 0 " in s) == ("decode m16" not in s) for s in decode), decode
+    assert any(re.fullmatch(r"reduce splits 22 fadd [1-9]\d*", s) for s in lines), lines
+    programs = [int(s.rsplit(" ", 1)[1]) for s in lines if s.startswith("decode-grid")]
+    assert len(programs) == 4 and min(programs) >= 132, programs
