@@ -1,0 +1,113 @@
+"""End-to-end speed of the packed model against its BF16 teacher at a real Ouro shape (issue 28's goals).
+
+A random-weight Ouro teacher of the published layer shape (hidden 2048, MLP 5632, 16 heads of 128, vocabulary 49152,
+4 loops; ``--layers`` of Ouro-1.4B's 24 / 2.6B's 48; random weights cost what trained ones cost), in bf16, against
+its W4A4 and W4A8 exports (an uncalibrated student: speed does not depend on the calibration; FP modules in bf16),
+KV cache on:
+
+* prefill: tokens/s of one ``1 x --prompt_len`` forward;
+* decode: ms per generated token at batch 1 and 16 (``--batches``), after a ``--prompt_len`` prefill, over
+  ``--steps`` steps;
+* the BF16 decode step's weight-bandwidth bound on a GPU in ``loopq.gpu_check.peaks``: the looped layers' weights
+  read once per loop plus the LM head, divided by the memory bandwidth; the issue's goal is a BF16 step within 3x of
+  it (the first H100 run: ~90x, launch- and dispatch-bound).
+
+Ratios (``x bf16``) come from one run on one device. On a CPU the packed models run the torch reference kernels
+(correct, not fast), so CPU numbers say nothing about the Triton kernels::
+
+    python bench/e2e.py --device cuda --layers 4 [--prompt_len 2048] [--batches 1 16] [--steps 32]
+    python bench/e2e.py --device cpu --layers 1 --prompt_len 32 --steps 2   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generate import Decoder, timed  # bench/generate.py: the same prefill / decode split
+
+from loopq.artifacts import export_student, load_quantized, student_meta
+from loopq.devices import resolve_device
+from loopq.gpu_check.flow import write_random_teacher
+from loopq.gpu_check.peaks import peaks_for
+from loopq.models import LoopLM, load_looplm
+from loopq.quant import QuantConfig, prepare
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")
+    parser.add_argument("--layers", type=int, default=4, help="Ouro layers (1.4B: 24, 2.6B: 48)")
+    parser.add_argument("--prompt_len", type=int, default=2048, help="prefill length (and decode's prefix)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode batch sizes")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    return parser.parse_args(argv)
+
+
+def models(root: Path, layers: int, device: torch.device) -> dict[str, LoopLM]:
+    """The bf16 teacher and its W4A4 / W4A8 exports (bf16 FP modules) on ``device``."""
+    teacher_dir = write_random_teacher(root / "teacher", layers)
+    teacher = load_looplm(teacher_dir, dtype=torch.float32).eval()
+    out: dict[str, LoopLM] = {"BF16": load_looplm(teacher_dir, dtype=torch.bfloat16).to(device).eval()}
+    for a_bits in (4, 8):
+        student = prepare(teacher, QuantConfig(w_bits=4, a_bits=a_bits, group_size=32, seed=0))
+        meta = student_meta(student, teacher_dir, root / f"student-a{a_bits}", [], [1.0] * 4, None)
+        path = export_student(student, meta, root / f"export-a{a_bits}")
+        out[f"W4A{a_bits}"] = load_quantized(path, device=device, dtype=torch.bfloat16).eval()
+    return out
+
+
+def weight_bound_ms(model: LoopLM, device: torch.device) -> float | None:
+    """Milliseconds to read a BF16 decode step's weights once per loop (and the LM head) at the GPU's bandwidth."""
+    if device.type != "cuda" or (peaks := peaks_for(torch.cuda.get_device_name(device))) is None:
+        return None
+    looped = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n) * 2 * model.default_num_loops
+    head = model.lm_head.weight.numel() * 2
+    return (looped + head) / (peaks.hbm_tb_s * 1e12) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        nets = models(Path(tmp), args.layers, device)
+    print(f"Ouro layer shape, {args.layers} layers x 4 loops, device {device}; prompt {args.prompt_len} tokens")
+    rows: dict[str, dict[str, float]] = {}
+    for name, net in nets.items():
+        ids = torch.randint(0, 49152, (1, args.prompt_len), generator=gen).to(device)
+        Decoder(net, ids, True).prefill()  # warm-up (kernel compilation, caches)
+        rows[name] = {
+            "prefill tok/s": args.prompt_len
+            / min(timed(Decoder(net, ids, True).prefill, str(device)) for _ in range(2))
+        }
+        for batch in args.batches:
+            run = Decoder(net, ids.expand(batch, -1).contiguous(), True)
+            run.prefill()
+            run.decode(1)  # warm-up
+            rows[name][f"decode b{batch} ms/token"] = (
+                timed(lambda run=run: run.decode(args.steps), str(device)) / args.steps * 1e3
+            )
+    columns = list(rows["BF16"])
+    print(f"{'':8}" + "".join(f"{c:>24}" for c in columns))
+    for name, row in rows.items():
+        cells = []
+        for c in columns:
+            ratio = row[c] / rows["BF16"][c] if "tok/s" in c else rows["BF16"][c] / row[c]
+            cells.append(f"{row[c]:14.1f} ({ratio:4.2f}x)")
+        print(f"{name:8}" + "".join(f"{cell:>24}" for cell in cells))
+    bound = weight_bound_ms(nets["BF16"], device)
+    if bound is not None:
+        step = rows["BF16"][f"decode b{args.batches[0]} ms/token"]
+        print(f"BF16 decode step {step:.2f} ms against its weight-bandwidth bound {bound:.3f} ms: {step / bound:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
