@@ -2,19 +2,21 @@
 # Issue 31: the trajectory terms' weighting (Eq. 8), measured. LoopQ W4A4 with the configs/tiny.yaml recipe scaled
 # as for the other small-ouro rows (256 x 128 tokens, 300 steps, SLT budget 2), 3 seeds, WikiText-2 on 256 windows,
 # under the paper's literal squared-L2 norms (state_reduction sum, lambda 0.1) and the mean convention at lambda 1, 10
-# (lambda 0.1 mean is the committed LoopQ row). Resumable: a finished row's JSON is skipped, a stopped one resumes.
+# and the default (mean, lambda 0.1) again in the same environment as the others. Resumable: a finished row's JSON is
+# skipped, a stopped one resumes from its last checkpoint.
 #   OMP_NUM_THREADS=1 bash scripts/weighting_sweep.sh [teacher ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 teachers=("${@:-small-ouro-sensitive small-ouro}")
 declare -A SETTINGS=(
+  [mean-lam0.1]='"--model.state_reduction","mean","--model.lam","0.1"'
   [sum-lam0.1]='"--model.state_reduction","sum","--model.lam","0.1"'
   [mean-lam1]='"--model.state_reduction","mean","--model.lam","1.0"'
   [mean-lam10]='"--model.state_reduction","mean","--model.lam","10.0"'
 )
 for teacher in ${teachers[@]}; do
   for seed in 0 1 2; do
-    for setting in sum-lam0.1 mean-lam10 mean-lam1; do
+    for setting in sum-lam0.1 mean-lam10 mean-lam1 mean-lam0.1; do
       out="results/$teacher/weighting/$setting"
       mkdir -p "$out"
       for row in fp.json rtn-w4a4.json; do [ -f "$out/$row" ] || cp "results/$teacher/$row" "$out/$row"; done
