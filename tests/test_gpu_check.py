@@ -240,7 +240,9 @@ def test_stage_loop_table_json_and_exit_status(monkeypatch, tmp_path, capsys):
         ("kernel-tests", OK),
         ("kernel-bench", OK),
         ("calibration", SKIPPED),
+        ("pipeline", OK),
         ("step", FAIL),
+        ("paper-shape", OK),
     ]
     monkeypatch.setitem(stages.STAGES, "step", lambda ctx: 1 / 0)  # a crashing stage is that stage's failure
     assert cli.main(["--skip", "environment", "kernel-tests", "kernel-bench", "calibration"]) == 1
