@@ -223,8 +223,10 @@ def test_constants_match_what_autograd_keeps(precision):
 #: measured / predicted peak of real runs of the tiny teacher (tests/peak_memory.py), by precision. Measured across
 #: batch 4-8 x seq 128-256, SLT on and off, checkpoint_loops on and off: 1.007-1.017 in fp32, 1.06-1.15 in
 #: bf16-mixed (the bf16 runs keep ~20 MB more than the plan whatever the batch: CPU kernel caches of the bf16 path);
-#: five repeats of one run agree to 0.1 %. Tolerance: the observed range widened by ~8 % on each side.
-TOLERANCE = {"32": (0.92, 1.10), "bf16-mixed": (0.97, 1.25)}
+#: five repeats of one run agree to 0.1 %. On another machine of the same kind (session 12, the same code as the
+#: run that landed) the same command measured 0.988 in fp32 and 0.956 in bf16-mixed: machines differ by ~0.1 in
+#: the bf16 ratio (its kernel caches). Tolerance: the observed range 0.956-1.15 widened by ~8 % on each side.
+TOLERANCE = {"32": (0.92, 1.10), "bf16-mixed": (0.88, 1.25)}
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
