@@ -1,6 +1,7 @@
 """Test helpers: the ``loopq.fit`` subprocess driver, student comparisons, and test-only callbacks used through the
 CLI (``class_path: tests.helpers...``)."""
 
+import hashlib
 import json
 import os
 import signal
@@ -152,3 +153,22 @@ class FailInSetup(L.Callback):
         from loopq.data.text import DataError
 
         raise DataError("injected failure in setup")
+
+
+def snapshot(*roots: Path) -> dict[str, str]:
+    """sha256 of every file under ``roots``: what a refused command must leave byte-identical."""
+    files = [p for root in roots for p in sorted(root.rglob("*")) if p.is_file()]
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def command(main, argv: list[str], capsys) -> tuple[int, str]:
+    """Run ``main(argv)`` as a ``__main__`` block does (``run_cli``): its exit status and its one stderr line."""
+    import pytest
+
+    from loopq.errors import run_cli
+
+    with pytest.raises(SystemExit) as ended:
+        run_cli(lambda: main(argv))
+    err = "\n".join(line for line in capsys.readouterr().err.splitlines() if not line.startswith("Seed set"))
+    assert "\n" not in err.strip() and err.startswith("error: "), err
+    return ended.value.code, err.strip()

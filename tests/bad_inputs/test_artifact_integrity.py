@@ -16,28 +16,14 @@ from loopq import evaluate, export
 from loopq.artifacts import load_artifact, read_artifact_meta, student_meta, write_student
 from loopq.artifacts.layout import EXPORT_META, EXPORT_WEIGHTS, STUDENT_META, STUDENT_WEIGHTS, TOKENIZER_FILES
 from loopq.artifacts.seal import SEAL, seal
-from loopq.errors import run_cli
 from loopq.models import load_looplm
 from loopq.paths import ASSETS
 from loopq.provenance import teacher_fingerprint
 from tests.bad_inputs.test_cli_errors import assert_one_line_error, cli
 from tests.export.conftest import make_student
+from tests.helpers import command, snapshot
 
 TEACHER = ASSETS / "tiny-ouro"
-
-
-def snapshot(*roots: Path) -> dict[str, str]:
-    files = [p for root in roots for p in sorted(root.rglob("*")) if p.is_file()]
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
-def command(main, argv: list[str], capsys) -> tuple[int, str]:
-    """Run a command's ``main`` as its ``__main__`` block does (``run_cli``): exit status and stderr."""
-    with pytest.raises(SystemExit) as ended:
-        run_cli(lambda: main(argv))
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("error: "), err
-    return ended.value.code, err
 
 
 def write_tiny_student(directory: Path, a_bits: int, seed: int) -> Path:

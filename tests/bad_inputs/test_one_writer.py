@@ -4,7 +4,6 @@ every file that existed before byte-identical."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,24 +25,10 @@ from loopq.locks import DirectoryLock, LockError
 from loopq.paths import ASSETS
 from loopq.provenance import record, teacher_fingerprint
 from tests.bad_inputs.test_artifact_integrity import write_tiny_student
-from tests.helpers import FIT_CONFIGS, run_fit
+from tests.helpers import FIT_CONFIGS, command, run_fit, snapshot
 
 TEACHER = ASSETS / "tiny-ouro"
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
-
-
-def snapshot(*roots: Path) -> dict[str, str]:
-    files = [p for root in roots for p in sorted(root.rglob("*")) if p.is_file()]
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
-def command(main, argv: list[str], capsys) -> tuple[int, str]:
-    """Run ``main(argv)`` as a ``__main__`` block does (``run_cli``): its exit status and its one stderr line."""
-    with pytest.raises(SystemExit) as ended:
-        run_cli(lambda: main(argv))
-    err = "\n".join(line for line in capsys.readouterr().err.splitlines() if not line.startswith("Seed set"))
-    assert "\n" not in err.strip() and err.startswith("error: "), err
-    return ended.value.code, err.strip()
 
 
 class ParseOnly(fit.LoopQCLI):
