@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loopq.calib.module import LoopQCalibration, load_teacher
 from loopq.calib.targets import compute_targets
 from loopq.data.calibration import CalibrationDataModule
-from loopq.models.io import read_config, save_native
+from loopq.models.loading import read_config, save_native
 from loopq.models.ouro import OuroLM
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups

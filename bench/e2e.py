@@ -8,7 +8,8 @@ KV cache on:
 * prefill: tokens/s of one ``1 x --prompt_len`` forward;
 * decode: ms per generated token at batch 1 and 16 (``--batches``), after a ``--prompt_len`` prefill, over
   ``--steps`` steps;
-* the BF16 decode step's weight-bandwidth bound on a GPU in ``loopq.gpu_check.peaks``: the looped layers' weights
+* the BF16 decode step's weight-bandwidth bound on a GPU in ``loopq.commands.gpu_check.peaks``: the looped layers'
+weights
   read once per loop plus the LM head, divided by the memory bandwidth; the issue's goal is a BF16 step within 3x of
   it (the first H100 run: ~90x, launch- and dispatch-bound).
 
@@ -34,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import Decoder, timed  # bench/generate.py: the same prefill / decode split
 
 from loopq.artifacts import export_student, load_quantized, student_meta
+from loopq.commands.gpu_check.flow import write_random_teacher
+from loopq.commands.gpu_check.peaks import peaks_for
 from loopq.devices import resolve_device
-from loopq.gpu_check.flow import write_random_teacher
-from loopq.gpu_check.peaks import peaks_for
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, prepare
 

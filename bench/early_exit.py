@@ -1,6 +1,6 @@
 """Early exit and a quantized KV cache under W4A4, on the embedded tiny Ouro teacher and WikiText-2.
 
-Every number is teacher-forced cached decoding (:func:`loopq.eval.decoding.decode_perplexity`): the first
+Every number is teacher-forced cached decoding (:func:`loopq.metrics.decoding.decode_perplexity`): the first
 ``--windows`` non-overlapping ``--seq_len``-token windows of the WikiText-2 PTQ test stream, each decoded one token
 per forward against the per-(loop, layer) cache, scored on the next token.
 
@@ -33,10 +33,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loopq.artifacts import load_artifact
+from loopq.commands.evaluate import build
 from loopq.data.tokenizer import load_tokenizer
-from loopq.eval.decoding import DecodeResult, decode_perplexity
-from loopq.eval.perplexity import token_windows, wikitext2_stream, window_nll
-from loopq.evaluate import build
+from loopq.metrics.decoding import DecodeResult, decode_perplexity
+from loopq.metrics.perplexity import token_windows, wikitext2_stream, window_nll
 from loopq.models import LoopLM
 from loopq.paths import REPO_ROOT
 

@@ -5,8 +5,8 @@ o_proj, (11264, 2048) fused gate+up, (2048, 5632) down_proj, at M = 1, 16, 256, 
 checked against the torch backend on the same GPU (quantizer bit-exact, GEMM within fp32 rounding), then timed
 with ``triton.testing.do_bench``: microseconds, TFLOP/s / TOPS, the fraction of the GPU's dense BF16 and int8
 tensor-core peaks, and the speed-up over BF16 of the GEMM alone (``x mm``) and of quantizer + GEMM (``x q+mm``,
-what a quantized linear pays per call). The code is :mod:`loopq.gpu_check.kernel_bench`, the ``kernel-bench`` stage
-of ``python -m loopq.gpu_check``; this is it alone.
+what a quantized linear pays per call). The code is :mod:`loopq.commands.gpu_check.kernel_bench`, the ``kernel-bench``
+stage of ``python -m loopq.gpu_check``; this is it alone.
 
     python bench/kernels.py [--no-transform] [--tokens 1 16 256 4096]
 
@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loopq.gpu_check import kernel_bench
-from loopq.gpu_check.peaks import peaks_for
-from loopq.gpu_check.table import FAIL
+from loopq.commands.gpu_check import kernel_bench
+from loopq.commands.gpu_check.peaks import peaks_for
+from loopq.commands.gpu_check.table import FAIL
 from loopq.kernels import triton_interpreted
 
 

@@ -20,8 +20,8 @@ freed heap is handed back (``malloc_trim``) and the kernel's peak mark is reset 
 ``tests/peak_memory.py`` does. Run it with ``MALLOC_MMAP_THRESHOLD_`` fixed, so that freed tensors leave the resident
 set at once (glibc's default threshold grows after the first large free and keeps later freed tensors on its heap:
 the step's peak then reads ~20 % higher). The end prints parameter and byte counts and the training step's
-predicted memory (``loopq.plan``) term by term. ``--layers`` reduces the depth where the machine cannot hold the
-full model (say so when quoting numbers). Numbers of a run go to ``docs/benchmarks.md``.
+predicted memory (``loopq.planning.memory``) term by term. ``--layers`` reduces the depth where the machine cannot hold
+the full model (say so when quoting numbers). Numbers of a run go to ``docs/benchmarks.md``.
 
     MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python bench/real_shapes.py               # Ouro-1.4B, 24 layers
     MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python bench/real_shapes.py --layers 48   # Ouro-2.6B
@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loopq.artifacts import export_student, load_quantized, student_meta
 from loopq.calib.module import LoopQCalibration
 from loopq.calib.targets import compute_targets
-from loopq.models.io import load_looplm
+from loopq.models.loading import load_looplm
 from loopq.models.ouro import OuroLM
 from loopq.paths import REPO_ROOT
-from loopq.plan import MemoryPlan, plan_shape
+from loopq.planning.memory import MemoryPlan, plan_shape
 from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups
 from loopq.quant.accounting import footprint, format_footprint, parameter_report
 
@@ -233,7 +233,7 @@ def format_step_plan(plan: MemoryPlan, measured: float) -> str:
         "batch targets": step.targets,
     }
     predicted = plan.phases["training step"] * gib
-    lines = [f"  training step predicted by loopq.plan: {predicted:.2f} GiB"]
+    lines = [f"  training step predicted by loopq.planning.memory: {predicted:.2f} GiB"]
     lines += [f"    {name:<40} {value * gib:7.2f} GiB" for name, value in terms.items()]
     lines.append(
         f"  measured stage peak {measured:.2f} GiB = {measured / predicted:.2f}x the prediction "

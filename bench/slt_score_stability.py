@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loopq.inspect import slt_history
+from loopq.commands.examine import slt_history
 from loopq.paths import REPO_ROOT
 
 

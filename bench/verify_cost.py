@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from loopq.artifacts import export_student, load_quantized, student_meta
-from loopq.artifacts.export import read_export_meta, verify_export_files
+from loopq.artifacts.quantized import read_export_meta, verify_export_files
 from loopq.artifacts.seal import sha256_file
 from loopq.files import read_safetensors
 from loopq.models import load_looplm

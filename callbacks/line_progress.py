@@ -1,5 +1,5 @@
-"""Re-export (see callbacks/__init__.py): the code is in :mod:`loopq.callbacks.line_progress`."""
+"""Re-export (see callbacks/__init__.py): the code is in :mod:`loopq.calib.line_progress`."""
 
-from loopq.callbacks.line_progress import LineProgress
+from loopq.calib.line_progress import LineProgress
 
 __all__ = ["LineProgress"]

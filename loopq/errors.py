@@ -46,6 +46,14 @@ class LoopQError(ValueError):
     A ``ValueError``, so callers that caught the package's errors as ``ValueError`` still do."""
 
 
+class LoopLMError(LoopQError):
+    """Bad model input (config, checkpoint, arguments): the message names the file or key and the fix."""
+
+
+class DataError(LoopQError):
+    """Bad data input; the message names the file or key and what to do."""
+
+
 class UsageError(LoopQError):
     """A command-line option with a bad value; the message names the option."""
 

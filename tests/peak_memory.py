@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loopq import fit
+from loopq.commands import fit
 
 WARM_UP = ("--data.num_samples", "4", "--data.seq_len", "16", "--data.batch_size", "1", "--trainer.max_steps", "1")
 

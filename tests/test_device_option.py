@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from loopq import devices
+from loopq.commands.evaluate import evaluate
 from loopq.devices import resolve_device
 from loopq.errors import UsageError
-from loopq.evaluate import evaluate
 from loopq.paths import REPO_ROOT
 
 TEACHER = str(REPO_ROOT / "loopq/assets/tiny-ouro")
@@ -45,7 +45,7 @@ def test_evaluate_loads_on_the_resolved_device_and_records_it(monkeypatch, tmp_p
         seen.append(kwargs.get("device"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("loopq.evaluate.load_artifact", spy)
+    monkeypatch.setattr("loopq.commands.evaluate.load_artifact", spy)
     result = evaluate(model=TEACHER, method="FP", tasks=[], ppl_windows=1, device="auto")
     assert seen == [torch.device("cpu")] and result["device"] == "cpu"
     if not torch.cuda.is_available():
@@ -74,7 +74,7 @@ def test_commands_refuse_a_missing_cuda_in_one_line(command, tmp_path):
 
 
 def test_lm_eval_cli_gets_the_resolved_device_unless_given(monkeypatch):
-    import loopq.eval.__main__ as lm_cli
+    import loopq.commands.harness as lm_cli
 
     argv = []
     monkeypatch.setattr(lm_cli, "cli_evaluate", lambda: argv.append(list(sys.argv)))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from loopq.artifacts import load_artifact
-from loopq.eval.perplexity import perplexity
-from loopq.export import main as export_main
+from loopq.commands.export import main as export_main
+from loopq.metrics.perplexity import perplexity
 from loopq.models.generation import generate
 from loopq.paths import REPO_ROOT
 from tests.device_guard import ElsewhereFactories

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loopq.evaluate import build, static_config, static_method
+from loopq.commands.evaluate import build, static_config, static_method
 from loopq.paths import ASSETS
 from loopq.quant import quant_groups
 

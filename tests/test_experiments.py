@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopq import experiments
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.seal import seal
+from loopq.commands import experiments
 
 
 @pytest.fixture

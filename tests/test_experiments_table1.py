@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loopq import experiments
+from loopq.commands import experiments
 from loopq.errors import UsageError
 
 LABELS = ["Symmetric", "SmoothQuant", "QuaRot", "SpinQuant", "FlatQuant", "LoopQ"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
+from loopq.commands.generate import main
 from loopq.errors import LoopQError
-from loopq.eval.lm import LoopQLM
-from loopq.generate import main
+from loopq.metrics.lm import LoopQLM
 from loopq.models import load_looplm
 from loopq.models.generation import generate, next_token, top_p_filter
 from loopq.paths import REPO_ROOT

@@ -16,11 +16,20 @@ import torch
 
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.seal import seal
+from loopq.commands.gpu_check import cli, kernel_bench, stages
+from loopq.commands.gpu_check.kernel_bench import KernelRow, check_row, format_rows, goal_for, summarize, worst_speedup
+from loopq.commands.gpu_check.peaks import fraction, gemm_tera_ops, peaks_for, percent, weight_tb_s
+from loopq.commands.gpu_check.table import (
+    BELOW_GOAL,
+    FAIL,
+    OK,
+    SKIPPED,
+    StageResult,
+    exit_status,
+    format_table,
+    verdict,
+)
 from loopq.errors import UsageError
-from loopq.gpu_check import cli, kernel_bench, stages
-from loopq.gpu_check.kernel_bench import KernelRow, check_row, format_rows, goal_for, summarize, worst_speedup
-from loopq.gpu_check.peaks import fraction, gemm_tera_ops, peaks_for, percent, weight_tb_s
-from loopq.gpu_check.table import BELOW_GOAL, FAIL, OK, SKIPPED, StageResult, exit_status, format_table, verdict
 from loopq.kernels import ops
 from loopq.paths import REPO_ROOT
 from tests.kernels.cases import ON_CUDA

@@ -1,5 +1,5 @@
-"""The GPU check's flow stages (loopq.gpu_check.flow) on the CPU: the pipeline stage end to end with the CPU as both
-devices (every command it runs, the agreement it computes), its verdicts on fabricated numbers, the plan parsing
+"""The GPU check's flow stages (loopq.commands.gpu_check.flow) on the CPU: the pipeline stage end to end with the CPU
+as both devices (every command it runs, the agreement it computes), its verdicts on fabricated numbers, the plan parsing
 on the paper config's real ``--print_plan`` output, the plan verdict, and the random teacher in the published
 layout. What only a GPU can say (cuda numbers, allocator peaks) is measured by ``scripts/gpu_check.sh``."""
 
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from loopq.gpu_check import flow
-from loopq.gpu_check.table import FAIL, OK
+from loopq.commands.gpu_check import flow
+from loopq.commands.gpu_check.table import FAIL, OK
 from loopq.models import load_looplm
 from loopq.paths import ASSETS
 from tests.helpers import run_fit

@@ -8,28 +8,25 @@ from loopq.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "loopq"
 
+#: ``python -m loopq.<name>`` entry points: ``loopq/<name>.py`` runs the ``main`` of ``loopq.commands.<command>``
+ENTRY_POINTS: dict[str, str] = {
+    **{name: name for name in ("evaluate", "examine", "experiments", "export", "fit", "generate", "pretrain")},
+    **{name: name for name in ("run", "stress", "testbed")},
+    "eval": "harness",
+    "gpu_check": "gpu_check.run_checks",
+    "report": "report.write_report",
+}
+
 #: top-level parts of ``loopq`` by layer, from the ground up (a part may import its own layer and those below)
 LAYERS: list[set[str]] = [
     {"errors", "paths", "files", "locks", "provenance", "qspec", "stats", "stages", "devices"},
     {"models", "kernels"},
     {"quant", "data"},
-    {"calib", "callbacks", "artifacts"},
-    {"guards", "regime", "plan"},
-    {"eval"},
-    {
-        "evaluate",
-        "export",
-        "report",
-        "fit",
-        "run",
-        "experiments",
-        "testbed",
-        "pretrain",
-        "stress",
-        "gpu_check",
-        "generate",
-        "inspect",
-    },
+    {"calib", "artifacts"},
+    {"planning"},
+    {"metrics"},
+    {"commands"},
+    set(ENTRY_POINTS),
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
@@ -97,3 +94,39 @@ def test_no_import_circle_between_modules():
         if name not in state:
             visit(name, [name])
     assert circles == []
+
+
+def test_an_entry_point_only_runs_its_command():
+    """``loopq/<name>.py`` holds a docstring, the import of its command's ``main`` (and ``run_cli``) and the
+    ``__main__`` guard: nothing of the command lives there, and nothing imports it."""
+    for name, command in ENTRY_POINTS.items():
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        imported = {
+            (node.module, alias.name) for node in tree.body if isinstance(node, ast.ImportFrom) for alias in node.names
+        }
+        assert (f"loopq.commands.{command}", "main") in imported, name
+        assert imported <= {(f"loopq.commands.{command}", "main"), ("loopq.errors", "run_cli")}, name
+        kinds = [type(node).__name__ for node in tree.body]
+        assert kinds[0] == "Expr" and kinds[-1] == "If" and set(kinds[1:-1]) <= {"ImportFrom", "FunctionDef"}, name
+    _, graph = imports()
+    importers = {a for a, targets in graph.items() for b in targets if part(b) in ENTRY_POINTS and part(a) != part(b)}
+    assert importers == set()
+
+
+def test_no_two_modules_share_a_name_and_none_is_named_after_the_standard_library():
+    """Every module's own name (a package's folder name) is unique across the package, entry points aside (each is
+    named after its command on purpose), and none is a standard-library module's (``loopq.inspect`` was)."""
+    import sys
+
+    names = defaultdict(list)
+    for path in PACKAGE.rglob("*.py"):
+        name = path.parent.name if path.stem == "__init__" else path.stem
+        if (
+            path.stem == "__main__"
+            or (path.parent == PACKAGE and name in ENTRY_POINTS)
+            or path == PACKAGE / "__init__.py"
+        ):
+            continue
+        names[name].append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+    assert sorted(set(names) & set(sys.stdlib_module_names)) == []

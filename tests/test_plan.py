@@ -1,5 +1,5 @@
-"""The memory plan (loopq.plan, ``loopq.fit --print_plan``): its formulas against hand computations and the ZeRO
-paper, its constants against what autograd keeps, and its prediction against the measured memory of real
+"""The memory plan (loopq.planning.memory, ``loopq.fit --print_plan``): its formulas against hand computations and the
+ZeRO paper, its constants against what autograd keeps, and its prediction against the measured memory of real
 calibration steps of the tiny teacher."""
 
 import json
@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopq import fit, plan
 from loopq.calib.losses import loopq_loss
-from loopq.guards import activation_factor
+from loopq.commands import fit
 from loopq.models import load_looplm
-from loopq.models.io import read_config
+from loopq.models.loading import read_config
 from loopq.paths import REPO_ROOT
+from loopq.planning import memory as plan
+from loopq.planning.guards import activation_factor
 from loopq.quant import QuantConfig, prepare
 from tests.helpers import FIT_CONFIGS
 
@@ -157,7 +158,7 @@ def test_targets_activations_and_loss_by_hand():
     assert plan.batch_target_bytes(4, 256, 1000, 49152, 2048, 4) == 4 * 256 * (12 * 1000 + 16 * 2048)
     assert plan.clip_init_bytes(8 * 256, 10) == 8 * 256 * 10 * 4 and plan.clip_init_bytes(10**6, 10) == 4096 * 40
     counts = plan.model_counts(read_config(TINY), QuantConfig())
-    factor = activation_factor(counts.shape)  # 132 (loopq.guards)
+    factor = activation_factor(counts.shape)  # 132 (loopq.planning.guards)
     settings = plan.RunSettings(batch=4, seq_len=128, samples=16)
     assert plan.activation_parts(counts, 4, settings) == (4 * 128 * 128 * 4 * 4 * factor, 0)
     checkpointed = plan.RunSettings(batch=4, seq_len=128, samples=16, checkpoint_loops=True)
@@ -246,7 +247,7 @@ def test_plan_predicts_the_measured_peak_memory_of_real_calibration_steps(tmp_pa
 
 
 def test_recomputed_weight_chains_keep_the_quantized_weights_and_one_chain_by_hand():
-    from loopq.plan import WEIGHT_CHAIN_COPIES, chain_recompute_bytes, weight_chain_bytes
+    from loopq.planning.memory import WEIGHT_CHAIN_COPIES, chain_recompute_bytes, weight_chain_bytes
 
     c_w = WEIGHT_CHAIN_COPIES["fp32", False]
     assert weight_chain_bytes(1000, ("fp32", False)) == math.ceil(1000 * 4 * c_w)

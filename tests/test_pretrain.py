@@ -6,8 +6,14 @@ import lightning as L
 import pytest
 import torch
 
+from loopq.commands.pretrain import (
+    PretrainDataModule,
+    TeacherPretrainer,
+    gate_targets,
+    per_loop_token_losses,
+    warmup_cosine,
+)
 from loopq.models import load_looplm
-from loopq.pretrain import PretrainDataModule, TeacherPretrainer, gate_targets, per_loop_token_losses, warmup_cosine
 
 
 def test_short_pretraining_lowers_loss_and_exports(data, tmp_path):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from loopq.artifacts import export_student, load_quantized, load_student
 from loopq.artifacts import read_student_meta as read_meta
 from loopq.artifacts.seal import seal
-from loopq.fit import COSMETIC
+from loopq.commands.fit import COSMETIC
 from loopq.paths import REPO_ROOT
 from loopq.provenance import (
     ProvenanceError,
@@ -191,7 +191,7 @@ def test_edited_export_description_is_refused(calibrated, tmp_path):
 def test_only_the_method_callbacks_count_in_the_recorded_config():
     from jsonargparse import Namespace
 
-    from loopq.fit import fit_settings
+    from loopq.commands.fit import fit_settings
 
     def config(*paths):
         return Namespace(trainer=Namespace(callbacks=[{"class_path": p, "init_args": {}} for p in paths]))

@@ -1,12 +1,10 @@
-"""The activation-regime statistics (loopq.regime) against hand computations and planted outliers."""
+"""The activation-regime statistics (loopq.calib.regime) against hand computations and planted outliers."""
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from loopq.models import load_looplm
-from loopq.paths import ASSETS
-from loopq.regime import (
+from loopq.calib.regime import (
     activation_regime,
     channel_absmax,
     is_punctuation,
@@ -16,6 +14,8 @@ from loopq.regime import (
     top_channel_overlap,
     top_token_sites,
 )
+from loopq.models import load_looplm
+from loopq.paths import ASSETS
 
 
 def test_channel_profile_and_ratio_by_hand():

@@ -12,9 +12,9 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from loopq.report import ReportInputError, load_result, load_run, main
-from loopq.report.figures import slt_matrix
-from loopq.report.inputs import read_loop_errors
+from loopq.commands.report import ReportInputError, load_result, load_run, main
+from loopq.commands.report.figures import slt_matrix
+from loopq.commands.report.inputs import read_loop_errors
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

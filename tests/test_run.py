@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from loopq.commands.run import PipelineError, UntitledBarFilter, main
 from loopq.paths import REPO_ROOT
-from loopq.run import PipelineError, UntitledBarFilter, main
 
 TINY = [
     "--config",

@@ -10,17 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from loopq.data.tokenizer import load_tokenizer
-from loopq.errors import GuardError, UsageError
-from loopq.models import load_looplm
-from loopq.models.base import LinearGroup
-from loopq.paths import ASSETS
-from loopq.pretrain import PretrainDataModule
-from loopq.quant.config import QuantConfig
-from loopq.quant.hadamard import randomized_hadamard
-from loopq.quant.prepare import prepare
-from loopq.quant.primitives import fake_quant
-from loopq.stress import (
+from loopq.commands.pretrain import PretrainDataModule
+from loopq.commands.stress import (
     StressFinetuner,
     loop_channels,
     main,
@@ -29,6 +20,15 @@ from loopq.stress import (
     sensitivity_hinge,
     stress_terms,
 )
+from loopq.data.tokenizer import load_tokenizer
+from loopq.errors import GuardError, UsageError
+from loopq.models import load_looplm
+from loopq.models.base import LinearGroup
+from loopq.paths import ASSETS
+from loopq.quant.config import QuantConfig
+from loopq.quant.hadamard import randomized_hadamard
+from loopq.quant.prepare import prepare
+from loopq.quant.primitives import fake_quant
 
 TINY, SMALL = ASSETS / "tiny-ouro", ASSETS / "small-ouro"
 

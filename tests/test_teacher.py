@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
+from loopq.commands.testbed import QUICK_WINDOWS, SEQ_LEN
 from loopq.data.tokenizer import load_tokenizer
-from loopq.eval.perplexity import perplexity, wikitext2_stream
+from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.models import load_looplm
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig, prepare
-from loopq.testbed import QUICK_WINDOWS, SEQ_LEN
 
 PLAIN, STRESS = ASSETS / "tiny-ouro", ASSETS / "tiny-ouro-outliers"
 

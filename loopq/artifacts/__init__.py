@@ -1,6 +1,6 @@
 """LoopQ's model directories - teachers, calibrated students and packed exports - in one layer, outside the
 Lightning code: their file names and formats (:mod:`~loopq.artifacts.layout`), writing and reading a student
-(:mod:`~loopq.artifacts.student`) and converting, writing and loading an export (:mod:`~loopq.artifacts.export`).
+(:mod:`~loopq.artifacts.student`) and converting, writing and loading an export (:mod:`~loopq.artifacts.quantized`).
 
 :func:`load_artifact` is the one entry point for commands that take "a model": it tells the kind from the files
 (:func:`artifact_kind`) and returns ``(model, meta, kind)``::
@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from loopq.artifacts.export import ExportError, convert, export_student, load_quantized, read_export_meta
 from loopq.artifacts.layout import ArtifactKind, check_output_dir, model_kind
+from loopq.artifacts.quantized import ExportError, convert, export_student, load_quantized, read_export_meta
 from loopq.artifacts.student import (
     StudentFormatError,
     check_student_dir,
@@ -29,7 +29,7 @@ from loopq.artifacts.student import (
     write_student,
 )
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import architecture_for, read_config, resolve_model_dir
+from loopq.models.loading import architecture_for, read_config, resolve_model_dir
 from loopq.quant.config import FP_LABEL, bits_label
 
 __all__ = [

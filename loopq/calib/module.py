@@ -11,7 +11,8 @@ SharingGapReselection`, ``slt_*`` schedule) whenever ``quant.slt_budget > 0`` - 
 block still runs the whole method. A YAML that lists one of them explicitly overrides the module's (its schedule
 wins). Switching a component off is a config switch recorded with the student: ``quant.slt_budget: 0``,
 ``quant.las: false``, ``quant.cta: false``, ``model.adaptive_mu: false``. Optional callbacks (per-loop
-diagnostics, progress lines) stay in the trainer's list (:mod:`loopq.callbacks`).
+diagnostics, progress lines, :mod:`loopq.calib.diagnostics`, :mod:`loopq.calib.line_progress`) stay in the trainer's
+list.
 
 ``objective`` selects the loss: ``trajectory`` (LoopQ's Eq. 8 over the true recurrence; with ``lam: 0`` the plain
 logit KL that SpinQuant trains on) or ``layerwise`` (FlatQuant's recipe: every decoder layer's quantized output
@@ -58,7 +59,7 @@ from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
 from loopq.errors import UsageError
 from loopq.models import LoopLM, load_looplm
-from loopq.models.io import architecture_for, read_config, resolve_model_dir
+from loopq.models.loading import architecture_for, read_config, resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import (
     QuantConfig,

@@ -56,7 +56,8 @@ class SharingGapReselection(L.Callback):
             raise ValueError("SharingGapReselection: every_n_steps, per_round and probe_batches must be >= 1")
         if probe_groups < 0:
             raise ValueError("SharingGapReselection: probe_groups must be >= 0 (0: every group in one pass)")
-        #: groups probed per forward/backward pass (0: all at once); bounds the probe step's memory (loopq.plan)
+        #: groups probed per forward/backward pass (0: all at once); bounds the probe step's memory
+        # (loopq.planning.memory)
         self.probe_groups = probe_groups
         self.budget, self.start_step, self.every_n_steps = budget, start_step, every_n_steps
         self.per_round, self.probe_batches, self.eps_rel, self.upfront = per_round, probe_batches, eps_rel, upfront

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from loopq.data.errors import DataError
+from loopq.errors import DataError
 
 #: tolerated fraction of invalid UTF-8 sequences (replaced by U+FFFD) before a file is refused as not UTF-8
 MAX_INVALID_UTF8 = 1e-3

@@ -15,7 +15,7 @@ excerpt, a copy or a concatenation samples the same shingles as the original whe
 fingerprints are its sampled shingles, minus boilerplate (shingles repeated within one of its files, shingles with
 fewer than 5 distinct words of 3+ characters) and minus any shingle of the text LoopQ trains and calibrates on
 (``DEFAULT_TRAINING_SOURCES``). Only these hashes are stored (``eval_fingerprints.json``, regenerated from the shared
-data by ``python -m loopq.data.make_fingerprints``), never the third-party text.
+data by ``python -m loopq.commands.make_fingerprints``), never the third-party text.
 
 **Matching.** A text *contains* a benchmark when it holds at least ``MIN_HITS`` distinct fingerprints of it (the
 sources of one run are also checked together: a split cut into many small files is caught as a whole). An
@@ -41,7 +41,7 @@ SHINGLE_WORDS = 10
 RATE = 512
 #: distinct fingerprints of one benchmark that make a text "contain" it
 MIN_HITS = 2
-#: where the fingerprints live (regenerate with ``python -m loopq.data.make_fingerprints``)
+#: where the fingerprints live (regenerate with ``python -m loopq.commands.make_fingerprints``)
 FINGERPRINTS = Path(__file__).with_name("eval_fingerprints.json")
 #: characters normalised per step (bounds the memory of the word list on a large corpus)
 CHUNK_CHARS = 1 << 22
@@ -99,7 +99,9 @@ def load_fingerprints(path: Path = FINGERPRINTS) -> dict[str, np.ndarray]:
     """Benchmark name -> sorted fingerprint hashes, checked against this module's hashing parameters."""
     record = json.loads(path.read_text(encoding="utf-8"))
     if (record.get("shingle_words"), record.get("rate")) != (SHINGLE_WORDS, RATE):
-        raise RuntimeError(f"{path}: made with other hashing parameters; run python -m loopq.data.make_fingerprints")
+        raise RuntimeError(
+            f"{path}: made with other hashing parameters; run python -m loopq.commands.make_fingerprints"
+        )
     return {name: decode_hashes(entry["fingerprints"]) for name, entry in record["benchmarks"].items()}
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from loopq.data.decode import read_text_file, text_suffix
-from loopq.data.errors import DataError
 from loopq.data.fingerprints import benchmark_hits, holds_any, sampled_hashes
+from loopq.errors import DataError
 from loopq.paths import data_dir
 
 #: files that hold evaluation data; calibrating or training on them would leak the benchmarks

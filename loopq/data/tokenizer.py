@@ -22,7 +22,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Load ``tokenizer.json`` (a file, or a directory holding one) or a GPT-2 BPE directory."""
     p = Path(path)
     if not p.exists():
-        from loopq.models.io import resolve_model_dir
+        from loopq.models.loading import resolve_model_dir
 
         p = resolve_model_dir(path)
         if not p.exists():

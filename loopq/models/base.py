@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from loopq.errors import LoopLMError
 from loopq.files import atomic_write
-from loopq.models.errors import LoopLMError
 from loopq.models.kv_cache import DecodeStep, LoopKVCache, decode_step
 from loopq.models.shards import write_weights
 

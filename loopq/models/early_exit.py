@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopq.errors import LoopLMError
 from loopq.models.base import LoopLM
-from loopq.models.errors import LoopLMError
 from loopq.models.kv_cache import LoopKVCache
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopq.errors import LoopLMError
 from loopq.models.base import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold, early_exit_forward
-from loopq.models.errors import LoopLMError
 from loopq.models.kv_cache import LoopKVCache
 from loopq.models.kv_quant import check_kv_bits
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from loopq.models.errors import LoopLMError
+from loopq.errors import LoopLMError
 from loopq.models.kv_quant import QuantizedKV, check_kv_bits, dequantize_kv, kv_num_bytes, quantize_kv
 
 #: a cache entry's key: (loop index or None outside the loop, decoder-layer module name)

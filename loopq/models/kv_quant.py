@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from loopq.errors import LoopLMError
 from loopq.kernels.packing import pack_int4_unchecked, unpack_int4
-from loopq.models.errors import LoopLMError
 from loopq.qspec import dequantize_codes, quantize_codes
 
 #: cache precisions: None / 16 keep the model's dtype; 8 and 4 store codes and per-group scales

@@ -27,8 +27,8 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import Tensor
 
+from loopq.errors import LoopLMError
 from loopq.files import atomic_write, read_json, read_safetensors
-from loopq.models.errors import LoopLMError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

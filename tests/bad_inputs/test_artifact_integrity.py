@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from loopq import evaluate, export
 from loopq.artifacts import load_artifact, read_artifact_meta, student_meta, write_student
 from loopq.artifacts.layout import EXPORT_META, EXPORT_WEIGHTS, STUDENT_META, STUDENT_WEIGHTS, TOKENIZER_FILES
 from loopq.artifacts.seal import SEAL, seal
+from loopq.commands import evaluate, export
 from loopq.models import load_looplm
 from loopq.paths import ASSETS
 from loopq.provenance import teacher_fingerprint

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loopq.commands.pretrain import PretrainDataModule
 from loopq.data.calibration import CalibrationDataModule
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, DataError, read_training_text, resolve_sources
-from loopq.pretrain import PretrainDataModule
 
 SMOL = "tokenizers/smollm2"
 PROSE = "calibration/tinyshakespeare_input.txt"

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from loopq import export, fit
-from loopq.artifacts.export import check_export_dir
 from loopq.artifacts.layout import EXPORT_META, RUN_LOCK, STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.quantized import check_export_dir
 from loopq.artifacts.seal import seal
+from loopq.commands import export, fit
 from loopq.errors import INTERRUPT_STATUS, GuardError, run_cli
-from loopq.guards import check_output_file
 from loopq.locks import DirectoryLock, LockError
 from loopq.paths import ASSETS
+from loopq.planning.guards import check_output_file
 from loopq.provenance import record, teacher_fingerprint
 from tests.bad_inputs.test_artifact_integrity import write_tiny_student
 from tests.helpers import FIT_CONFIGS, command, run_fit, snapshot

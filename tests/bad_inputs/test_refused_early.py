@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loopq import evaluate
 from loopq.artifacts import load_artifact
 from loopq.artifacts.layout import STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.seal import FILES, manifest, seal
 from loopq.artifacts.student import StudentFormatError
+from loopq.commands import evaluate
 from loopq.data.calibration import CalibrationDataModule
 from loopq.data.text import DataError
 from loopq.errors import UsageError, check_config_files
-from loopq.eval.lm import LoopQLM, model_arg_names
+from loopq.metrics.lm import LoopQLM, model_arg_names
 from loopq.models import LoopLMError
 from tests.bad_inputs.test_artifact_integrity import write_tiny_student
 from tests.bad_inputs.test_cli_errors import TEACHER, assert_one_line_error, cli, hashes

@@ -22,14 +22,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from safetensors.torch import load_file
 
-from loopq import evaluate, export, fit, guards, pretrain, run, testbed
 from loopq.artifacts import layout
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.seal import seal
 from loopq.calib.checkpoint_io import CheckpointError, checkpoint_problem, newest_intact
-from loopq.callbacks.stop_on_signal import StopOnSignal, exit_status
+from loopq.calib.stop_on_signal import StopOnSignal, exit_status
+from loopq.commands import evaluate, export, fit, pretrain, run, testbed
 from loopq.errors import GuardError, LoopQError
 from loopq.paths import REPO_ROOT
+from loopq.planning import guards
 from tests.helpers import FIT_CONFIGS, assert_same_tensors, read_student, run_fit
 
 TINY = REPO_ROOT / "loopq" / "assets" / "tiny-ouro"

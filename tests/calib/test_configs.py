@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from loopq.calib.module import LoopQCalibration
+from loopq.commands.fit import TRAINER_DEFAULTS, LoopQCLI
 from loopq.data.calibration import CalibrationDataModule
-from loopq.fit import TRAINER_DEFAULTS, LoopQCLI
 from loopq.paths import REPO_ROOT
 
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
@@ -67,7 +67,7 @@ def test_baseline_config_parses_as_a_static_configuration(path: Path):
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "pretrain").glob("*.yaml")), ids=lambda p: p.stem)
 def test_pretrain_configs_parse(path):
-    from loopq.pretrain import PretrainCLI, PretrainDataModule, TeacherPretrainer
+    from loopq.commands.pretrain import PretrainCLI, PretrainDataModule, TeacherPretrainer
 
     class Parse(PretrainCLI):
         def instantiate_classes(self) -> None:
@@ -79,8 +79,8 @@ def test_pretrain_configs_parse(path):
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "stress").glob("*.yaml")), ids=lambda p: p.stem)
 def test_stress_configs_parse(path):
-    from loopq.pretrain import PretrainDataModule
-    from loopq.stress import StressCLI, StressFinetuner
+    from loopq.commands.pretrain import PretrainDataModule
+    from loopq.commands.stress import StressCLI, StressFinetuner
 
     class Parse(StressCLI):
         def before_instantiate_classes(self) -> None:

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from loopq.calib.diagnostics import PerLoopDiagnostics
 from loopq.calib.module import LoopQCalibration, method_callbacks
 from loopq.calib.mu import AdaptiveMu, mu_update_due
 from loopq.calib.reselection import SharingGapReselection, round_due
-from loopq.callbacks import PerLoopDiagnostics
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig
 from tests.helpers import read_student, run_fit
@@ -68,8 +68,8 @@ def test_a_config_without_callbacks_still_runs_loopq(tmp_path):
 
 
 def test_probing_in_chunks_gives_the_scores_of_one_pass():
-    """``probe_groups`` bounds the probe step's memory (loopq.plan); the per-loop gradients, hence S_l, are the same
-    whichever groups share the pass (all 8 looped groups at once, or 3 + 3 + 2)."""
+    """``probe_groups`` bounds the probe step's memory (loopq.planning.memory); the per-loop gradients, hence S_l, are
+    the same whichever groups share the pass (all 8 looped groups at once, or 3 + 3 + 2)."""
     import torch
 
     from loopq.calib.slt import sharing_gap_scores

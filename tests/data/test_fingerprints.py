@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 
+from loopq.commands import make_fingerprints
 from loopq.data import fingerprints as fp
-from loopq.data import make_fingerprints
 
 
 def test_stored_fingerprints_regenerate_from_the_shared_data(data, tmp_path):

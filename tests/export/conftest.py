@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from loopq.artifacts import load_quantized, load_student, student_meta, write_student
-from loopq.export import main
+from loopq.commands.export import main
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, looped_quant_groups, prepare, quant_groups
 from loopq.quant.modules import QuantLinearGroup

@@ -18,7 +18,7 @@ from loopq.artifacts import (
     tokenizer_dir,
     write_student,
 )
-from loopq.eval.lm import LoopQLM
+from loopq.metrics.lm import LoopQLM
 from loopq.models import load_looplm
 from loopq.paths import ASSETS, REPO_ROOT
 

@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loopq.artifacts import ExportError, StudentFormatError, convert, export_student, load_quantized
-from loopq.artifacts.export import tied_aliases
 from loopq.artifacts.layout import EXPORT_META as META
 from loopq.artifacts.layout import STUDENT_META as STUDENT_CONFIG
 from loopq.artifacts.layout import STUDENT_WEIGHTS as STUDENT_WEIGHTS
-from loopq.export import main
+from loopq.artifacts.quantized import tied_aliases
+from loopq.commands.export import main
 from loopq.models import load_looplm
 from loopq.models.ouro import OuroLM
 from loopq.paths import ASSETS

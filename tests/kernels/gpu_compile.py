@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loopq.gpu_check.kernel_bench import SHAPES
+from loopq.commands.gpu_check.kernel_bench import SHAPES
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
 
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))

@@ -9,7 +9,7 @@ splits that end inside an iteration (K not a multiple of the split) and masked N
 import pytest
 import torch
 
-from loopq.gpu_check.kernel_bench import SHAPES
+from loopq.commands.gpu_check.kernel_bench import SHAPES
 from loopq.kernels import (
     decode_kernel,
     gemm_kernel,

@@ -10,9 +10,9 @@ of a batch decoded alone.
 import pytest
 import torch
 
+from loopq.commands.generate import main
 from loopq.errors import LoopQError
-from loopq.eval.decoding import decode_perplexity
-from loopq.generate import main
+from loopq.metrics.decoding import decode_perplexity
 from loopq.models import LoopLMError, load_looplm
 from loopq.models.early_exit import ExitStats, early_exit_forward, exit_cdf
 from loopq.models.generation import generate

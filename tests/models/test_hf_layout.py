@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from loopq.data.tokenizer import load_tokenizer
 from loopq.models import LoopLMError, load_looplm
-from loopq.models.io import HUB_FILES, resolve_model_dir
+from loopq.models.loading import HUB_FILES, resolve_model_dir
 from loopq.models.ouro import OuroLM, rope_inv_freq
 from loopq.models.shards import INDEX_FILE, parse_size, plan_shards, shard_name
 

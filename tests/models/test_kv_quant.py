@@ -9,8 +9,8 @@ the unquantized cached decode, from which an 8-bit cache moved the logits by at 
 import pytest
 import torch
 
+from loopq.commands.generate import main
 from loopq.errors import LoopQError
-from loopq.generate import main
 from loopq.models import LoopLMError, load_looplm
 from loopq.models.early_exit import early_exit_forward
 from loopq.models.generation import generate

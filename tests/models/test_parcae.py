@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from loopq.models import LoopLMError, load_looplm
-from loopq.models.io import read_config, read_weights
+from loopq.models.loading import read_config, read_weights
 from loopq.models.parcae import ParcaeLM
 
 ATOL = RTOL = 1e-4

@@ -1,0 +1,242 @@
+"""Evaluate one model - FP teacher, a training-free baseline, a calibrated fake-quant student, or an exported int
+model - on the paper's metrics, and write a results JSON:
+
+    python -m loopq.evaluate --model loopq/assets/tiny-ouro --method FP --out results/fp.json
+    python -m loopq.evaluate --model loopq/assets/tiny-ouro --method RTN --bits w4a4 --out results/rtn.json
+    python -m loopq.evaluate --model loopq/assets/tiny-ouro --method QuaRot --bits w4a4 --out results/quarot.json
+    python -m loopq.evaluate --student runs/tiny/student --method LoopQ --out results/loopq.json
+    python -m loopq.evaluate --exported runs/tiny/exported --method LoopQ-int --out results/int.json
+
+Numbers: WikiText-2 perplexity under the standard PTQ protocol (GPTQ windows of ``ppl_seq_len`` tokens, per loop
+as well; ``--ppl_windows`` keeps only the first N windows) and, unless ``--tasks '[]'``, the lm-eval tasks
+(default: the ``loopq_paper`` group; ``--limit`` caps the examples per task - the sizes are recorded in the JSON).
+
+With ``--model``, ``--method`` Symmetric (or RTN...), SmoothQuant or QuaRot builds that training-free baseline from
+the teacher (:data:`STATIC_METHODS`, :func:`loopq.quant.prepare.prepare_static`) on ``calib_samples`` windows of
+``calib_seq_len`` tokens of the calibration text (drawn as ``python -m loopq.fit`` draws them); other labels evaluate
+the teacher itself (FP), except the trained methods' names: SpinQuant, FlatQuant and LoopQ are ``--student``s.
+
+``--device`` (default ``auto``: cuda when available, :mod:`loopq.devices`) is where the model is evaluated; the JSON
+records it. A training-free baseline is calibrated on that device too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import CLI
+
+from loopq.artifacts import load_artifact, read_artifact_meta, tokenizer_dir
+from loopq.data.calibration import calibration_samples
+from loopq.data.tokenizer import load_tokenizer
+from loopq.devices import AUTO, resolve_device
+from loopq.errors import UsageError, run_cli
+from loopq.files import atomic_write
+from loopq.metrics.perplexity import perplexity, wikitext2_stream
+from loopq.models import LoopLM
+from loopq.models.loading import resolve_model_dir
+from loopq.planning.guards import check_output_file, check_positions
+from loopq.provenance import record, teacher_fingerprint
+from loopq.quant import QuantConfig
+from loopq.quant.config import FP_LABEL, METHODS, method_of_label, parse_bits
+from loopq.quant.prepare import prepare_static
+
+#: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
+#: the ``--method`` labels of a ``--model`` (case does not matter): FP, or a training-free baseline built from it
+MODEL_METHODS = (FP_LABEL, *(m.label for m in METHODS.values() if not m.trained), "RTN")
+
+
+def static_method(label: str) -> str | None:
+    """The training-free ``quant.method`` a ``--method`` label names (``RTN...`` labels are RTN), else None."""
+    method = method_of_label(label)
+    return method if method is not None and not METHODS[method].trained else None
+
+
+def static_config(method: str, bits: str, group_size: int = 32) -> QuantConfig:
+    """The config of a training-free baseline at ``bits`` (``w4a4``, ``w4a8``, ...)."""
+    check_bits(bits)
+    return QuantConfig.of_method(method, *parse_bits(bits, "--bits"), group_size=group_size)
+
+
+def check_bits(bits: str) -> None:
+    parse_bits(bits, "--bits")
+
+
+def check_method(method: str) -> None:
+    """A ``--model`` is evaluated as FP or as a training-free baseline built from it; any other label would
+    report the teacher's numbers under that label (a typo such as ``QuaRott``), so it is refused."""
+    key = method.lower()
+    if key in METHODS and METHODS[key].trained:
+        raise UsageError(f"--method {method} is calibrated by python -m loopq.fit; evaluate its --student directory")
+    if key != "fp" and static_method(method) is None:
+        raise UsageError(
+            f"--method {method!r} is not a method for --model; use {MODEL_METHODS} (RTN... labels are RTN), or "
+            "evaluate a calibrated --student / --exported model under any label"
+        )
+
+
+def check_options(
+    model: str | None, student: str | None, exported: str | None, method: str, bits: str, tasks: list[str]
+) -> None:
+    """Every option that can be checked without loading a model, checked before anything is loaded."""
+    if [model, student, exported].count(None) != 2:
+        raise UsageError("pass exactly one of --model (FP or a training-free baseline), --student or --exported")
+    if model is not None:
+        check_method(method)
+        if static_method(method) is not None:
+            check_bits(bits)
+    if tasks:
+        from loopq.metrics.tasks import check_tasks
+
+        check_tasks(tasks)
+
+
+def build(
+    model: str | None,
+    student: str | None,
+    exported: str | None,
+    method: str,
+    bits: str,
+    calib_samples: int = 32,
+    calib_seq_len: int = 128,
+    teacher: str | None = None,
+    device: torch.device | None = None,
+    ppl_seq_len: int | None = None,
+) -> tuple[LoopLM, str, str]:
+    """The model to evaluate on ``device`` (default: the CPU), the directory its tokenizer lives in, and its actual
+    bit widths. ``ppl_seq_len`` (and a baseline's ``calib_seq_len``) are checked against the model's positions as
+    soon as it is loaded, before a baseline is calibrated."""
+    device = device or torch.device("cpu")
+    if student or exported:
+        path = student or exported
+        artifact = load_artifact(path, kind="student" if student else "export", teacher=teacher, device=device)
+        check_lengths(artifact.model, {"--ppl_seq_len": ppl_seq_len})
+        return artifact.model, str(tokenizer_dir(path, artifact)), artifact.bits
+    if model is None:
+        raise UsageError("pass --model (FP or a training-free baseline), --student or --exported")
+    check_method(method)
+    fp = load_artifact(model, kind="teacher", device=device)
+    teacher, model_dir = fp.model, fp.meta["teacher"]
+    baseline = static_method(method)
+    check_lengths(teacher, {"--ppl_seq_len": ppl_seq_len, "--calib_seq_len": calib_seq_len if baseline else None})
+    if baseline is None:
+        return teacher, model_dir, "fp"
+    ids = calibration_samples(model_dir, calib_samples, calib_seq_len).to(device)
+    return prepare_static(teacher, static_config(baseline, bits), ids), model_dir, bits
+
+
+def check_lengths(net: LoopLM, lengths: dict[str, int | None]) -> None:
+    """Each sequence-length option given (not None) fits the positions of ``net``."""
+    for key, length in lengths.items():
+        if length is not None:
+            check_positions(net, length, key)
+
+
+def evaluate(
+    model: str | None = None,
+    student: str | None = None,
+    exported: str | None = None,
+    method: str = "FP",
+    bits: str = "w4a4",
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    num_loops: int | None = None,
+    ppl_seq_len: int = 256,
+    ppl_windows: int | None = None,
+    batch_size: int = 8,
+    out: str | None = None,
+    variant: str | None = None,
+    calib_samples: int = 32,
+    calib_seq_len: int = 128,
+    teacher: str | None = None,
+    device: str = AUTO,
+) -> dict[str, Any]:
+    """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``.
+
+    ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``.
+    ``teacher``: the teacher directory of a ``student`` whose recorded path is gone (it must have the recorded
+    content hash). The JSON records the provenance: the teacher's content hash, and a student's or export's
+    calibration config. ``device``: auto (cuda when available), cpu, cuda or cuda:N."""
+    where = resolve_device(device)
+    if ppl_windows is not None and ppl_windows < 1:
+        raise UsageError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
+    task_list = ["loopq_paper"] if tasks is None else tasks
+    check_options(model, student, exported, method, bits, task_list)
+    if out:  # before any work: a result never replaces a model file or anything but an earlier result
+        check_output_file(out, [model, student, exported])
+    start = time.time()
+    net, tok_dir, bits = build(
+        model, student, exported, method, bits, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
+    )
+    tokenizer = load_tokenizer(tok_dir)
+    stream = torch.tensor(wikitext2_stream(tokenizer), device="cpu")  # host tokens; windows move per batch
+    if ppl_windows is not None:
+        stream = stream[: ppl_windows * ppl_seq_len]
+    ppl = perplexity(net, stream, ppl_seq_len, batch_size, num_loops, per_loop=True)
+    result: dict[str, Any] = {
+        "method": method,
+        "bits": bits,
+        "model": model or student or exported,
+        "variant": variant or Path(tok_dir).name,
+        "num_loops": num_loops or net.default_num_loops,
+        "wikitext2_ppl": ppl.ppl,
+        "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
+        "wikitext2_windows": ppl.num_windows,
+        "device": device_label(where),
+        "provenance": provenance_of(model, student, exported),
+    }
+    if model and static_method(method) not in (None, "rtn"):
+        result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
+    if task_list:
+        result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)
+    result["seconds"] = round(time.time() - start, 1)
+    if out:
+        atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+    return result
+
+
+def device_label(device: torch.device) -> str:
+    """``cpu``, or ``cuda (NVIDIA H100 80GB HBM3)``: where a result was computed, for its JSON."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def provenance_of(model: str | None, student: str | None, exported: str | None) -> dict[str, Any] | None:
+    """What the evaluated model was made from: a teacher's content hash, or the student's / export's record."""
+    if student or exported:
+        return read_artifact_meta(student or exported, kind="student" if student else "export")[0].get("provenance")
+    return record(teacher_fingerprint(resolve_model_dir(model))) if model else None
+
+
+def run_lm_eval(
+    net: LoopLM, tokenizer: Any, tasks: list[str], limit: int | None, num_loops: int | None, batch_size: int
+) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` on the in-memory model with LoopQ's offline tasks."""
+    from lm_eval import simple_evaluate
+
+    from loopq.metrics.lm import LoopQLM
+    from loopq.metrics.tasks import paper_metrics, task_manager
+
+    lm = LoopQLM.from_model(net, tokenizer, num_loops=num_loops, batch_size=batch_size)
+    # bootstrap_iters=0: no bootstrapped stderr (not recorded here; 100k resamples per metric cost minutes on full sets)
+    res = simple_evaluate(
+        model=lm, tasks=tasks, limit=limit, task_manager=task_manager(), log_samples=False, bootstrap_iters=0
+    )
+    sizes = {name: n.get("effective", n.get("original")) for name, n in res.get("n-samples", {}).items()}
+    return {"paper_metrics": paper_metrics(res["results"]), "limit": limit, "n_samples": sizes}
+
+
+def main(argv: list[str] | None = None) -> None:
+    result = CLI(evaluate, args=argv, as_positional=False, exit_on_error=False)
+    print(json.dumps({k: v for k, v in result.items() if k != "lm_eval"}, indent=1))
+    if "lm_eval" in result:
+        print(json.dumps(result["lm_eval"]["paper_metrics"], indent=1))
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,455 @@
+"""Run a whole comparison on one teacher and hand the results to the report:
+
+    python -m loopq.experiments table1 --model loopq/assets/tiny-ouro --out results/tiny-ouro --limit 200
+
+``table1``: the paper's Table 1 rows - FP, then every method of :data:`TABLE1` (Symmetric, SmoothQuant, QuaRot,
+SpinQuant, FlatQuant, LoopQ) at W4A4 and W4A8 - each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ
+perplexity per loop + the lm-eval tasks with ``limit`` examples per task). The training-free baselines are built
+from the teacher inside the evaluation; the trained ones (SpinQuant, FlatQuant, LoopQ) are calibrated by
+``python -m loopq.fit`` with their calibration config (LoopQ: ``fit_config``, default ``configs/tiny.yaml``; the
+baselines: ``configs/baselines/*-tiny.yaml``) in a subprocess each, under ``<out>/runs/``. A row whose result JSON
+exists is neither recalibrated nor re-evaluated.
+``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
+``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
+calibration samples (Fig. 6); ``loops``: FP, Symmetric RTN and a calibrated student at T ... 2T loops (Fig. 5).
+Sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their swept field to each JSON, which
+is what ``python -m loopq.report --sweeps`` plots. Every function skips rows whose JSON exists (re-runs resume).
+
+``--seeds 0 1 2`` (``table1``, ``ablations``, ``slt_budget``) calibrates every trained row once per seed
+(``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and ``data.seed``, so the
+calibration windows differ too). Training-free rows are deterministic and run once. ``summary`` turns a results
+folder into the mean ± std table with the log-gap recovery R and which rows are separated from LoopQ by more than
+2 std (:mod:`loopq.stats`), written to ``<out>/summary.md``. ``--ppl_windows N`` evaluates WikiText-2 on its first N
+windows (for teachers too slow for all 1771 on a CPU; the JSON records the count).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import CLI
+
+from loopq.artifacts import read_artifact_meta
+from loopq.artifacts.layout import STUDENT_META
+from loopq.commands.evaluate import evaluate
+from loopq.commands.examine import slt_history
+from loopq.errors import UsageError, run_cli
+from loopq.files import atomic_write, read_json
+from loopq.paths import REPO_ROOT
+from loopq.quant.config import BIT_LABELS, METHODS, parse_bits
+from loopq.stats import log_gap_recovery, separated, summarize
+
+#: activation bits of each reported bit-width label (w4a4 -> 4, w4a8 -> 8)
+BITS = {label: parse_bits(label)[1] for label in BIT_LABELS}
+#: fields that mark a sweep's result (kept out of :func:`summary`'s tables)
+SWEEP_TAGS = ("per_loop_of", "loop_sweep", "slt_budget", "num_samples")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One quantized method of Table 1: its label (``method`` in the JSON), file stem, and how it is calibrated
+    (``calibration``: the ``table1`` argument naming its ``loopq.fit`` config; None: training-free)."""
+
+    label: str
+    slug: str
+    calibration: str | None = None
+
+
+TABLE1 = (
+    Row(METHODS["rtn"].label, "rtn"),
+    Row(METHODS["smoothquant"].label, "smoothquant"),
+    Row(METHODS["quarot"].label, "quarot"),
+    Row(METHODS["spinquant"].label, "spinquant", calibration="spinquant_config"),
+    Row(METHODS["flatquant"].label, "flatquant", calibration="flatquant_config"),
+    Row(METHODS["loopq"].label, "loopq", calibration="fit_config"),
+)
+ABLATIONS = {
+    "LoopQ w/o LAS": ["--model.quant.las", "false"],
+    "LoopQ w/o SLT": ["--model.quant.slt_budget", "0"],
+    "LoopQ w/o CTA": ["--model.quant.cta", "false"],
+}
+
+
+def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[str]) -> Path:
+    """``python -m loopq.fit`` in a fresh process; returns the student directory. A run stopped mid-calibration
+    resumes from its ``checkpoints/last.ckpt`` (``--ckpt_path last``) instead of starting over."""
+    resume = ["--ckpt_path", "last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
+    cmd = [
+        sys.executable,
+        "-m",
+        "loopq.fit",
+        "--config",
+        config,
+        "--model.teacher",
+        model,
+        "--model.quant.a_bits",
+        str(a_bits),
+        "--trainer.default_root_dir",
+        str(run_dir),
+        "--trainer.enable_progress_bar",
+        "false",
+        *extra,
+        *resume,
+    ]
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+    return run_dir / "student"
+
+
+def seed_args(seed: int | None) -> list[str]:
+    """``loopq.fit`` options of one seed repeat (none for the un-seeded default run)."""
+    if seed is None:
+        return []
+    return ["--seed_everything", str(seed), "--model.quant.seed", str(seed), "--data.seed", str(seed)]
+
+
+def seeded(slug: str, seed: int | None) -> str:
+    return slug if seed is None else f"{slug}-s{seed}"
+
+
+def table1(
+    model: str,
+    out: str,
+    fit_config: str = "configs/tiny.yaml",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+    spinquant_config: str = "configs/baselines/spinquant-tiny.yaml",
+    flatquant_config: str = "configs/baselines/flatquant-tiny.yaml",
+    seeds: list[int] | None = None,
+    bits: list[str] | None = None,
+    methods: list[str] | None = None,
+    extra: list[str] | None = None,
+    ppl_windows: int | None = None,
+) -> list[Path]:
+    """FP and every :data:`TABLE1` method (or those named in ``methods``) at W4A4 and W4A8 (or ``bits``) on
+    ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``). ``extra``: more
+    ``loopq.fit`` options for every calibration (e.g. a scaled recipe: ``--trainer.max_steps 100``)."""
+    root = Path(out)
+    configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
+    written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
+    for bit_label in bits or list(BITS):
+        for row in TABLE1:
+            if methods and row.label not in methods:
+                continue
+            common = {"method": row.label, "bits": bit_label, "limit": limit, "tasks": tasks}
+            common["ppl_windows"] = ppl_windows
+            if row.calibration is None:
+                written.append(_eval(root / f"{row.slug}-{bit_label}.json", model=model, **common))
+                continue
+            for seed in seeds or [None]:
+                slug = seeded(f"{row.slug}-{bit_label}", seed)
+                args = [*seed_args(seed), *(extra or [])]
+                student = _calibrated(model, root, slug, configs[row.calibration], BITS[bit_label], args)
+                written.append(_tag(_eval(root / f"{slug}.json", student=str(student), **common), seed=seed))
+    return written
+
+
+def ablations(
+    model: str,
+    out: str,
+    fit_config: str = "configs/tiny.yaml",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+    seeds: list[int] | None = None,
+    extra: list[str] | None = None,
+    ppl_windows: int | None = None,
+) -> list[Path]:
+    """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``."""
+    root = Path(out)
+    written = []
+    for name, switch in ABLATIONS.items():
+        for seed in seeds or [None]:
+            slug = seeded(name.lower().replace(" ", "-").replace("/", ""), seed)
+            student = _calibrated(model, root, slug, fit_config, 4, [*switch, *seed_args(seed), *(extra or [])])
+            common = {"method": name, "bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
+            path = _eval(root / f"{slug}.json", student=str(student), **common)
+            written.append(_tag(path, seed=seed))
+    return written
+
+
+def _eval(path: Path, **kwargs: object) -> Path:
+    if path.is_file():  # experiments resume: finished evaluations are kept
+        return path
+    evaluate(out=str(path), **kwargs)  # type: ignore[arg-type]
+    print(f"[loopq] wrote {path}: {read_json(path)['wikitext2_ppl']:.2f} WT2 ppl")
+    return path
+
+
+def _calibrated(model: str, root: Path, slug: str, config: str, a_bits: int, extra: list[str]) -> Path:
+    """The student of row ``slug``: calibrated now, unless its result JSON says the row is finished."""
+    run = root / "runs" / slug
+    return run / "student" if (root / f"{slug}.json").is_file() else calibrate(model, run, config, a_bits, extra)
+
+
+def _tag(path: Path, **fields: object) -> Path:
+    """Add the swept ``fields`` (those not None) to a result JSON (atomically)."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    data = read_json(path)
+    if any(data.get(k) != v for k, v in fields.items()):
+        data.update(fields)
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
+    return path
+
+
+def slt_budget(
+    model: str,
+    out: str,
+    budgets: list[int] | None = None,
+    fit_config: str = "configs/tiny.yaml",
+    bits: str = "w4a4",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+    seeds: list[int] | None = None,
+    extra: list[str] | None = None,
+    ppl_windows: int | None = None,
+) -> list[Path]:
+    """Fig. 4: LoopQ calibrated with each SLT budget (default 0, 2, 4, 8 promoted groups)."""
+    root, written = Path(out), []
+    for budget in budgets or [0, 2, 4, 8]:
+        for seed in seeds or [None]:
+            slug = seeded(f"slt-{budget}", seed)
+            args = ["--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or [])]
+            student = _calibrated(model, root, slug, fit_config, BITS[bits], args)
+            common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
+            path = _eval(root / f"{slug}.json", student=str(student), **common)
+            written.append(_tag(path, slt_budget=budget, seed=seed, **promotion_record(student.parent)))
+    return written
+
+
+def promotion_record(run: Path) -> dict[str, Any]:
+    """Which groups calibration ``run`` promoted (``promoted``, from its student) and each round of the sharing-gap
+    re-selection (``slt_rounds``: step, the selected groups with their S_l, and the median S_l of all groups, from
+    its last checkpoint; §4.2, Eq. 6). Empty when the run directory is gone (a row resumed from its JSON)."""
+    student = run / "student"
+    if not (student / STUDENT_META).is_file():
+        return {}
+    rounds = [
+        {
+            "step": r["step"],
+            "selected": {name: r["scores"][name] for name in r["selected"]},
+            "median_S": statistics.median(r["scores"].values()),
+        }
+        for r in slt_history(run)
+    ]
+    return {"promoted": read_artifact_meta(student, kind="student")[0].get("promoted", []), "slt_rounds": rounds}
+
+
+def num_samples(
+    model: str,
+    out: str,
+    sizes: list[int] | None = None,
+    fit_config: str = "configs/tiny.yaml",
+    bits: str = "w4a4",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+) -> list[Path]:
+    """Fig. 6: LoopQ calibrated on 32 ... 1024 samples (same steps and batch: smaller sets are revisited more)."""
+    root, written = Path(out), []
+    for size in sizes or [32, 64, 128, 256, 512, 1024]:
+        slug = f"samples-{size}"
+        student = _calibrated(model, root, slug, fit_config, BITS[bits], ["--data.num_samples", str(size)])
+        path = _eval(
+            root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
+        )
+        written.append(_tag(path, num_samples=size))
+    return written
+
+
+def loops(
+    model: str,
+    out: str,
+    student: str,
+    max_loops: int | None = None,
+    bits: str = "w4a4",
+    limit: int | None = 200,
+    tasks: list[str] | None = None,
+    seed: int | None = None,
+    ppl_windows: int | None = None,
+    method: str = "LoopQ",
+) -> list[Path]:
+    """Fig. 5: FP, Symmetric RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops.
+
+    T is the student's calibrated loop count; loops beyond it reuse the last loop's parameters (LAS clips,
+    promoted transforms, CTA).
+    WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
+    loop (the output after n loops does not depend on later loops), written as one JSON per n with
+    ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately.
+    ``seed`` names the student's calibration seed (its rows become ``loopq-<bits>-s<seed>-loops<n>``; FP and RTN
+    are shared by the seeds); ``method`` names the trained method that calibrated it (``FlatQuant``,
+    ``SpinQuant``: rows ``flatquant-<bits>-...``), so baselines' students sweep beside LoopQ's; ``ppl_windows``
+    evaluates WikiText-2 on its first N windows. Every JSON is tagged ``loop_sweep`` (the top loop count), which
+    keeps it out of :func:`summary`'s Table 1 rows."""
+    trained = {row.label: row.slug for row in TABLE1 if row.calibration}
+    if method not in trained:
+        raise UsageError(f"--method {method}: not a calibrated method; use one of {', '.join(trained)}")
+    calibrated = read_artifact_meta(student, kind="student")[0]["calibrated_loops"]
+    top = max_loops or 2 * calibrated
+    root, written = Path(out), []
+    rows = {
+        "fp": {"model": model, "method": "FP"},
+        f"rtn-{bits}": {"model": model, "method": "Symmetric", "bits": bits},
+        seeded(f"{trained[method]}-{bits}", seed): {"student": student, "method": method, "bits": bits},
+    }
+    common = {"limit": limit, "ppl_windows": ppl_windows}
+    for slug, row in rows.items():
+        tag = {"loop_sweep": top, "seed": seed if row["method"] == method else None}
+        if tasks:
+            for n in range(calibrated, top + 1):
+                path = _eval(root / f"{slug}-loops{n}.json", tasks=tasks, num_loops=n, **common, **row)
+                written.append(_tag(path, **tag))
+            continue
+        source = _tag(_eval(root / f"{slug}-loops{top}.json", tasks=[], num_loops=top, **common, **row), **tag)
+        written += [per_loop_result(source, n) for n in range(calibrated, top)] + [source]
+    return written
+
+
+def per_loop_result(source: Path, n: int) -> Path:
+    """The result at ``n`` loops read off the per-loop perplexities of a longer WikiText-2 evaluation."""
+    data = read_json(source)
+    ppl = data["wikitext2_per_loop_ppl"][n - 1]
+    derived = {
+        **data,
+        "num_loops": n,
+        "wikitext2_ppl": ppl,
+        "wikitext2_per_loop_ppl": data["wikitext2_per_loop_ppl"][:n],
+    }
+    derived["per_loop_of"] = str(source)
+    path = source.with_name(source.name.replace(f"loops{data['num_loops']}", f"loops{n}"))
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(derived, indent=2)))
+    return path
+
+
+def summary(out: str, reference: str = "LoopQ") -> str:
+    """The mean ± std table of every result JSON in ``out`` (grouped by method and bits), with R against the
+    Symmetric RTN row and FP, and a mark on rows separated from ``reference`` at the same bits by > 2 std
+    (:func:`loopq.stats.separated`); then, where ``out`` holds them, the SLT budget sweep (with the promoted groups
+    and their S_l) and the loop sweep. Printed and written to ``<out>/summary.md``."""
+    root = Path(out)
+    results = [data for path in sorted(root.glob("*.json")) if "wikitext2_ppl" in (data := read_json(path))]
+    rows: dict[tuple[str, str], list[float]] = {}
+    for data in results:
+        if not any(k in data for k in SWEEP_TAGS):
+            rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
+    lines = [
+        f"Results in `{root}`: WikiText-2 PTQ perplexity, mean ± std over seeds (n); R = (ln RTN - ln M) / "
+        f"(ln RTN - ln FP); ** = separated from {reference} at the same bits by more than 2 std "
+        "(|diff| > 2 sqrt(s1^2 + s2^2)).",
+        "",
+        "| method | bits | n | WT2 ppl | R | vs " + reference + " |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for (method, bits), values in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        stat = summarize(values)
+        ref = rows.get((reference, bits))
+        mark = ""
+        if ref and method != reference:
+            diff = stat.mean - summarize(ref).mean
+            mark = f"{diff:+.2f}" + (" **" if separated(stat, summarize(ref)) else "")
+        lines.append(f"| {method} | {bits} | {stat.n} | {stat} | {recovery(rows, bits, stat.mean)} | {mark} |")
+    text = "\n".join(lines + slt_sweep_lines(results, rows) + loop_sweep_lines(results)) + "\n"
+    atomic_write(root / "summary.md", lambda tmp: tmp.write_text(text))
+    print(text)
+    return text
+
+
+def recovery(rows: dict[tuple[str, str], list[float]], bits: str, ppl: float) -> str:
+    """R of a perplexity against the FP and Symmetric RTN rows at ``bits`` ('' without them)."""
+    fp, rtn = rows.get(("FP", "fp")), rows.get(("Symmetric", bits)) or rows.get(("RTN", bits))
+    r = log_gap_recovery(summarize(fp).mean, summarize(rtn).mean, ppl) if fp and rtn else math.nan
+    return "" if math.isnan(r) else f"{r:.2f}"
+
+
+def slt_sweep_lines(results: list[dict[str, Any]], rows: dict[tuple[str, str], list[float]]) -> list[str]:
+    """Fig. 4 as a table: per SLT budget the perplexity over seeds, R, and the groups promoted at the end of
+    calibration - in how many seeds, with S_l of the round that last selected them against that round's median."""
+    sweep: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for data in results:
+        if "slt_budget" in data:
+            sweep.setdefault((data["bits"], data["slt_budget"]), []).append(data)
+    if not sweep:
+        return []
+    lines = [
+        "",
+        "SLT budget sweep (Fig. 4): promoted = groups promoted at the end (seeds promoting it / seeds; mean S_l of "
+        "the round that last selected it vs that round's median S).",
+        "",
+        "| SLT budget | bits | n | WT2 ppl | R | promoted |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    for (bits, budget), runs in sorted(sweep.items()):
+        stat = summarize([d["wikitext2_ppl"] for d in runs])
+        cell = promoted_cell(runs)
+        lines.append(f"| {budget} | {bits} | {stat.n} | {stat} | {recovery(rows, bits, stat.mean)} | {cell} |")
+    return lines
+
+
+def promoted_cell(runs: list[dict[str, Any]]) -> str:
+    scores: dict[str, list[tuple[float, float]]] = {}
+    for data in runs:
+        last = {}
+        for r in data.get("slt_rounds", []):
+            last.update({name: (score, r["median_S"]) for name, score in r["selected"].items()})
+        for name in data.get("promoted", []):
+            scores.setdefault(name, [])
+            if name in last:
+                scores[name].append(last[name])
+    parts = []
+    for name, found in sorted(scores.items(), key=lambda kv: -len(kv[1])):
+        count = sum(name in d.get("promoted", []) for d in runs)
+        s_text = ""
+        if found:
+            s_text = f", S {statistics.mean(s for s, _ in found):.0f} vs {statistics.mean(m for _, m in found):.0f}"
+        parts.append(f"{name.removeprefix('model.layers.')} ({count}/{len(runs)}{s_text})")
+    return "; ".join(parts) or "none"
+
+
+def loop_sweep_lines(results: list[dict[str, Any]]) -> list[str]:
+    """Fig. 5 as a table: perplexity (mean ± std over seeds) of each method after n loops."""
+    cells: dict[tuple[str, int], list[float]] = {}
+    for data in results:
+        if "loop_sweep" in data:
+            cells.setdefault((f"{data['method']} {data['bits']}", data["num_loops"]), []).append(data["wikitext2_ppl"])
+    if not cells:
+        return []
+    methods = sorted({m for m, _ in cells}, key=lambda m: (m != "FP fp", m))
+    lines = ["", "Loop sweep (Fig. 5): WikiText-2 perplexity after n loops.", ""]
+    lines += ["| loops | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+    for n in sorted({n for _, n in cells}):
+        row = [str(summarize(cells[(m, n)])) if (m, n) in cells else "" for m in methods]
+        lines.append(f"| {n} | " + " | ".join(row) + " |")
+    return lines
+
+
+def check_not_a_fit_config(argv: list[str]) -> None:
+    """``--config FILE`` is this command's own options file (jsonargparse); a ``loopq.fit`` config there used to be
+    taken for it and ignored, so every row silently calibrated with ``configs/tiny.yaml``."""
+    for flag, value in itertools.pairwise(argv):
+        if flag != "--config" or not Path(value).is_file():
+            continue
+        text = Path(value).read_text()
+        if any(line.startswith(("trainer:", "data:", "seed_everything:")) for line in text.splitlines()):
+            raise UsageError(
+                f"--config {value}: a loopq.fit config; pass it as --fit_config {value} "
+                "(--config reads this command's own options)"
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
+    check_not_a_fit_config(sys.argv[1:] if argv is None else argv)
+    CLI(
+        [table1, ablations, slt_budget, num_samples, loops, summary],
+        args=argv,
+        as_positional=False,
+        exit_on_error=False,
+    )
+
+
+if __name__ == "__main__":
+    run_cli(main)

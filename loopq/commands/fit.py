@@ -1,0 +1,308 @@
+"""Calibrate a LoopQ student:  python -m loopq.fit --config configs/tiny.yaml [--ckpt_path last] [overrides].
+
+A LightningCLI over :class:`~loopq.calib.module.LoopQCalibration` and
+:class:`~loopq.data.calibration.CalibrationDataModule`; the resolved config is saved next to the run's logs.
+``--ckpt_path last`` resumes mid-calibration (optimizer, schedule, mu_t, SLT selection and data order); under
+DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``) and ``last`` finds them the same way.
+
+Provenance: every checkpoint and the student record the teacher's content hash and the resolved config
+(:mod:`loopq.provenance`). Resuming with another teacher (also one rebuilt in place) or another config (any key
+but the :data:`COSMETIC` ones) is refused, naming the differing keys; ``--allow_config_change`` resumes anyway and
+the student then records the new config.
+Multi-GPU: launch the same command under ``torchrun`` (see ``launch/``) with ``trainer.strategy`` set to
+``ddp_find_unused_parameters_true`` or a DeepSpeed config.
+
+Memory, before starting: ``--print_plan`` prints the predicted peak memory per GPU of the configured run (teacher,
+quantization state, activations, targets; :mod:`loopq.planning.memory`) from the teacher's ``config.json`` alone and
+exits without loading anything; ``--plan_config <config.json>`` supplies the shapes of a hub teacher that is not on disk
+(the paper's four teachers are embedded).
+Precision: ``model.teacher_dtype: auto`` is resolved here from ``trainer.precision`` (bf16 under a bf16 precision,
+fp32 otherwise) before the module is built, so the saved config and the provenance record the dtype used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
+from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
+from loopq.calib.deepspeed import read_sidecar
+from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
+from loopq.calib.stop_on_signal import exit_status
+from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.data.calibration import CalibrationDataModule
+from loopq.errors import run_cli
+from loopq.locks import DirectoryLock
+from loopq.models.loading import resolve_model_dir
+from loopq.planning.guards import check_calibration
+from loopq.planning.memory import format_plan, plan_from_config
+from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record, teacher_fingerprint
+
+#: options that do not change the calibrated student: a resume or a loopq.run re-run may differ in them
+COSMETIC = frozenset(
+    {
+        "config",
+        "ckpt_path",
+        "allow_config_change",
+        "trainer.default_root_dir",
+        "trainer.enable_progress_bar",
+        "trainer.enable_model_summary",
+        "trainer.log_every_n_steps",
+        "print_plan",
+        "plan_config",
+        "force",
+    }
+)
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "use_distributed_sampler": False,  # CalibrationSampler shards the global batch itself
+    "gradient_clip_val": 1.0,
+    "plugins": [{"class_path": "loopq.calib.checkpoint_io.AtomicCheckpointIO"}],
+}
+
+
+#: callbacks that are part of LoopQ's method (mu_t updates, SLT reselection): a changed one changes the student
+METHOD_CALLBACKS = ("loopq.calib.mu", "loopq.calib.reselection", "callbacks.adaptive_mu", "callbacks.sharing_gap")
+
+
+class LoopQCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume: 'last' or a .ckpt path")
+        parser.add_argument(
+            "--allow_config_change",
+            type=bool,
+            default=False,
+            help="resume even if the checkpoint was made with another config or teacher (the student records the new)",
+        )
+        parser.add_argument(
+            "--print_plan",
+            action="store_true",
+            help="print the run's predicted memory per GPU (loopq.planning.memory) and exit without loading the "
+            "teacher",
+        )
+        parser.add_argument(
+            "--plan_config", type=str | None, default=None, help="--print_plan: the teacher's config.json to plan with"
+        )
+        parser.add_argument(
+            "--force",
+            type=bool,
+            default=False,
+            help="replace a student in the output directory that was calibrated with another config or teacher",
+        )
+        parser.link_arguments("model.teacher", "data.tokenizer")
+
+    #: refuse to replace a student calibrated with another config (``loopq.run`` applies its own rule instead)
+    check_student = True
+    command = "loopq.fit"
+    lock: DirectoryLock | None = None
+
+    def before_instantiate_classes(self) -> None:
+        """Before the teacher loads: ``--print_plan`` (then exit), a ``--ckpt_path`` that is no checkpoint, the
+        checks of :func:`~loopq.planning.guards.check_calibration`, a student of another config in the output directory;
+        ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies. Then the run directory is
+        locked (one writer at a time)."""
+        if self.config.get("print_plan"):
+            print_plan(self.config)
+            raise SystemExit(0)
+        check_ckpt_path(self.config.get("ckpt_path"))
+        check_calibration(self.config)
+        model = self.config.model
+        model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
+        # a resume is checked against its checkpoint's record instead (check_resume, with its own override)
+        overridden = self.config.get("force") or self.config.get("allow_config_change") or self.config.get("ckpt_path")
+        if self.check_student and not overridden:
+            check_student_replace(self.config)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 holds it for the whole run
+            root = self.config.trainer.default_root_dir or os.getcwd()
+            self.lock = DirectoryLock(root, RUN_LOCK, self.command, "--trainer.default_root_dir").acquire()
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def after_instantiate(self) -> None:
+        """Everything of a run lives under ``trainer.default_root_dir``: checkpoints (so ``--ckpt_path last``
+        finds them), TensorBoard and CSV logs."""
+        trainer = self.trainer
+        root = Path(trainer.default_root_dir)
+        for cb in trainer.checkpoint_callbacks:
+            if cb.dirpath is None:
+                cb.dirpath = str(root / "checkpoints")
+        if not any(isinstance(lg, CSVLogger) for lg in trainer.loggers):
+            trainer.loggers = [*trainer.loggers, CSVLogger(str(root), name="csv")]
+        install_stop_on_signal(trainer)  # SIGTERM / SIGINT: finish the step, save, exit
+
+
+def print_plan(config: Any) -> None:
+    """``--print_plan``: the memory plan of the parsed config (rank 0 only under torchrun)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    source, plan = plan_from_config(config, config.get("plan_config"))
+    title = " ".join(str(c) for c in config.get("config") or []) or str(config.model.teacher)
+    print(format_plan(plan, title, source), flush=True)
+
+
+def main(args: list[str] | None = None) -> LoopQCalibration:
+    """Calibrate. The process group is closed after a finished (or signal-stopped) run; after an error it is left to
+    :func:`loopq.errors.run_cli`, which exits at once: destroying a group with work in flight can hang (NCCL)."""
+    cli = build_cli(args)
+    try:
+        module = calibrate(cli)
+    except SystemExit:
+        cli.release_lock()
+        close_process_group()
+        raise
+    except BaseException:
+        cli.release_lock()  # the run directory is free again; the process group is left to run_cli's hard exit
+        raise
+    cli.release_lock()
+    close_process_group()
+    return module
+
+
+def student_dir(config: Any) -> Path:
+    """Where the calibration writes its student: ``model.output_dir``, else ``<default_root_dir>/student``."""
+    root = Path(config.trainer.default_root_dir or os.getcwd())
+    return Path(config.model.output_dir) if config.model.output_dir else root / "student"
+
+
+def check_student_replace(config: Any) -> None:
+    """A student already in the output directory is replaced only by a calibration of the same teacher and config
+    (the rule of ``loopq.run``); ``--force`` replaces it anyway."""
+    meta = json_object(student_dir(config) / STUDENT_META)
+    if not meta:
+        return
+    teacher = resolve_model_dir(str(config.model.teacher))
+    current = flat_record(record(teacher_fingerprint(teacher), fit_settings(config)))
+    what = f"{student_dir(config)} holds a student calibrated"
+    fix = "pass --force true to replace it, or another --trainer.default_root_dir / --model.output_dir"
+    if not meta.get("provenance"):
+        raise ProvenanceError(f"{what} without a recorded config; {fix}")
+    recorded = flat_record(meta["provenance"])
+    check_same(recorded, current, what, fix)
+
+
+def close_process_group() -> None:
+    """Destroy the torchrun process group before the interpreter exits: Lightning leaves it open, and tearing down a
+    live gloo group at exit can abort a rank ("terminate called without an active exception") after a finished run."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCLI) -> LoopQCLI:
+    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass."""
+    return cli_class(
+        LoopQCalibration,
+        CalibrationDataModule,
+        run=False,
+        args=args,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": False, "exit_on_error": False},
+    )
+
+
+def calibrate(cli: LoopQCLI) -> LoopQCalibration:
+    """Run the calibration a built CLI describes (resuming from ``--ckpt_path``); returns the calibrated module."""
+    cli.after_instantiate()
+    # Resolved before fit and set on the trainer, so that setup hooks already see it: DeepSpeed restores after
+    # building its engine, and the promoted SLT groups must exist before that (see loopq.calib.deepspeed).
+    cli.trainer.ckpt_path = resolve_ckpt_path(cli.trainer, cli.config.ckpt_path)
+    cli.model.provenance = record(cli.model.teacher_sha256, fit_settings(cli.config))
+    if cli.trainer.ckpt_path and not cli.config.get("allow_config_change"):
+        check_resume(cli.trainer.ckpt_path, cli.model.provenance)
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    except SIGTERMException:  # stopped on request, checkpoint saved (callbacks.stop_on_signal)
+        raise SystemExit(exit_status(cli.trainer)) from None
+    return cli.model
+
+
+def fit_settings(config: Any) -> dict[str, Any]:
+    """The resolved calibration config as flat dotted keys, without the :data:`COSMETIC` options; of
+    ``trainer.callbacks`` only those of the method (:data:`METHOD_CALLBACKS`) count - checkpointing, progress,
+    diagnostics or a debugging callback added for one segment of a run do not change the student."""
+    tree = config.as_dict()
+    callbacks = (tree.get("trainer") or {}).get("callbacks")
+    if isinstance(callbacks, list):
+        tree["trainer"]["callbacks"] = [c for c in callbacks if is_method_callback(c)]
+    return {k: v for k, v in flatten(tree).items() if k not in COSMETIC}
+
+
+def is_method_callback(callback: Any) -> bool:
+    path = callback.get("class_path", "") if isinstance(callback, dict) else type(callback).__module__
+    return str(path).startswith(METHOD_CALLBACKS)
+
+
+def checkpoint_provenance(ckpt_path: str) -> dict[str, Any] | None:
+    """The provenance block a calibration checkpoint recorded (a file, or a DeepSpeed directory's sidecar)."""
+    if Path(ckpt_path).is_dir():
+        state = read_sidecar(ckpt_path) or {}
+    else:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("loopq") or {}
+    return state.get("provenance")
+
+
+def check_resume(ckpt_path: str, current: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint made from another teacher or config (see module docstring)."""
+    recorded = checkpoint_provenance(ckpt_path)
+    if recorded is None:
+        raise ProvenanceError(
+            f"{ckpt_path}: records no teacher/config (written by an older loopq.fit); resume it with "
+            "--allow_config_change if you know it matches, or start fresh without --ckpt_path"
+        )
+    check_same(
+        flat_record(recorded),
+        flat_record(current),
+        f"{ckpt_path} was calibrated",
+        "resume with the same teacher and config, pass --allow_config_change to continue anyway, or start a "
+        "fresh run (another --trainer.default_root_dir)",
+    )
+
+
+def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
+    """``last`` -> the newest intact checkpoint (a file, or a DeepSpeed checkpoint directory) of the run's
+    ModelCheckpoint folders, saying which newer ones it skipped and why (:func:`~loopq.calib.checkpoint_io.
+    newest_intact`); None (a fresh start, with a warning) if there is none yet; other values as given."""
+    if ckpt_path != "last":
+        return ckpt_path
+    folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    found = newest_intact(checkpoints_in(set(folders)))
+    if found is None:
+        rank_zero_warn("--ckpt_path last: no checkpoint yet under the run's checkpoint folder; starting fresh")
+        return None
+    return str(found)
+
+
+def checkpoints_in(folders: Iterable[str | Path]) -> list[Path]:
+    """Every ``*.ckpt`` file or DeepSpeed directory in ``folders`` (not the hidden temporaries of atomic saves)."""
+    return [
+        path
+        for folder in folders
+        if Path(folder).is_dir()
+        for path in Path(folder).iterdir()
+        if path.name.endswith(".ckpt") and not path.name.startswith(".")
+    ]
+
+
+if __name__ == "__main__":
+    run_cli(main)

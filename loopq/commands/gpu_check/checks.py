@@ -1,0 +1,351 @@
+"""The stages of the GPU check, each returning one :class:`~loopq.commands.gpu_check.table.StageResult`.
+
+1. ``environment``: torch / triton / CUDA versions, the GPU, its compute capability and memory, its known peaks.
+2. ``kernel-tests``: ``pytest tests/kernels`` in a subprocess with ``TRITON_INTERPRET=0``: the same tests CI runs
+   in the interpreter, now on CUDA tensors through the compiled kernels (``LOOPQ_KERNEL_DEVICE=cuda`` makes them
+   fail rather than fall back to CPU), plus the CUDA-only ones (bf16, Ouro's widths).
+3. ``kernel-bench``: :mod:`loopq.commands.gpu_check.kernel_bench` at Ouro-1.4B's shapes: checked, then timed.
+4. ``calibration``: ``python -m loopq.fit --config configs/tiny.yaml`` for a few steps with ``--trainer.accelerator
+   gpu --trainer.precision bf16-mixed`` in a subprocess: every logged loss finite, a student written.
+5. ``step``: one fake-quant W4A4 student forward+backward of a randomly initialised Ouro-1.4B-shaped model (hidden
+   2048, MLP 5632, 16 heads of 128, vocabulary 49152, 4 loops; :data:`STEP_LAYERS` of its 24 layers) at batch
+   4 x 256 tokens under bf16 autocast (as ``bf16-mixed`` runs it), against the FP model's forward+backward, with
+   peak CUDA memory. Random weights cost the same time as trained ones.
+6. ``pipeline`` and 7. ``paper-shape``: the user's flow on cuda - export, evaluation and generation agreeing with the
+   CPU, and ``configs/ouro2.6b.yaml`` at real shape against its memory plan (:mod:`loopq.commands.gpu_check.flow`).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from loopq.artifacts.student import check_student_dir, read_student_meta
+from loopq.commands.gpu_check import flow, kernel_bench
+from loopq.commands.gpu_check.peaks import peaks_for
+from loopq.commands.gpu_check.table import FAIL, OK, StageResult
+from loopq.errors import one_line
+from loopq.models.ouro import OuroConfig, OuroLM
+from loopq.paths import REPO_ROOT
+from loopq.quant import QuantConfig, prepare, quant_groups
+
+KERNEL_TESTS = REPO_ROOT / "tests" / "kernels"
+TINY_CONFIG = "configs/tiny.yaml"
+TINY_TEACHER = str(REPO_ROOT / "loopq" / "assets" / "tiny-ouro")  # configs/tiny.yaml's teacher
+CALIBRATION_STEPS, QUICK_CALIBRATION_STEPS = 20, 5
+STEP_LAYERS, QUICK_STEP_LAYERS = 4, 2
+STEP_BATCH, STEP_SEQ = 4, 256
+STUDENT = QuantConfig(w_bits=4, a_bits=4, group_size=32, las=True, slt_budget=4, cta=True, cta_rank=8)
+SUBPROCESS_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every stage may use: ``quick`` (fewer shapes and steps) and a scratch directory removed afterwards."""
+
+    quick: bool
+    workdir: Path
+
+
+# ------------------------------------------------------------------------------------------------- 1 environment
+def environment(ctx: Context) -> StageResult:
+    props = torch.cuda.get_device_properties(0)
+    peaks = peaks_for(props.name)
+    details = {
+        "device": props.name,
+        "capability": f"sm_{props.major}{props.minor}",
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "peaks": None if peaks is None else asdict(peaks),
+    }
+    known = "peaks n/a (not in loopq.commands.gpu_check.peaks.PEAKS)"
+    if peaks is not None:
+        known = f"dense peaks ({peaks.model}): bf16 {peaks.bf16_tflops:g} TFLOP/s, int8 {peaks.int8_tops:g} TOPS"
+    summary = (
+        f"{props.name}, {details['capability']}, {details['memory_gib']} GiB; torch {torch.__version__} "
+        f"(CUDA {torch.version.cuda}), triton {triton.__version__}; {known}"
+    )
+    return StageResult("environment", OK, summary, details=details)
+
+
+# ------------------------------------------------------------------------------------------------ 2 kernel tests
+def junit_counts(path: Path) -> dict[str, int]:
+    """Test counts of a pytest ``--junitxml`` report: tests, failures, errors, skipped and passed."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def kernel_tests_result(returncode: int, counts: dict[str, int] | None, output: str) -> StageResult:
+    """The stage's verdict: pytest exited 0, something passed, nothing failed or errored (``output``'s last line
+    says why when pytest wrote no report, e.g. no pytest installed)."""
+    last = (output.strip().splitlines() or ["no output"])[-1]
+    if counts is None:
+        return StageResult("kernel-tests", FAIL, f"pytest wrote no report (exit status {returncode}): {last}")
+    summary = (
+        f"{counts['passed']} passed, {counts['skipped']} skipped, {counts['failures']} failed, "
+        f"{counts['errors']} errors (compiled Triton kernels on CUDA, TRITON_INTERPRET=0)"
+    )
+    bad = returncode != 0 or counts["failures"] or counts["errors"] or counts["passed"] == 0
+    return StageResult("kernel-tests", FAIL if bad else OK, summary, details={**counts, "returncode": returncode})
+
+
+def kernel_tests(ctx: Context) -> StageResult:
+    if not KERNEL_TESTS.is_dir():
+        return StageResult("kernel-tests", FAIL, f"{KERNEL_TESTS} not found: run the check from a LoopQ checkout")
+    report = ctx.workdir / "kernel-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(KERNEL_TESTS), f"--junitxml={report}"]
+    if ctx.quick:
+        cmd += ["-m", "not slow"]  # the ahead-of-time PTX compile test; the compiled kernels run anyway
+    env = {**os.environ, "TRITON_INTERPRET": "0", "LOOPQ_KERNEL_DEVICE": "cuda", "PYTHONPATH": pythonpath()}
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False
+    )
+    counts = junit_counts(report) if report.is_file() else None
+    result = kernel_tests_result(proc.returncode, counts, f"{proc.stderr}\n{proc.stdout}")
+    if result.status == FAIL:
+        print(tail(proc.stdout + proc.stderr, 60))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- 3 kernel bench
+def kernel_bench_stage(ctx: Context) -> StageResult:
+    peaks = peaks_for(torch.cuda.get_device_name())
+    tokens = kernel_bench.QUICK_TOKENS if ctx.quick else kernel_bench.TOKENS
+    rows = kernel_bench.measure(kernel_bench.SHAPES, tokens)
+    print(kernel_bench.format_rows(rows, peaks))
+    status, summary = kernel_bench.summarize(rows, peaks)
+    return StageResult("kernel-bench", status, summary, details={"rows": [kernel_bench.as_dict(r) for r in rows]})
+
+
+# ------------------------------------------------------------------------------------------------ 4 calibration
+def read_losses(root: Path) -> list[float]:
+    """Every ``train/loss`` a ``loopq.fit`` run logged to ``<root>/csv/version_*/metrics.csv``, in order."""
+    losses = []
+    for metrics in sorted(root.glob("csv/version_*/metrics.csv")):
+        with metrics.open(newline="") as f:
+            losses += [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
+    return losses
+
+
+def calibration_result(returncode: int, root: Path, steps: int, stderr: str) -> StageResult:
+    """The stage's verdict: ``loopq.fit`` exited 0, logged losses that are all finite, and wrote a student."""
+    if returncode != 0:
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        last = (errors or stderr.strip().splitlines() or ["no output"])[-1]
+        return StageResult("calibration", FAIL, f"loopq.fit exited with status {returncode}: {last}")
+    losses = read_losses(root)
+    if not losses or not all(math.isfinite(v) for v in losses):
+        return StageResult("calibration", FAIL, f"logged losses missing or not finite: {losses}")
+    student = root / "student"
+    check_student_dir(student)
+    meta = read_student_meta(student)
+    summary = (
+        f"{steps} steps of configs/tiny.yaml on cuda, bf16-mixed: loss {losses[0]:.4g} -> {losses[-1]:.4g} "
+        f"(all {len(losses)} finite), student written ({meta['format']})"
+    )
+    return StageResult("calibration", OK, summary, details={"losses": losses})
+
+
+def calibration(ctx: Context) -> StageResult:
+    root = ctx.workdir / "calibration"
+    steps = QUICK_CALIBRATION_STEPS if ctx.quick else CALIBRATION_STEPS
+    cmd = [sys.executable, "-m", "loopq.fit", "--config", TINY_CONFIG, "--trainer.default_root_dir", str(root)]
+    cmd += ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.precision", "bf16-mixed"]
+    cmd += ["--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1"]
+    cmd += ["--trainer.enable_progress_bar", "false"]
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False
+    )
+    result = calibration_result(proc.returncode, root, steps, proc.stderr)
+    if result.status == FAIL:
+        print(tail(proc.stderr, 40))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------- 5 step
+def cuda_median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median CUDA-event time of ``fn`` over ``iters`` calls after ``warmup`` calls, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def profile_step(fn: Callable[[], object], rows: int = 15) -> dict[str, object]:
+    """Where a step's time goes (issue 27: the student's step at 4x the FP one): ``torch.profiler`` over one call -
+    the top ``rows`` operators by self CUDA time (printed, and returned as text), the number of kernel launches, and
+    the CPU time against the CUDA time (a step whose CPU time exceeds its GPU time is dispatch-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+    print(table)
+    on_device = [e for e in events if e.device_type.name == "CUDA"]
+    return {
+        "top_ops": table,
+        "kernel_launches": sum(e.count for e in on_device),
+        "cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        "cuda_ms": sum(e.self_device_time_total for e in on_device) / 1e3,
+    }
+
+
+def peak_gib(fn: Callable[[], object]) -> float:
+    """Peak CUDA memory allocated while ``fn`` runs (everything resident included), in GiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor, losses: list[float]) -> Callable[[], None]:
+    """Forward under bf16 autocast, next-token cross-entropy, backward, gradients dropped; records the loss."""
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        losses.append(float(loss.detach()))
+
+    return step
+
+
+def step(ctx: Context) -> StageResult:
+    layers = QUICK_STEP_LAYERS if ctx.quick else STEP_LAYERS
+    iters, warmup = (2, 1) if ctx.quick else (5, 2)
+    config = OuroConfig(num_hidden_layers=layers)  # every other field: Ouro-1.4B's
+    teacher = OuroLM.from_config(config, seed=0)
+    student = prepare(teacher, STUDENT).cuda()
+    teacher.cuda()
+    ids = torch.randint(0, config.vocab_size, (STEP_BATCH, STEP_SEQ), generator=torch.Generator().manual_seed(0))
+    ids, losses = ids.cuda(), []
+    times = {"student_ms": cuda_median_ms(train_step(student, ids, losses), iters, warmup)}
+    details: dict[str, object] = {"layers": layers, "batch": STEP_BATCH, "seq": STEP_SEQ, "quant": asdict(STUDENT)}
+    details["student_peak_gib"] = peak_gib(train_step(student, ids, losses))
+    details["student_profile"] = profile_step(train_step(student, ids, losses))
+    if not ctx.quick:
+        for group in quant_groups(student).values():
+            group.compiled = True  # model.compile_quantizers: true, as configs/ouro1.4b.yaml calibrates
+        times["compiled_student_ms"] = cuda_median_ms(train_step(student, ids, losses), iters, warmup=2)
+    teacher.requires_grad_(True)
+    times["fp_ms"] = cuda_median_ms(train_step(teacher, ids, losses), iters, warmup)
+    details |= times | {"losses": losses}
+    del teacher, student
+    torch.cuda.empty_cache()
+    return step_result(times, details, layers)
+
+
+def step_result(times: dict[str, float], details: dict[str, object], layers: int) -> StageResult:
+    """The stage's verdict (every loss finite) and its line: times, student / FP ratios, peak memory."""
+    fp = times["fp_ms"]
+    parts = [
+        f"Ouro-1.4B shape, {layers} of 24 layers x 4 loops, batch {STEP_BATCH} x {STEP_SEQ}, bf16 autocast",
+        f"FP fwd+bwd {fp:.1f} ms",
+    ]
+    for key, label in (("student_ms", "W4A4 student"), ("compiled_student_ms", "compiled quantizers")):
+        if key in times:
+            parts.append(f"{label} {times[key]:.1f} ms ({times[key] / fp:.2f}x)")
+    parts.append(f"student peak {details['student_peak_gib']:.1f} GiB")
+    profile = details.get("student_profile")
+    if isinstance(profile, dict):
+        parts.append(
+            f"profiled student step: {profile['kernel_launches']} kernel launches, CPU {profile['cpu_ms']:.0f} ms vs "
+            f"CUDA {profile['cuda_ms']:.0f} ms"
+        )
+    losses = [float(v) for v in details["losses"]]  # type: ignore[attr-defined]
+    finite = all(math.isfinite(v) for v in losses)
+    if not finite:
+        parts.append(f"NON-FINITE loss in {losses}")
+    return StageResult("step", OK if finite else FAIL, "; ".join(parts), details=details)
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+def pythonpath() -> str:
+    """``PYTHONPATH`` for a child process: this checkout first, so it runs the same ``loopq`` as this one."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def tail(text: str, lines: int) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------------------------ 6-7 the user's flow
+def pipeline_stage(ctx: Context) -> StageResult:
+    """:func:`loopq.commands.gpu_check.flow.pipeline` on the student the ``calibration`` stage wrote (calibrated now if
+    that stage was skipped or failed)."""
+    student = ctx.workdir / "calibration" / "student"
+    if not student.is_dir():
+        calibration(ctx)
+    if not student.is_dir():
+        return StageResult("pipeline", FAIL, "no calibrated student: the calibration on cuda failed (see above)")
+    return flow.pipeline(ctx.workdir / "pipeline", student, TINY_TEACHER)
+
+
+def paper_shape_stage(ctx: Context) -> StageResult:
+    """:func:`loopq.commands.gpu_check.flow.paper_shape`: the paper's command at full depth (quick: 8 of the 48
+    layers)."""
+    layers = 8 if ctx.quick else None
+    steps = flow.QUICK_PAPER_STEPS if ctx.quick else flow.PAPER_STEPS
+    return flow.paper_shape(ctx.workdir / "paper-shape", steps, layers)
+
+
+#: the stages in the order they run (``--skip`` takes these names)
+STAGES: dict[str, Callable[[Context], StageResult]] = {
+    "environment": environment,
+    "kernel-tests": kernel_tests,
+    "kernel-bench": kernel_bench_stage,
+    "calibration": calibration,
+    "pipeline": pipeline_stage,
+    "step": step,
+    "paper-shape": paper_shape_stage,
+}
+
+
+def run_stage(name: str, ctx: Context) -> StageResult:
+    """Run stage ``name``, timed; an exception is the stage's failure (traceback on stderr), not the check's end."""
+    print(f"[gpu_check] {name} ...", flush=True)
+    began = time.perf_counter()
+    try:
+        result = STAGES[name](ctx)
+    except Exception as err:
+        traceback.print_exc()
+        result = StageResult(name, FAIL, f"{type(err).__name__}: {one_line(err)}")
+    result.seconds = time.perf_counter() - began
+    print(f"[gpu_check] {name}: {result.status} ({result.seconds:.1f} s)", flush=True)
+    return result

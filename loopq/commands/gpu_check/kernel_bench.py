@@ -1,0 +1,273 @@
+"""The kernel benchmark: fused activation quantizer + W4A4 / W4A8 GEMM against a BF16 ``torch.matmul``.
+
+Shapes are Ouro-1.4B's linears as the exported model runs them (:data:`SHAPES`, ``(N, K)``: fused QKV, ``o_proj``,
+fused gate+up, ``down_proj``) at M tokens per call (:data:`TOKENS`: decode, a small batch, a calibration-size and a
+prefill-size call). Every row is first **checked** - the Triton quantizer must reproduce the torch reference's
+codes and scales bit for bit, the Triton GEMM's fp32 output must lie within the fp32 rounding bound of the float64
+value of the same codes (:func:`loopq.kernels.reference.gemm_fp64`: the tile kernel of M > 16 follows the
+reference's order, the split-K decode kernel of M <= 16 does not; see :mod:`loopq.kernels`) - then **timed** with
+``triton.testing.do_bench`` (median, L2 flushed before every call, so weights are read from memory as in a real
+forward). A quantized linear pays quantizer + GEMM per call (``x q+mm``); the goals (:func:`goal_for`) are on the
+GEMM alone (``x mm``): at M = 1 it reads 0.5625 bytes per weight (int4 + an fp16 scale per 32) instead of BF16's
+2, so up to ~3.6x from bandwidth; at large M it runs int8 ``mma``, at most 2x BF16
+(:mod:`loopq.commands.gpu_check.peaks`).
+
+The check runs wherever the kernels run (CUDA, or Triton's interpreter on CPU at a tiny shape); the timing needs
+CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from loopq.commands.gpu_check.peaks import DevicePeaks, fraction, gemm_tera_ops, percent, weight_tb_s
+from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, grid
+from loopq.kernels import gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight, unpack_int4
+from loopq.kernels.reference import gemm_fp64
+from loopq.quant.transforms import kron_factors
+
+#: (N, K) of Ouro-1.4B's linears: fused q/k/v, o_proj, fused gate/up, down_proj
+SHAPES: tuple[tuple[int, int], ...] = ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+TOKENS: tuple[int, ...] = (1, 16, 256, 4096)
+QUICK_TOKENS: tuple[int, ...] = (1, 256)
+CLIP = 0.9
+INT4_WEIGHT_BYTES = 0.5 + 2 / 32  # a packed int4 code + its share of one fp16 scale per 32 weights
+BF16_WEIGHT_BYTES = 2.0
+GEMMS = ((4, gemm_w4a4), (8, gemm_w4a8))
+
+
+@dataclass
+class KernelRow:
+    """One (N, K, M): the correctness check, then (on CUDA) the times in milliseconds."""
+
+    n: int
+    k: int
+    m: int
+    problems: list[str] = field(default_factory=list)  # empty: bit-exact quantizers, GEMMs within the fp32 bound
+    max_abs_err: float = 0.0  # largest |Triton - torch| of the fp32 GEMM outputs, W4A4 and W4A8
+    bf16_ms: float | None = None
+    w4a4_quant_ms: float | None = None
+    w4a4_gemm_ms: float | None = None
+    w4a8_quant_ms: float | None = None
+    w4a8_gemm_ms: float | None = None
+
+
+def goal_for(m: int) -> float | None:
+    """The W4A4-GEMM speed-up over BF16 asked for at M tokens: 2.5x at M = 1 (weight bandwidth), 1.6x at M >= 256
+    (int8 tensor cores), none in between."""
+    if m == 1:
+        return 2.5
+    return 1.6 if m >= 256 else None
+
+
+def speedup(bf16_ms: float | None, ms: float | None) -> float | None:
+    """How many times faster than BF16 (> 1: faster); None when either time is missing."""
+    return None if bf16_ms is None or ms is None else bf16_ms / ms
+
+
+def transform_factors(
+    k: int, gen: torch.Generator, device: torch.device | str, transform: bool = True
+) -> tuple[Tensor | None, Tensor | None]:
+    """Dense, well-conditioned Kronecker factors of the size LoopQ uses for input dimension ``k`` (both None
+    without ``transform``)."""
+    if not transform:
+        return None, None
+    n1, n2 = kron_factors(k)
+    return tuple((torch.eye(n) + 0.1 * torch.randn(n, n, generator=gen)).to(device) for n in (n1, n2))  # type: ignore[return-value]
+
+
+def check_row(
+    n: int,
+    k: int,
+    m: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    transform: bool = True,
+    seed: int = 0,
+) -> KernelRow:
+    """Triton against the torch backend on ``device`` for one shape (with the online transform unless told not):
+    quantizers bit-exact, GEMMs (fed the reference's codes, so a quantizer error is not counted twice) within
+    ``gemm_fp64``'s fp32 bound of the float64 GEMM; ``max_abs_err`` is the largest |Triton - torch|."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    left, right = transform_factors(k, gen, device, transform)
+    w, sw = quantize_weight(torch.randn(n, k, generator=gen).to(device))
+    row = KernelRow(n, k, m)
+    for bits, gemm in GEMMS:
+        ref = quantize_activation(x, left, right, CLIP, bits, backend="torch")
+        tri = quantize_activation(x, left, right, CLIP, bits, backend="triton")
+        if not all(torch.equal(t, r) for t, r in zip(tri, ref, strict=True)):
+            row.problems.append(f"W4A{bits} quantizer not bit-exact")
+        got = gemm(*ref, w, sw, torch.float32, backend="triton")
+        err = (got - gemm(*ref, w, sw, torch.float32, backend="torch")).abs()
+        row.max_abs_err = max(row.max_abs_err, float(err.max()))
+        ref64, bound = gemm_fp64(unpack_int4(ref[0]) if bits == 4 else ref[0], ref[1], unpack_int4(w), sw)
+        if not bool(((got.double() - ref64).abs() <= bound).all()):
+            row.problems.append(f"W4A{bits} GEMM off by up to {float(err.max()):.2e}")
+    return row
+
+
+def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
+    """Fill ``row``'s times (CUDA, compiled kernels): BF16 ``x @ W^T``, and per W4A4 / W4A8 the quantizer (with the
+    transform) and the GEMM (BF16 output), each the median of ``do_bench`` with the L2 cache flushed per call."""
+    from triton.testing import do_bench
+
+    bench = partial(do_bench, return_mode="median")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(row.m, row.k, generator=gen).to("cuda", torch.bfloat16)
+    weight = torch.randn(row.n, row.k, generator=gen).to("cuda", torch.bfloat16)
+    w, sw = quantize_weight(weight)
+    left, right = transform_factors(row.k, gen, "cuda", transform)
+    row.bf16_ms = bench(lambda: torch.matmul(x, weight.T))
+    for bits, gemm in GEMMS:
+        a, sa = quantize_activation(x, left, right, CLIP, bits)
+        quant_ms = bench(lambda bits=bits: quantize_activation(x, left, right, CLIP, bits))
+        gemm_ms = bench(lambda a=a, sa=sa, gemm=gemm: gemm(a, sa, w, sw, torch.bfloat16))
+        setattr(row, f"w4a{bits}_quant_ms", quant_ms)
+        setattr(row, f"w4a{bits}_gemm_ms", gemm_ms)
+
+
+def measure(
+    shapes: Iterable[tuple[int, int]],
+    tokens: Iterable[int],
+    transform: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[KernelRow]:
+    """Check and time every (N, K) x M on CUDA; a row that fails its check is not timed."""
+    rows = []
+    for n, k in shapes:
+        for m in tokens:
+            row = check_row(n, k, m, "cuda", transform=transform)
+            if not row.problems:
+                time_row(row, transform)
+            log(f"  N={n} K={k} M={m}: {'; '.join(row.problems) or 'exact'}")
+            rows.append(row)
+    return rows
+
+
+HEADERS = (
+    "N",
+    "K",
+    "M",
+    "bf16 us",
+    "TFLOP/s",
+    "%bf16 pk",
+    "A4 q us",
+    "A4 mm us",
+    "A4 TOPS",
+    "%int8 pk",
+    "%HBM",
+    "x mm",
+    "x q+mm",
+    "goal",
+    "A8 q us",
+    "A8 mm us",
+    "%int8 pk",
+    "x mm",
+    "x q+mm",
+    "check",
+)
+
+
+def _us(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms * 1e3:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _tera(row: KernelRow, ms: float | None) -> float | None:
+    return None if ms is None else gemm_tera_ops(row.m, row.n, row.k, ms)
+
+
+def _goal_cell(row: KernelRow) -> str:
+    goal, got = goal_for(row.m), speedup(row.bf16_ms, row.w4a4_gemm_ms)
+    if goal is None:
+        return ""
+    return f">={goal}x " + ("?" if got is None else "met" if got >= goal else "MISSED")
+
+
+def row_cells(row: KernelRow, peaks: DevicePeaks | None) -> list[str]:
+    """The printed cells of one row (see :data:`HEADERS`): times in microseconds, throughput, fractions of the
+    device's dense peaks (``n/a`` for an unknown device), speed-ups over BF16, goal, check."""
+    bf16_peak, int8_peak, hbm = (peaks.bf16_tflops, peaks.int8_tops, peaks.hbm_tb_s) if peaks else (None, None, None)
+    bf16, a4, a8 = (_tera(row, ms) for ms in (row.bf16_ms, row.w4a4_gemm_ms, row.w4a8_gemm_ms))
+    a4_tb_s = None if row.w4a4_gemm_ms is None else weight_tb_s(row.n, row.k, INT4_WEIGHT_BYTES, row.w4a4_gemm_ms)
+
+    def frac(value: float | None, peak: float | None) -> str:
+        return "-" if value is None else percent(fraction(value, peak))
+
+    return [
+        str(row.n),
+        str(row.k),
+        str(row.m),
+        _us(row.bf16_ms),
+        "-" if bf16 is None else f"{bf16:.1f}",
+        frac(bf16, bf16_peak),
+        _us(row.w4a4_quant_ms),
+        _us(row.w4a4_gemm_ms),
+        "-" if a4 is None else f"{a4:.1f}",
+        frac(a4, int8_peak),
+        frac(a4_tb_s, hbm),
+        _x(speedup(row.bf16_ms, row.w4a4_gemm_ms)),
+        _x(speedup(row.bf16_ms, _sum(row.w4a4_quant_ms, row.w4a4_gemm_ms))),
+        _goal_cell(row),
+        _us(row.w4a8_quant_ms),
+        _us(row.w4a8_gemm_ms),
+        frac(a8, int8_peak),
+        _x(speedup(row.bf16_ms, row.w4a8_gemm_ms)),
+        _x(speedup(row.bf16_ms, _sum(row.w4a8_quant_ms, row.w4a8_gemm_ms))),
+        "; ".join(row.problems) or "exact",
+    ]
+
+
+def _sum(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def format_rows(rows: list[KernelRow], peaks: DevicePeaks | None) -> str:
+    """The benchmark table: A4 / A8 = W4A4 / W4A8; ``q`` the quantizer (with transform), ``mm`` the GEMM; ``%HBM``
+    the W4A4 GEMM's weight bytes per second against the memory bandwidth (what bounds M = 1)."""
+    return grid(HEADERS, [row_cells(r, peaks) for r in rows], right=range(len(HEADERS) - 1))
+
+
+def worst_speedup(rows: list[KernelRow], keep: Callable[[int], bool]) -> float | None:
+    """The smallest W4A4-GEMM speed-up over BF16 among timed rows whose M passes ``keep``."""
+    values = [s for r in rows if keep(r.m) and (s := speedup(r.bf16_ms, r.w4a4_gemm_ms)) is not None]
+    return min(values, default=None)
+
+
+def summarize(rows: list[KernelRow], peaks: DevicePeaks | None) -> tuple[str, str]:
+    """(status, one line): FAIL on any mismatch, ``below goal`` when a timed row misses its goal, else ok."""
+    bad = [r for r in rows if r.problems]
+    at_1, at_256 = worst_speedup(rows, lambda m: m == 1), worst_speedup(rows, lambda m: m >= 256)
+    best = max((t for r in rows if (t := _tera(r, r.w4a4_gemm_ms)) is not None), default=None)
+    parts = [f"{len(rows) - len(bad)}/{len(rows)} shapes exact"]
+    if bad:
+        parts.append("MISMATCH at " + ", ".join(f"N={r.n} K={r.k} M={r.m}" for r in bad))
+    parts.append(f"W4A4 GEMM vs bf16, worst shape: M=1 {_x(at_1)} (goal 2.5x), M>=256 {_x(at_256)} (goal 1.6x)")
+    if best is not None:
+        int8_peak = peaks.int8_tops if peaks else None
+        parts.append(f"best W4A4 {best:.0f} TOPS = {percent(fraction(best, int8_peak))} of int8 peak")
+    missed = any(
+        (goal := goal_for(r.m)) is not None and (s := speedup(r.bf16_ms, r.w4a4_gemm_ms)) is not None and s < goal
+        for r in rows
+    )
+    return (FAIL if bad else BELOW_GOAL if missed else OK), "; ".join(parts)
+
+
+def as_dict(row: KernelRow) -> dict[str, object]:
+    """A row for the results JSON, with its derived speed-ups."""
+    return {
+        **dataclasses.asdict(row),
+        "w4a4_gemm_speedup": speedup(row.bf16_ms, row.w4a4_gemm_ms),
+        "w4a8_gemm_speedup": speedup(row.bf16_ms, row.w4a8_gemm_ms),
+        "goal": goal_for(row.m),
+    }

@@ -1,0 +1,327 @@
+"""Train the embedded default teacher: a tiny Ouro-architecture looped LM on real English text.
+
+    python -m loopq.pretrain --config configs/pretrain/tiny-ouro.yaml
+
+Data: the calibration prose, LAMBADA development text and WikiText-2 *valid* (never a test split), tokenized
+by a byte-level BPE trained on the same text. With ``data.bos: true`` every training window starts with the
+BOS token (``<|endoftext|>``, id 0, as in Ouro's tokenizer) followed by ``seq_len`` tokens of the stream.
+
+Objective (Ouro-style, every loop's exit is trained):
+
+    L = sum_t w_t CE(lm_head(H_t), y)  +  gate_weight * sum_{t<T-1} BCE(sigmoid(g_t), stop_t)
+
+with w_t proportional to ``loop_weights`` (rising with t, so the model learns to *use* its loops) and the exit
+gate taught to stop at loop t when loop t+1 no longer lowers the token's loss by ``gate_margin`` nats
+(targets from detached losses: the gate never shapes the LM). At the end the model is written in Ouro's native
+format (config.json + model.safetensors) with ``tokenizer.json`` to ``out_dir``.
+
+Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint(save_last=true)``, as in
+``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
+newest checkpoint (model, optimizer, LR schedule, step; the data order restarts its epoch). The record written
+next to the model names the command, seed, steps and the wall time summed over all resumed segments.
+
+``out_dir`` is checked before training starts: it may be new, or hold a teacher this command trained before (its
+``training_record.json``): the README rebuilds the embedded teachers in ``loopq/assets`` in place on purpose (students
+calibrated on the old weights are then stale and must be recalibrated). Any other model there (a downloaded or
+stress teacher, a student, an export) is refused unless ``--overwrite true``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from loopq.artifacts.layout import RUN_LOCK, check_output_dir
+from loopq.calib.stop_on_signal import exit_status
+from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.data.stream import contiguous_windows, token_stream
+from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
+from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
+from loopq.errors import run_cli
+from loopq.locks import DirectoryLock
+from loopq.models.ouro import OuroConfig, OuroLM
+from loopq.paths import data_dir
+
+
+class PretrainDataModule(L.LightningDataModule):
+    """Trains the tokenizer on the training text, then serves shuffled contiguous windows of it."""
+
+    def __init__(
+        self,
+        sources: list[str] | None = None,
+        root: str | None = None,
+        vocab_size: int = 2048,
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_windows: int = 64,
+        seed: int = 0,
+        bos: bool = False,
+        tokenizer: str | None = None,
+    ) -> None:
+        """``tokenizer``: a model directory or tokenizer.json to use instead of training a BPE (a fine-tune must keep
+        its teacher's token ids, e.g. ``loopq.stress``)."""
+        super().__init__()
+        self.save_hyperparameters()
+        self.tokenizer: Any = None
+        self.train: Tensor | None = None
+        self.val: Tensor | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train is not None:
+            return
+        hp = self.hparams
+        files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
+        docs = read_training_text(files)
+        self.tokenizer = load_tokenizer(hp.tokenizer) if hp.tokenizer else train_bpe(docs, hp.vocab_size)
+        if hp.bos:  # [BOS] + seq_len stream tokens: the model always sees BOS at position 0 (attention sink)
+            body = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len)
+            windows = torch.cat([torch.full((len(body), 1), eos_id(self.tokenizer), dtype=body.dtype), body], 1)
+        else:
+            windows = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len + 1)
+        order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(hp.seed))
+        windows = windows[order]
+        self.val, self.train = windows[: hp.val_windows], windows[hp.val_windows :]
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(TensorDataset(self.train), batch_size=self.hparams.batch_size, shuffle=True, generator=gen)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.val), batch_size=self.hparams.batch_size)
+
+
+def per_loop_token_losses(model: OuroLM, ids: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Token-level CE of every loop's exit ``[T, B, S]`` and the exit-gate logits per loop."""
+    out = model(ids[:, :-1], return_trajectory=True)
+    targets = ids[:, 1:]
+    losses = [
+        F.cross_entropy(model.lm_head(h).flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        for h in out.loop_states
+    ]
+    return torch.stack(losses), out.extras["exit_gate_logits"]
+
+
+def gate_targets(token_losses: Tensor, margin: float) -> Tensor:
+    """stop_t = 1 when loop t+1 lowers the token's loss by less than ``margin`` nats (t = 0..T-2)."""
+    gain = token_losses[:-1] - token_losses[1:]
+    return (gain < margin).to(token_losses.dtype)
+
+
+class TeacherPretrainer(L.LightningModule):
+    """Ouro-style multi-exit pretraining of a tiny looped LM."""
+
+    def __init__(
+        self,
+        vocab_size: int = 2048,
+        hidden_size: int = 128,
+        intermediate_size: int = 384,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        total_ut_steps: int = 4,
+        max_position_embeddings: int = 2048,
+        loop_weights: list[float] | None = None,
+        gate_weight: float = 0.1,
+        gate_margin: float = 0.02,
+        lr: float = 2e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        seed: int = 0,
+        out_dir: str = "loopq/assets/tiny-ouro",
+        post_norm_init: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = OuroConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            total_ut_steps=total_ut_steps,
+            max_position_embeddings=max_position_embeddings,
+            extra={"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "architectures": ["OuroForCausalLM"]},
+        )
+        self.model = OuroLM.from_config(config, seed=seed)
+        init_post_norms(self.model, post_norm_init)
+        weights = torch.tensor(loop_weights or [float((t + 1) ** 2) for t in range(total_ut_steps)])
+        if len(weights) != total_ut_steps:
+            raise ValueError(f"model.loop_weights needs {total_ut_steps} entries (one per loop), got {len(weights)}")
+        self.register_buffer("loop_weights", weights / weights.sum(), persistent=False)
+        self._t0 = time.time()
+        self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
+        self._first_step, self._rate_t0 = 0, time.time()
+
+    def on_train_start(self) -> None:
+        self._rate_t0, self._first_step = time.time(), self.global_step
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["loopq_wall_seconds"] = self.wall_seconds()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._wall_before = float(checkpoint.get("loopq_wall_seconds", 0.0))
+
+    def wall_seconds(self) -> float:
+        """Training wall time summed over every segment of a resumed run."""
+        return self._wall_before + time.time() - self._t0
+
+    def _losses(self, batch: list[Tensor], stage: str) -> Tensor:
+        return self._objective(batch, stage)[0]
+
+    def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
+        """(the Ouro objective, the per-loop mean CEs [T] it was made of, with their graph)."""
+        token_losses, gates = per_loop_token_losses(self.model, batch[0])
+        per_loop = token_losses.mean(dim=(1, 2))
+        lm = (self.loop_weights * per_loop).sum()
+        gate_logits = torch.stack([g.squeeze(-1) for g in gates[:-1]])
+        gate = F.binary_cross_entropy_with_logits(
+            gate_logits, gate_targets(token_losses.detach(), self.hparams.gate_margin)
+        )
+        for t, value in enumerate(per_loop):
+            self.log(f"{stage}/ce_loop{t + 1}", value, prog_bar=(stage == "val" or t == len(per_loop) - 1))
+        self.log(f"{stage}/gate_bce", gate)
+        return lm + self.hparams.gate_weight * gate, per_loop
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        loss = self._losses(batch, "train")
+        self.log("loss", loss, prog_bar=True, logger=False)  # what the plain-line progress prints
+        steps = self.global_step + 1 - self._first_step  # this segment's steps: a resumed run's rate stays true
+        self.log("train/tokens_per_s", batch[0].numel() * steps / (time.time() - self._rate_t0))
+        return loss
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self._losses(batch, "val")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.95),
+        )
+        total = max(1, self.trainer.max_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            export_teacher(self, self.trainer.datamodule)
+
+
+#: Ouro's sandwich norms: each sub-layer's output is RMS-normalised by these before it joins the residual stream
+POST_NORMS = ("input_layernorm_2.weight", "post_attention_layernorm_2.weight")
+
+
+def init_post_norms(model: OuroLM, gain: float) -> None:
+    """Start the sandwich-norm gains at ``gain`` instead of 1. At 1 every sub-layer adds a unit-RMS vector to a
+    residual stream that starts at the embeddings' RMS (0.02): with 6 layers x 4 loops (48 additions) the token
+    signal is drowned at initialisation and training sits on the unigram plateau for hundreds of steps; a small
+    gain (SkipInit/ReZero-style) keeps each block close to the identity at the start. 1.0 leaves the model as built."""
+    if gain == 1.0:
+        return
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(POST_NORMS):
+                p.fill_(gain)
+
+
+def warmup_cosine(step: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``floor`` at ``total`` steps (an LR multiplier)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def export_teacher(
+    module: TeacherPretrainer,
+    data: PretrainDataModule,
+    program: str = "loopq.pretrain",
+    extra: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Save model + tokenizer in Ouro's native layout and a training record (the ``python -m program`` command and
+    ``extra`` entries, e.g. a fine-tune's auxiliary objective) next to them. ``dtype``: of the saved weights
+    (bf16 halves a committed teacher; :func:`loopq.models.load_looplm` reads it back as fp32)."""
+    out = Path(module.hparams.out_dir)
+    model = module.model.eval()
+    (model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)).save_pretrained(out)
+    data.tokenizer.save(str(out / "tokenizer.json"))
+    metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
+    record = {
+        "command": f"python -m {program} " + shlex.join(sys.argv[1:]),
+        "model_hparams": dict(module.hparams),
+        "data_hparams": dict(data.hparams),
+        "steps": module.trainer.global_step,
+        "train_tokens": module.trainer.global_step * data.hparams.batch_size * data.hparams.seq_len,
+        "wall_seconds": round(module.wall_seconds(), 1),
+        "seed": module.hparams.seed,
+        "torch": torch.__version__,
+        "final_metrics": metrics,
+        "saved_dtype": str(dtype).removeprefix("torch."),
+        **(extra or {}),
+    }
+    (out / "training_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return out
+
+
+class PretrainCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.link_arguments("data.vocab_size", "model.vocab_size")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
+        parser.add_argument("--overwrite", type=bool, default=False, help="let model.out_dir replace any model")
+
+    def before_instantiate_classes(self) -> None:
+        """Before any training: ``model.out_dir`` may hold only a teacher this command trained (see module doc)."""
+        if not self.config.overwrite:
+            root = self.config.data.root or data_dir()
+            check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=("pretrained teacher",))
+
+
+def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningModule], args: list[str] | None) -> None:
+    """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data), fit from ``--ckpt_path`` when given,
+    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130."""
+    cli = cli_class(
+        model_class,
+        PretrainDataModule,
+        run=False,
+        args=args,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": False, "exit_on_error": False},
+    )
+    install_stop_on_signal(cli.trainer)
+    command = f"loopq.{model_class.__module__.rpartition('.')[2]}"
+    root = cli.trainer.default_root_dir
+    try:
+        with DirectoryLock(root, RUN_LOCK, command, "--trainer.default_root_dir"):  # one writer at a time
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.calib.stop_on_signal)
+        raise SystemExit(exit_status(cli.trainer)) from None
+
+
+def main(args: list[str] | None = None) -> None:
+    fit_resumable(PretrainCLI, TeacherPretrainer, args)
+
+
+if __name__ == "__main__":
+    run_cli(main)

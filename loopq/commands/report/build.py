@@ -1,0 +1,130 @@
+"""``report.md``: the tables, the figures and notes on everything skipped, assembled from loaded results and runs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from loopq.commands.report.figures import (
+    SWEEP_FIELDS,
+    plot_loop_errors,
+    plot_loop_sweep,
+    plot_mu,
+    plot_slt,
+    plot_sweep,
+    series_points,
+    slt_matrix,
+)
+from loopq.commands.report.inputs import Result, Run
+from loopq.commands.report.tables import (
+    DASH,
+    DEFAULT_BLOCKS,
+    per_loop_table,
+    reference_loops,
+    runs_table,
+    subset_table,
+    table1,
+    table_results,
+)
+from loopq.files import atomic_write
+
+
+def build_report(
+    results: Sequence[Result],
+    runs: Sequence[Run],
+    sweeps: Sequence[Result],
+    out: Path,
+    blocks: Sequence[str] = DEFAULT_BLOCKS,
+    loops_override: int | None = None,
+) -> Path:
+    """Write ``out/report.md`` and the figures; returns the markdown path."""
+    out.mkdir(parents=True, exist_ok=True)
+    notes = [n for run in runs for n in run.notes]
+    figures: list[tuple[str, Path]] = []
+
+    loops = reference_loops(results, loops_override)
+    table = table_results(results, loops, notes)
+    for r in [*results, *sweeps]:
+        recorded = str(r.data.get("bits", "")).lower()
+        if not r.is_fp and recorded != r.bits:
+            notes.append(f"`{r.path}`: recorded bits {recorded!r}, but its student is {r.bits} (reported as {r.bits})")
+    other_bits = sorted({r.bits for r in results if not r.is_fp and r.bits not in blocks})
+    if other_bits:
+        notes.append(f"results at {', '.join(other_bits)} are not in Table 1 (blocks: {', '.join(blocks)})")
+
+    for run in runs:
+        if run.errors:
+            figures.append((f"Fig. 2 - layer x loop relative l2 error, `{run.name}`", plot_loop_errors(run, out)))
+    if runs and not any(run.errors for run in runs):
+        notes.append("Fig. 2 skipped: no run has loop-error diagnostics")
+
+    calibrated: dict[str, set[int]] = {}
+    for r in results:
+        if r.calibrated_loops:
+            calibrated.setdefault(r.model, set()).add(r.calibrated_loops)
+    for run in runs:
+        if run.teacher and run.calibrated_loops:
+            calibrated.setdefault(run.teacher, set()).add(run.calibrated_loops)
+    loop_series = series_points(results, lambda r: r.num_loops)
+    if loop_series:
+        figures.append(("Fig. 5 - perplexity vs loop count", plot_loop_sweep(loop_series, calibrated, out)))
+    else:
+        notes.append("Fig. 5 skipped: no model/method/bits was evaluated at two or more loop counts")
+
+    for key, (_, number) in SWEEP_FIELDS.items():
+        other = next(k for k in SWEEP_FIELDS if k != key)
+        series = series_points(sweeps, lambda r, k=key: r.data.get(k), lambda r, o=other: r.data.get(o))
+        if series:
+            figures.append((f"Fig. {number} - perplexity vs {key}", plot_sweep(series, key, other, out)))
+        else:
+            notes.append(f"Fig. {number} skipped: no sweep results with two or more values of `{key}`")
+
+    for run in runs:
+        matrix, _, unplaced = slt_matrix(run)
+        if unplaced:
+            notes.append(f"run `{run.name}`: promoted groups without a layer index: {', '.join(unplaced)}")
+        if np.isfinite(matrix).any():
+            figures.append((f"Fig. 3 - SLT selection order, `{run.name}`", plot_slt(run, out)))
+        elif run.meta is not None:
+            notes.append(f"Fig. 3 skipped for `{run.name}`: no group was promoted")
+    for run in runs:
+        if run.mu:
+            figures.append((f"mu_t over calibration, `{run.name}`", plot_mu(run, out)))
+
+    figures.sort(key=lambda fig: int(m.group(1)) if (m := re.match(r"Fig\. (\d+)", fig[0])) else 99)
+    md = ["# LoopQ report", ""]
+    md += ["## Table 1", ""]
+    if table:
+        md += table1(table, loops, blocks)
+        md += [
+            "",
+            "HS, WG, LB, AC, MM: accuracy in % (higher is better; acc_norm for HS and AC). WT2: lm-eval word "
+            "perplexity; OP: LAMBADA perplexity; WT2-PTQ: WikiText-2 token perplexity under the PTQ protocol "
+            "(lower is better). *Italic*: full precision, repeated in each block. **Bold**: best quantized method "
+            f"of a model per column (where two or more report it). {DASH}: not evaluated. T: loops at inference.",
+        ]
+    else:
+        md += ["_No results._"]
+    md += ["", "## WikiText-2 perplexity per loop", "", "Perplexity when exiting after loop t (PTQ protocol).", ""]
+    md += per_loop_table(table)
+    md += ["", "## Evaluation subsets", ""]
+    md += [
+        "lm-eval numbers are on the first `limit` examples of each task (`full`: all); WT2-PTQ uses the windows "
+        "listed.",
+        "",
+    ]
+    md += subset_table([*results, *sweeps])
+    if runs:
+        md += ["", "## Calibration runs", "", *runs_table(runs)]
+    md += ["", "## Figures", ""]
+    md += [f"- [{title}]({path.name})" for title, path in figures] or ["_No figures._"]
+    for title, path in figures:
+        md += ["", f"### {title}", "", f"![{title}]({path.name})"]
+    if notes:
+        md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
+    report = out / "report.md"
+    atomic_write(report, lambda tmp: tmp.write_text("\n".join(md) + "\n"))  # last: figures exist when it does
+    return report

@@ -1,0 +1,179 @@
+"""The report's PNG figures (matplotlib, imported only here): Fig. 2 loop errors, Fig. 3 SLT selection, Fig. 4/6
+perplexity vs SLT budget / calibration set size, Fig. 5 perplexity vs loop count, and mu_t over calibration."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from loopq.commands.report.inputs import Result, Run, slug
+from loopq.files import atomic_write
+
+#: SLT candidate groups per shared layer, in model order (Ouro); other architectures use the names found
+OURO_KINDS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_gate", "mlp.down_proj")
+#: sweep field of a result -> (figure file, figure number)
+SWEEP_FIELDS = {"slt_budget": ("fig4_ppl_vs_slt_budget.png", 4), "num_samples": ("fig6_ppl_vs_num_samples.png", 6)}
+
+
+def save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    return path
+
+
+def heatmap(
+    ax: Any, fig: Figure, values: np.ndarray, fmt_cell: Callable[[float], str], label: str, integer: bool = False
+) -> None:
+    """``imshow`` of ``values`` with a colorbar; NaN cells light grey, cell values written on small grids."""
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#eeeeee")
+    im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap)
+    bar = fig.colorbar(im, ax=ax, label=label)
+    if integer:
+        bar.locator = MaxNLocator(integer=True)
+        bar.update_ticks()
+    if values.size <= 120:
+        finite = values[np.isfinite(values)]
+        mid = (finite.min() + finite.max()) / 2 if finite.size else 0.0
+        for (i, j), v in np.ndenumerate(values):
+            if np.isfinite(v):
+                ax.text(j, i, fmt_cell(v), ha="center", va="center", fontsize=7, color="w" if v < mid else "k")
+
+
+def plot_loop_errors(run: Run, out: Path) -> Path:
+    """Fig. 2: relative l2 error of every shared layer (x) at every loop (y)."""
+    errors = np.array(run.errors, dtype=float)
+    fig = Figure(figsize=(max(4.0, 0.6 * errors.shape[1] + 2.5), max(2.5, 0.45 * errors.shape[0] + 1.5)))
+    ax = fig.add_subplot()
+    heatmap(ax, fig, errors, lambda v: f"{v:.3f}", "relative l2 error")
+    ax.set_xticks(range(errors.shape[1]))
+    ax.set_yticks(range(errors.shape[0]), [str(t) for t in range(1, errors.shape[0] + 1)])
+    ax.set_xlabel("shared layer")
+    ax.set_ylabel("loop")
+    ax.set_title(f"{run.name}: layer x loop error (step {run.errors_step})", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out / f"fig2_loop_errors_{slug(run.name)}.png")
+
+
+def slt_matrix(run: Run) -> tuple[np.ndarray, list[str], list[str]]:
+    """``(order[layer, kind], kinds, unplaced)``: 1-based selection order of every promoted group (NaN: shared)."""
+    placed: list[tuple[int, str, int]] = []
+    unplaced = []
+    for order, name in enumerate(run.promoted, start=1):
+        match = re.search(r"(?:^|\.)(\d+)\.(.+)$", name)
+        if match:
+            placed.append((int(match.group(1)), match.group(2), order))
+        else:
+            unplaced.append(name)
+    found = list(dict.fromkeys(kind for _, kind, _ in placed))
+    is_ouro = (run.meta or {}).get("arch") == "ouro" or any(k in OURO_KINDS for k in found)
+    kinds = [*OURO_KINDS, *(k for k in found if k not in OURO_KINDS)] if is_ouro else found
+    layers = max([len(run.errors[0]) if run.errors else 0] + [layer + 1 for layer, _, _ in placed])
+    matrix = np.full((layers, len(kinds)), np.nan)
+    for layer, kind, order in placed:
+        matrix[layer, kinds.index(kind)] = order
+    return matrix, kinds, unplaced
+
+
+def plot_slt(run: Run, out: Path) -> Path:
+    """Fig. 3: which groups SLT promoted to loop-dependent transforms, and in which order."""
+    matrix, kinds, _ = slt_matrix(run)
+    fig = Figure(figsize=(max(4.0, 1.2 * len(kinds) + 2.0), max(2.5, 0.35 * matrix.shape[0] + 1.5)))
+    ax = fig.add_subplot()
+    heatmap(ax, fig, matrix, lambda v: str(int(v)), "selection order", integer=True)
+    ax.set_xticks(range(len(kinds)), kinds, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(matrix.shape[0]))
+    ax.set_ylabel("layer")
+    ax.set_title(f"{run.name}: SLT selection ({len(run.promoted)} groups)", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out / f"fig3_slt_selection_{slug(run.name)}.png")
+
+
+def plot_mu(run: Run, out: Path) -> Path:
+    """mu_t (pull of loop t toward the final teacher state) over calibration steps."""
+    mu = np.array(run.mu, dtype=float)
+    fig = Figure(figsize=(5.5, 3.2))
+    ax = fig.add_subplot()
+    for t in range(mu.shape[1]):
+        ax.plot(run.mu_steps, mu[:, t], marker="o", markersize=3, label=f"mu_t{t}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mu_t")
+    ax.set_title(f"{run.name}: adaptive mu_t", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save(fig, out / f"mu_{slug(run.name)}.png")
+
+
+def series_points(
+    results: Sequence[Result], x: Callable[[Result], float | None], split: Callable[[Result], Any] = lambda r: None
+) -> dict[tuple[Any, ...], list[tuple[float, float]]]:
+    """``{(model, method, bits, split): sorted [(x, ppl)]}`` for series with two or more distinct x."""
+    series: dict[tuple[Any, ...], dict[float, float]] = {}
+    for r in results:
+        xv, ppl = x(r), r.data.get("wikitext2_ppl")
+        if xv is not None and ppl is not None:
+            series.setdefault((*r.series, split(r)), {})[xv] = ppl
+    return {k: sorted(v.items()) for k, v in series.items() if len(v) >= 2}
+
+
+def plot_series(
+    ax: Any, series: dict[tuple[Any, ...], list[tuple[float, float]]], split_name: str | None = None
+) -> None:
+    """One line per (model, method, bits, split) series; log y when the values span more than 10x."""
+    top = 1.0
+    several_models = len({k[0] for k in series}) > 1
+    for (model, method, bits, split), points in series.items():
+        label = f"{model}: " if several_models else ""
+        label += f"{method} {bits}" + (f" ({split_name}={split})" if split is not None else "")
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, marker="o", markersize=4, label=label)
+        finite = [y for y in ys if math.isfinite(y) and y > 0]
+        top = max(top, max(finite) / min(finite)) if finite else top
+    if top > 10:
+        ax.set_yscale("log")
+    ax.set_ylabel("WikiText-2 perplexity (PTQ)")
+    ax.grid(alpha=0.3)
+
+
+def plot_loop_sweep(
+    series: dict[tuple[Any, ...], list[tuple[float, float]]], calibrated: dict[str, set[int]], out: Path
+) -> Path:
+    """Fig. 5: perplexity vs loop count, one panel per model; the calibrated loop count dashed."""
+    models = list(dict.fromkeys(k[0] for k in series))
+    fig = Figure(figsize=(5.5 * len(models), 3.6))
+    for i, model in enumerate(models):
+        ax = fig.add_subplot(1, len(models), i + 1)
+        plot_series(ax, {k: v for k, v in series.items() if k[0] == model})
+        for t in sorted(calibrated.get(model, ())):
+            ax.axvline(t, color="grey", linestyle="--", linewidth=1, label=f"calibrated T={t}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+        ax.set_xlabel("loops at inference")
+        ax.set_title(model, fontsize=9)
+    fig.tight_layout()
+    return save(fig, out / "fig5_ppl_vs_loops.png")
+
+
+def plot_sweep(series: dict[tuple[Any, ...], list[tuple[float, float]]], key: str, other: str, out: Path) -> Path:
+    """Fig. 4 / Fig. 6: perplexity vs ``slt_budget`` / ``num_samples``."""
+    fig = Figure(figsize=(5.5, 3.6))
+    ax = fig.add_subplot()
+    plot_series(ax, series, split_name=other)
+    ax.legend(fontsize=7)
+    ax.set_xlabel({"slt_budget": "SLT-selected groups", "num_samples": "calibration samples"}.get(key, key))
+    if key == "num_samples":
+        ax.set_xscale("log", base=2)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(f"perplexity vs {key}", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out / SWEEP_FIELDS[key][0])

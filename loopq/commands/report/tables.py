@@ -1,0 +1,171 @@
+"""The report's markdown tables: Table 1 (the paper's columns per W4A4/W4A8 block, best quantized value in bold),
+per-loop WikiText-2 perplexity, evaluation subset sizes and calibration runs. Table 1 uses, per model, the loop count
+that most (method, bits) pairs were evaluated at (``--loops`` overrides it). No plotting library is needed here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from loopq.commands.report.inputs import PTQ_COLUMN, Result, Run
+from loopq.metrics.tasks import PAPER_METRICS
+
+COLUMNS: list[str] = [*PAPER_METRICS, PTQ_COLUMN]
+#: columns where lower is better (perplexities); the rest are accuracies, shown in percent
+LOWER_IS_BETTER: frozenset[str] = frozenset(
+    [c for c, (_, metric) in PAPER_METRICS.items() if "perplexity" in metric] + [PTQ_COLUMN]
+)
+#: Table-1 blocks (bit widths) when ``--bits`` is not given
+DEFAULT_BLOCKS = ("w4a4", "w4a8")
+#: a cell that was not evaluated
+DASH = "–"
+
+
+def fmt(value: float | None, column: str) -> str:
+    """Accuracies in percent with one decimal, perplexities with two; ``–`` when not evaluated."""
+    if value is None:
+        return DASH
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.2f}" if column in LOWER_IS_BETTER else f"{100 * value:.1f}"
+
+
+def reference_loops(results: Sequence[Result], override: int | None) -> dict[str, int | None]:
+    """Per model, the loop count Table 1 reports: the one most (method, bits) pairs were evaluated at; ties go to
+    the calibrated count, then to the largest."""
+    out: dict[str, int | None] = {}
+    for model in dict.fromkeys(r.model for r in results):
+        mine = [r for r in results if r.model == model]
+        if override is not None:
+            out[model] = override
+            continue
+        votes = Counter(loops for _, loops in {(r.series, r.num_loops) for r in mine})
+        top = max(votes.values())
+        tied = [n for n, c in votes.items() if c == top]
+        calibrated = {r.calibrated_loops for r in mine} & set(tied)
+        candidates = sorted((n for n in (calibrated or tied) if n is not None), reverse=True)
+        out[model] = candidates[0] if candidates else None
+    return out
+
+
+def method_order(method: str) -> int:
+    """FP first, LoopQ variants last, baselines between (in order of appearance)."""
+    return 0 if method.upper() == "FP" else 2 if method.lower().startswith("loopq") else 1
+
+
+def table_results(
+    results: Sequence[Result], loops: dict[str, int | None], notes: list[str]
+) -> dict[str, dict[tuple[str, str], Result]]:
+    """``{model: {(method, bits): result}}`` at each model's reference loop count (later files win)."""
+    table: dict[str, dict[tuple[str, str], Result]] = {}
+    for r in results:
+        if r.num_loops != loops[r.model]:
+            continue
+        key = (r.method, "fp" if r.is_fp else r.bits)
+        cell = table.setdefault(r.model, {})
+        if key in cell:
+            notes.append(f"`{r.path}` replaces `{cell[key].path}` (same model, method, bits and loops)")
+        cell[key] = r
+    for model in dict.fromkeys(r.model for r in results):
+        cell = table.get(model, {})
+        shown = {(r.method, "fp" if r.is_fp else r.bits) for r in results if r.model == model}
+        for method, bits in sorted(shown - set(cell)):
+            notes.append(f"{model}: {method} {bits} is not in Table 1 (no result at T={loops[model]} loops)")
+        if cell:
+            table[model] = dict(sorted(cell.items(), key=lambda kv: method_order(kv[0][0])))
+    return table
+
+
+def best_values(rows: Sequence[dict[str, list[str]]], blocks: Sequence[str]) -> dict[tuple[str, str], str]:
+    """Per (block, column), the best formatted value among the quantized rows (only where two or more have one).
+    Values are compared as shown, so equal-looking cells are bolded alike."""
+    best = {}
+    for block in blocks:
+        for i, column in enumerate(COLUMNS):
+            values = [row[block][i] for row in rows if row[block][i] != DASH and math.isfinite(float(row[block][i]))]
+            if len(values) >= 2:
+                pick = min if column in LOWER_IS_BETTER else max
+                best[block, column] = pick(values, key=float)
+    return best
+
+
+def table1(
+    table: dict[str, dict[tuple[str, str], Result]], loops: dict[str, int | None], blocks: Sequence[str]
+) -> list[str]:
+    """Markdown lines of Table 1: one row per method and model, a W4A4/W4A8 block of the paper's columns each."""
+    header = ["Model", "Method"] + [f"{block.upper()} {column}" for block in blocks for column in COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
+    for model, cells in table.items():
+        rows: list[tuple[str, bool, dict[str, list[str]]]] = []  # (method, is FP, {block: cells})
+        for method in dict.fromkeys(method for method, _ in cells):
+            fp = cells.get((method, "fp"))  # full precision: the same numbers in every block
+            picked = {block: fp or cells.get((method, block)) for block in blocks}
+            formatted = {block: [fmt(r.value(c), c) if r else DASH for c in COLUMNS] for block, r in picked.items()}
+            if any(v != DASH for values in formatted.values() for v in values):
+                rows.append((method, fp is not None, formatted))
+        best = best_values([values for _, is_fp, values in rows if not is_fp], blocks)
+        for i, (method, is_fp, values) in enumerate(rows):
+            label = (model if loops[model] is None else f"{model} (T={loops[model]})") if i == 0 else ""
+            out = [label, f"*{method}*" if is_fp else method]
+            for block in blocks:
+                for column, v in zip(COLUMNS, values[block], strict=True):
+                    if is_fp and v != DASH:
+                        v = f"*{v}*"
+                    elif best.get((block, column)) == v:
+                        v = f"**{v}**"
+                    out.append(v)
+            lines.append("| " + " | ".join(out) + " |")
+    return lines
+
+
+def per_loop_table(table: dict[str, dict[tuple[str, str], Result]]) -> list[str]:
+    """Markdown lines: WikiText-2 (PTQ protocol) perplexity when exiting after loop t, for every Table-1 result."""
+    entries = [r for cells in table.values() for r in cells.values() if r.data.get("wikitext2_per_loop_ppl")]
+    if not entries:
+        return ["_No result records per-loop perplexities._"]
+    width = max(len(r.data["wikitext2_per_loop_ppl"]) for r in entries)
+    lines = [
+        "| Model | Method | Bits | " + " | ".join(f"t={t}" for t in range(1, width + 1)) + " |",
+        "|---|---|---|" + "---:|" * width,
+    ]
+    for r in entries:
+        values = [fmt(v, PTQ_COLUMN) for v in r.data["wikitext2_per_loop_ppl"]]
+        values += [DASH] * (width - len(values))
+        bits = "fp" if r.is_fp else r.bits
+        lines.append(f"| {r.model} | {r.method} | {bits} | " + " | ".join(values) + " |")
+    return lines
+
+
+def subset_table(results: Sequence[Result]) -> list[str]:
+    """Markdown lines: the lm-eval ``limit`` and examples per task, and the WikiText-2 windows, of every file."""
+    lines = [
+        "| File | Model | Method | Bits | T | lm-eval limit | examples per task | WT2-PTQ windows |",
+        "|---|---|---|---|---:|---:|---|---:|",
+    ]
+    for r in results:
+        lm_eval = r.data.get("lm_eval")
+        if isinstance(lm_eval, dict):
+            limit = "full" if lm_eval.get("limit") is None else str(lm_eval["limit"])
+            sizes = lm_eval.get("n_samples") or {}
+            per_task = ", ".join(f"{k.removeprefix('loopq_')} {v}" for k, v in sizes.items()) or DASH
+        else:
+            limit, per_task = "not run", DASH
+        windows = r.data.get("wikitext2_windows", DASH)
+        bits = "fp" if r.is_fp else r.bits
+        loops = DASH if r.num_loops is None else r.num_loops
+        lines.append(
+            f"| `{r.path.name}` | {r.model} | {r.method} | {bits} | {loops} | {limit} | {per_task} | {windows} |"
+        )
+    return lines
+
+
+def runs_table(runs: Sequence[Run]) -> list[str]:
+    lines = ["| Run | Teacher | T | SLT promoted (in order) | final mu_t |", "|---|---|---:|---|---|"]
+    for run in runs:
+        promoted = ", ".join(f"{i}. `{n}`" for i, n in enumerate(run.promoted, start=1)) or DASH
+        mu = ", ".join(f"{v:.3f}" for v in run.mu[-1]) if run.mu else DASH
+        loops = DASH if run.calibrated_loops is None else run.calibrated_loops
+        lines.append(f"| `{run.name}` | {run.teacher or DASH} | {loops} | {promoted} | {mu} |")
+    return lines

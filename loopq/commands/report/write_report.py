@@ -1,0 +1,65 @@
+"""Collect evaluation results and calibration runs into a markdown report with the paper's tables and figures.
+
+    python -m loopq.report --results results/*.json [--runs runs/tiny runs/tiny-stress] \\
+        [--sweeps results/sweeps/*.json] --out docs/report
+
+Inputs:
+
+* ``--results``: JSONs written by ``python -m loopq.evaluate --out`` (``method``, ``bits``, ``model``,
+  ``num_loops``, ``wikitext2_ppl``, ``wikitext2_per_loop_ppl``, ``lm_eval.paper_metrics`` ...). Results that share
+  model, method and bits but differ in ``num_loops`` form a loop sweep (Fig. 5).
+* ``--runs``: calibration directories of ``python -m loopq.fit`` (``csv/version_*/metrics.csv``,
+  ``lightning_logs/version_*/loop_errors.jsonl``, ``student/loopq_quant.json``); resumed runs (several versions)
+  are read in version order.
+* ``--sweeps``: result JSONs with an extra ``slt_budget`` (Fig. 4) and/or ``num_samples`` (Fig. 6) field.
+
+Output in ``--out``: ``report.md`` (Table 1 at W4A4/W4A8, per-loop WikiText-2 perplexity, the evaluation subset
+sizes, notes on anything skipped, links to the figures) and PNG figures:
+
+* ``fig2_loop_errors_<run>.png``: relative l2 error per shared layer and loop (last diagnostics entry),
+* ``fig3_slt_selection_<run>.png``: SLT selection order per layer and group kind,
+* ``fig4_ppl_vs_slt_budget.png`` / ``fig6_ppl_vs_num_samples.png``: perplexity vs SLT budget / calibration set size,
+* ``fig5_ppl_vs_loops.png``: perplexity vs loop count (calibrated count dashed),
+* ``mu_<run>.png``: the adaptive mu_t over training.
+
+Grouping: a result's *model* is its ``variant`` field if present, else the teacher of the student or export
+directory named in ``model`` (read from its ``loopq_quant.json`` / ``loopq_export.json`` when that path exists
+here), else the last component of ``model``. A student's bit width is taken from its recorded quant config when
+available (``loopq.evaluate`` only records ``--bits`` as given). Table 1 uses, per model, the loop count that most
+(method, bits) pairs were evaluated at (``--loops`` overrides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loopq.commands.report.build import build_report
+from loopq.commands.report.inputs import ReportInputError, expand, load_result, load_run, run_names
+from loopq.commands.report.tables import DEFAULT_BLOCKS
+from loopq.errors import OneLineParser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineParser(prog="python -m loopq.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", nargs="+", required=True, help="loopq.evaluate result JSONs")
+    parser.add_argument("--runs", nargs="*", default=[], help="loopq.fit run directories")
+    parser.add_argument("--sweeps", nargs="*", default=[], help="result JSONs with slt_budget / num_samples")
+    parser.add_argument("--out", type=Path, required=True, help="report directory to write")
+    parser.add_argument("--bits", nargs="+", default=list(DEFAULT_BLOCKS), help="Table-1 blocks (default: %(default)s)")
+    parser.add_argument("--loops", type=int, default=None, help="loop count of Table 1 (default: the most common)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    result_paths = expand(args.results)
+    if not result_paths:
+        raise ReportInputError(f"--results {' '.join(args.results)}: no files")
+    results = [load_result(p) for p in result_paths]
+    sweeps = [load_result(p) for p in expand(args.sweeps)]
+    run_paths = [Path(p) for p in args.runs]
+    runs = [load_run(p, name) for p, name in zip(run_paths, run_names(run_paths), strict=True)]
+    report = build_report(results, runs, sweeps, args.out, [b.lower() for b in args.bits], args.loops)
+    print(f"report written to {report}")
+    return report

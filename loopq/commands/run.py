@@ -1,0 +1,409 @@
+"""The whole flow in one command: calibrate -> export -> evaluate -> report.
+
+    python -m loopq.run --config configs/tiny.yaml [--limit 10] [--tasks ...] [--ppl_windows N] [--force]
+                        [any python -m loopq.fit option: --trainer.max_steps 100, --model.quant.a_bits 8, ...]
+
+Everything is written under the run directory ``trainer.default_root_dir`` (``runs/tiny`` for the tiny config)::
+
+    1 calibrate       student/                     python -m loopq.fit with the same config, in this process
+    2 export          exported/                    packed int model (loopq.export), checked against the student
+                                                   on the first WikiText-2 windows
+    3 evaluate FP     results/fp.json              the teacher
+    4 evaluate RTN    results/rtn-<bits>.json      plain symmetric round-to-nearest at the student's bits
+    5 evaluate LoopQ  results/loopq-<bits>.json    the fake-quant student (--eval_exported: the int model)
+    6 report          report/report.md + figures   Table 1, per-loop perplexity, figures (loopq.report)
+
+An evaluation is :func:`loopq.evaluate.evaluate`: WikiText-2 perplexity under the PTQ protocol, per loop (all
+windows unless ``--ppl_windows``), plus the paper's lm-eval suite on the first ``--limit`` examples of each task.
+The default limit keeps the embedded default under ten minutes on two CPU cores; ``--limit full`` runs everything.
+
+Re-running is safe and cheap. ``pipeline.json`` in the run directory records every stage's inputs (its settings and
+the modification times of the files it reads from earlier stages) and its summary; a stage whose outputs exist and
+whose inputs did not change is skipped, so an interrupted run continues where it stopped - a calibration from the
+newest intact ``checkpoints/*.ckpt`` written since it first started (never from an earlier run's). A student is not
+recalibrated silently either: if the calibration config differs from the one that made it or started it (options
+in :data:`loopq.fit.COSMETIC` aside) or the teacher's content differs (a teacher rebuilt in place), the run stops
+and names the keys; a student that ``python -m loopq.fit`` wrote is reused
+if its quant config is the one asked. ``--force`` reruns every stage from scratch (files are replaced, nothing is
+deleted). All files are written atomically. The stage bookkeeping (``pipeline.json``, skipping, re-running) is the
+generic runner of :mod:`loopq.stages`; this module defines LoopQ's stages on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+from loopq.artifacts import check_student_teacher, export_student, load_quantized, load_student, read_student_meta
+from loopq.artifacts.layout import EXPORT_META, STUDENT_META, STUDENT_WEIGHTS
+from loopq.calib.checkpoint_io import newest_intact
+from loopq.calib.line_progress import LineProgress
+from loopq.commands import fit
+from loopq.commands.evaluate import evaluate
+from loopq.commands.report import build_report, load_result, load_run
+from loopq.data.tokenizer import load_tokenizer
+from loopq.devices import resolve_device
+from loopq.errors import LoopQError, OneLineParser, run_cli
+from loopq.files import read_json
+from loopq.metrics.perplexity import perplexity, wikitext2_stream
+from loopq.metrics.tasks import check_tasks
+from loopq.models.loading import architecture_for, read_config, resolve_model_dir
+from loopq.provenance import teacher_fingerprint
+from loopq.quant import QuantConfig
+from loopq.quant.accounting import footprint
+from loopq.quant.config import bits_label
+from loopq.quant.packed import check_kernel_support
+from loopq.stages import Manifest, Stage, StageRunner, clock, differing_keys, normalised, say
+
+DEFAULT_LIMIT = 10
+EXPORT_CHECK_WINDOWS = 8
+MANIFEST = "pipeline.json"
+
+
+class PipelineError(LoopQError):
+    """Bad input, or a run directory that cannot be reused as asked; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the pipeline adds to ``loopq.fit``'s options."""
+
+    limit: int | None = DEFAULT_LIMIT
+    tasks: tuple[str, ...] = ("loopq_paper",)
+    ppl_windows: int | None = None
+    eval_batch_size: int = 8
+    eval_exported: bool = False
+    force: bool = False
+    device: str = "auto"  # where export checks and evaluations run (loopq.devices); calibration: trainer.accelerator
+
+
+class DeferredCLI(fit.LoopQCLI):
+    """The calibration CLI, parsed and checked up front but built (teacher loaded, trainer created) only when a
+    student has to be calibrated. Parsing locks the run directory for this process (one writer at a time); the
+    pipeline's own rule decides whether a student may be replaced (:meth:`Pipeline.check_calibration`)."""
+
+    check_student = False
+    command = "loopq.run"
+
+    def instantiate_classes(self) -> None:
+        """Deferred to :meth:`build`."""
+
+    def build(self) -> None:
+        super().instantiate_classes()
+
+    def release(self) -> None:
+        """Drop the calibration's teacher, student and trainer before the evaluations load their own models."""
+        self.model = self.datamodule = self.trainer = self.config_init = None  # type: ignore[assignment]
+
+
+class Pipeline(StageRunner):
+    """The stages of one run directory (see module docstring)."""
+
+    def __init__(self, cli: DeferredCLI, options: Options) -> None:
+        self.cli, self.options = cli, options
+        config = cli.config
+        self.root = Path(config.trainer.default_root_dir)
+        self.teacher = str(config.model.teacher)
+        self.student_dir = Path(config.model.output_dir) if config.model.output_dir else self.root / "student"
+        self.exported_dir = self.root / "exported"
+        self.results_dir = self.root / "results"
+        self.report_dir = self.root / "report"
+        self.report_path = self.report_dir / "report.md"
+        self.quant = asked_quant(config)
+        #: content hash of the teacher: every stage's inputs include it, so a rebuilt teacher is never mixed in
+        self.teacher_sha256 = teacher_fingerprint(resolve_model_dir(self.teacher))
+        self.bits = bits_label(self.quant["w_bits"], self.quant["a_bits"])
+        super().__init__(Manifest(self.root / MANIFEST, fresh=options.force, error=PipelineError))
+
+    # ------------------------------------------------------------------ plan and run
+    def stages(self) -> list[Stage]:
+        if self.options.eval_exported:
+            loopq, made_by = {"exported": str(self.exported_dir)}, ("calibrate", "export")
+        else:
+            loopq, made_by = {"student": str(self.student_dir)}, ("calibrate",)
+        evals = [
+            self.eval_stage("evaluate FP", {"model": self.teacher, "method": "FP", "bits": "fp"}),
+            self.eval_stage("evaluate RTN", {"model": self.teacher, "method": "RTN", "bits": self.bits}),
+            self.eval_stage("evaluate LoopQ", {**loopq, "method": "LoopQ", "bits": self.bits}, made_by),
+        ]
+        student_files = [self.student_dir / STUDENT_WEIGHTS, self.student_dir / STUDENT_META]
+        everything = ("calibrate", *(stage.name for stage in evals))
+        return [
+            Stage("calibrate", self.student_dir, student_files, self.calibrate, self.calibration_settings()),
+            Stage("export", self.exported_dir, [self.exported_dir / EXPORT_META], self.export, after=("calibrate",)),
+            *evals,
+            Stage("report", self.report_path, [self.report_path], self.report, after=everything),
+        ]
+
+    def eval_stage(self, name: str, model: dict[str, Any], after: tuple[str, ...] = ()) -> Stage:
+        """``model``: which model, method and bits (:func:`loopq.evaluate.evaluate`'s arguments)."""
+        settings = {
+            **model,
+            "tasks": list(self.options.tasks),
+            "limit": self.options.limit,
+            "ppl_windows": self.options.ppl_windows,
+            "batch_size": self.options.eval_batch_size,
+            "device": str(resolve_device(self.options.device)),  # resolved: a result says where it was computed
+        }
+        out = self.result_paths()[model["method"]]
+        inputs = {**settings, "teacher_sha256": self.teacher_sha256}  # a rebuilt teacher re-runs the evaluation
+        return Stage(name, out, [out], lambda: self.evaluate(settings, out), inputs, after)
+
+    def calibration_settings(self) -> dict[str, Any]:
+        return {**fit.fit_settings(self.cli.config), "teacher_sha256": self.teacher_sha256}
+
+    def run(self) -> Path:
+        stages = self.stages()
+        self.check_calibration(stages[0].settings)
+        self.run_stages(stages)
+        self.print_summary()
+        return self.report_path
+
+    def check_calibration(self, settings: dict[str, Any]) -> None:
+        """Refuse to reuse a student or checkpoint made with another config; adopt a student ``loopq.fit`` wrote."""
+        if self.options.force:
+            return
+        entry = self.manifest.stages.get("calibrate")
+        if entry is not None:
+            changed = differing_keys(entry["inputs"], normalised(settings))
+            if changed:
+                raise PipelineError(
+                    f"{self.root} was calibrated with another config ({', '.join(changed)} differ); pass --force to "
+                    "start over, or set another --trainer.default_root_dir"
+                )
+        elif (self.student_dir / STUDENT_WEIGHTS).is_file():
+            self.adopt_student(settings)
+
+    def adopt_student(self, settings: dict[str, Any]) -> None:
+        """A student ``python -m loopq.fit`` wrote (no record here) is reused if its quant config is the one asked
+        and it was calibrated on this teacher (same content hash)."""
+        meta = read_student_meta(self.student_dir)
+        check_student_teacher(self.student_dir, meta, resolve_model_dir(self.teacher))
+        changed = differing_keys(meta["quant"], normalised(self.quant), prefix="model.quant.")
+        if changed:
+            raise PipelineError(
+                f"{self.student_dir} holds a student with another quant config ({', '.join(changed)} differ); pass "
+                "--force to recalibrate, or set another --trainer.default_root_dir"
+            )
+        self.manifest.start("calibrate", normalised(settings))
+        self.manifest.finish("calibrate", {"note": "adopted an existing student"}, 0.0)
+
+    # ------------------------------------------------------------------ stage actions
+    def calibrate(self) -> dict[str, Any]:
+        cli = self.cli
+        cli.build()
+        if not sys.stdout.isatty():
+            use_line_progress(cli.trainer)
+        resume = self.own_last_checkpoint()
+        if cli.config.ckpt_path is None and resume is not None:
+            cli.config.ckpt_path = str(resume)
+            say(f"resuming the calibration from {resume}")
+        module = fit.calibrate(cli)
+        summary = {"steps": cli.trainer.global_step, "promoted": list(module.promoted)}
+        cli.release()
+        return {**summary, "note": f"{summary['steps']} steps, SLT promoted {len(module.promoted)} group(s)"}
+
+    def own_last_checkpoint(self) -> Path | None:
+        """The newest intact ``checkpoints/*.ckpt`` written since this calibration first started (checkpoints of an
+        earlier run, e.g. before ``--force`` or of another config, are never resumed; damaged ones are skipped with
+        a line saying so, see :func:`~loopq.calib.checkpoint_io.newest_intact`)."""
+        started = self.manifest.stages["calibrate"]["started"]
+        found = [p for p in fit.checkpoints_in([self.root / "checkpoints"]) if p.stat().st_mtime_ns >= started]
+        return newest_intact(found, "resume")
+
+    def export(self) -> dict[str, Any]:
+        student, meta = load_student(self.student_dir)
+        export_student(student, meta, self.exported_dir)
+        device = resolve_device(self.options.device)
+        exported = load_quantized(self.exported_dir, device=device)
+        check = export_check(student.to(device), exported, meta["teacher"])
+        size = footprint(load_quantized(self.exported_dir, dtype=torch.bfloat16))
+        mb = {"size_mb": size["total"] / 2**20, "bf16_mb": size["bf16_model"] / 2**20}
+        note = (
+            f"{mb['size_mb']:.2f} MB (BF16 teacher {mb['bf16_mb']:.2f} MB); WikiText-2 ppl on the first "
+            f"{check['windows']} windows: int model {check['int_ppl']:.2f}, fake-quant student "
+            f"{check['fake_quant_ppl']:.2f}"
+        )
+        return {**check, **mb, "note": note}
+
+    def evaluate(self, settings: dict[str, Any], out: Path) -> dict[str, Any]:
+        with quiet_lm_eval():
+            result = evaluate(out=str(out), **settings)
+        ppl, windows = result["wikitext2_ppl"], result["wikitext2_windows"]
+        return {"wikitext2_ppl": ppl, "note": f"WikiText-2 ppl {ppl:.2f} ({windows} windows)"}
+
+    def report(self) -> dict[str, Any]:
+        results = [load_result(path) for path in self.result_paths().values()]
+        report = build_report(results, [load_run(self.root, self.root.name)], [], self.report_dir, blocks=[self.bits])
+        return {"report": str(report), "note": str(report)}
+
+    # ------------------------------------------------------------------ summary
+    def result_paths(self) -> dict[str, Path]:
+        return {
+            "FP": self.results_dir / "fp.json",
+            "RTN": self.results_dir / f"rtn-{self.bits}.json",
+            "LoopQ": self.results_dir / f"loopq-{self.bits}.json",
+        }
+
+    def print_summary(self) -> None:
+        results = {method: read_json(path, PipelineError) for method, path in self.result_paths().items()}
+        windows = results["FP"]["wikitext2_windows"]
+        ppl = " | ".join(f"{method} {r['wikitext2_ppl']:.2f}" for method, r in results.items())
+        say(f"done in {clock(time.monotonic() - self.started)}; report: {self.report_path}")
+        say(f"WikiText-2 perplexity ({self.bits}, PTQ protocol, {windows} windows): {ppl}")
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def asked_quant(config: Any) -> dict[str, Any]:
+    """The QuantConfig the calibration config asks for, as a plain dict."""
+    quant = config.model.quant
+    return (QuantConfig.from_dict(quant.as_dict()) if quant is not None else QuantConfig()).to_dict()
+
+
+def use_line_progress(trainer: Any) -> None:
+    """Swap Lightning's default bar, redrawn in place, for one that prints plain lines (output is not a terminal)."""
+    for i, callback in enumerate(trainer.callbacks):
+        if type(callback) in (RichProgressBar, TQDMProgressBar):
+            trainer.callbacks[i] = LineProgress()
+
+
+def export_check(student: Any, exported: Any, tokenizer_dir: str, seq_len: int = 256) -> dict[str, Any]:
+    """WikiText-2 perplexity of the fake-quant student and the exported int model on the first windows."""
+    stream = torch.tensor(wikitext2_stream(load_tokenizer(tokenizer_dir)), device="cpu")[
+        : EXPORT_CHECK_WINDOWS * seq_len
+    ]
+    return {
+        "windows": EXPORT_CHECK_WINDOWS,
+        "fake_quant_ppl": perplexity(student, stream, seq_len, batch_size=8).ppl,
+        "int_ppl": perplexity(exported, stream, seq_len, batch_size=8).ppl,
+    }
+
+
+class UntitledBarFilter:
+    """A text stream that drops progress bars without a title and passes everything else on.
+
+    lm-eval draws one such bar per task while it builds the requests (62 finished bars per model for the paper's
+    suite) and has no switch for it; the bars that tell something are titled ("loopq scoring", "Tokenizing inputs").
+    """
+
+    BAR = re.compile(r"\r?\s*\d+%\|")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.in_bar = stream, False
+
+    def write(self, text: str) -> int:
+        if not text:  # tqdm writes "" between a bar's last redraw and its newline
+            return 0
+        if self.BAR.match(text) or (self.in_bar and text == "\n"):  # a bar's redraw, or the newline that ends it
+            self.in_bar = text != "\n"
+            return len(text)
+        self.in_bar = False
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, encoding, ... of the real stream
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """Silence lm-eval's per-task notices (warnings about our offline task definitions) and untitled bars."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with redirect_stderr(UntitledBarFilter(sys.stderr)):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def check_teacher(teacher: str) -> None:
+    directory = resolve_model_dir(teacher)
+    if not (directory / "config.json").is_file():
+        raise PipelineError(f"--model.teacher {teacher}: no such model directory (a folder with config.json)")
+    architecture_for(read_config(directory), str(directory / "config.json"))
+
+
+def check_before_calibration(config: Any, options: Options) -> None:
+    """What the later stages would refuse, refused in the first seconds instead of after the calibration: bits
+    and group size the export kernels do not run, lm-eval task names the evaluations do not know."""
+    quant = asked_quant(config)
+    check_kernel_support(quant["w_bits"], quant["a_bits"], quant["group_size"], key="--model.quant")
+    if options.tasks:
+        check_tasks(options.tasks)
+
+
+def check_configs(fit_args: list[str]) -> None:
+    """``--config`` files must exist (jsonargparse would print its whole usage for a typo)."""
+    for i, arg in enumerate(fit_args):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
+        if arg == "--config" and i + 1 < len(fit_args):
+            path = fit_args[i + 1]
+        if path is not None and not Path(path).is_file():
+            raise PipelineError(f"--config {path}: no such file")
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def limit_arg(text: str) -> int | None:
+    return None if text.lower() in ("full", "none", "null") else positive(text)
+
+
+def parse_args(argv: list[str] | None) -> tuple[Options, list[str]]:
+    """The pipeline's own options; everything else is handed to the calibration CLI (``loopq.fit``)."""
+    parser = OneLineParser(
+        prog="python -m loopq.run",
+        description="Calibrate, export, evaluate and report in one command (see the module docstring).",
+        epilog="Every other option is python -m loopq.fit's (--config, --trainer.*, --model.*, --data.*, "
+        "--ckpt_path; see python -m loopq.fit --help). The run directory is --trainer.default_root_dir.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--limit", type=limit_arg, default=DEFAULT_LIMIT, help="lm-eval examples per task, or 'full'")
+    parser.add_argument("--tasks", nargs="*", default=["loopq_paper"], help="lm-eval tasks (none: perplexity only)")
+    parser.add_argument("--ppl_windows", type=positive, default=None, help="first N WikiText-2 windows (default: all)")
+    parser.add_argument("--eval_batch_size", type=positive, default=8, help="evaluation batch size (default 8)")
+    parser.add_argument("--eval_exported", action="store_true", help="evaluate the int model as LoopQ (slow on CPU)")
+    parser.add_argument("--force", action="store_true", help="rerun every stage, recalibrating from scratch")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where to export-check and evaluate: auto (cuda when available), cpu, cuda, cuda:N",
+    )
+    args, fit_args = parser.parse_known_args(argv)
+    resolve_device(args.device)  # a bad --device is refused before calibrating
+    return Options(**{**vars(args), "tasks": tuple(args.tasks)}), fit_args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    options, fit_args = parse_args(sys.argv[1:] if argv is None else argv)
+    check_configs(fit_args)
+    with warnings.catch_warnings():  # Lightning warns when args are passed while sys.argv has some: they are ours
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli: DeferredCLI = fit.build_cli(fit_args, DeferredCLI)  # type: ignore[assignment]
+    try:
+        check_teacher(str(cli.config.model.teacher))
+        check_before_calibration(cli.config, options)
+        return Pipeline(cli, options).run()
+    finally:
+        cli.release_lock()
+
+
+if __name__ == "__main__":
+    run_cli(main)

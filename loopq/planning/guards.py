@@ -1,0 +1,361 @@
+"""Checks that run in the first seconds of a command, before any work: never write over what a run reads, and never
+start a loop count whose memory the machine does not have.
+
+**Outputs.** A model directory is checked by :func:`loopq.artifacts.layout.check_output_dir` (the artifact layer
+knows what each kind of model directory holds).
+A run directory (``trainer.default_root_dir``, :func:`check_run_root`) holds logs and stage folders rather than a
+model: it may contain the teacher (the working directory, Lightning's default, usually does) but may not be it,
+be inside it, or be a model directory, and the folders a run writes (``checkpoints/``, ``student/``, ...) may not
+hold the teacher. A result file (:func:`check_output_file`) may replace only an earlier result.
+
+**Loop count** (:func:`check_loop_memory`). A student calibrated over T loops keeps every loop's activations for
+the backward pass, and the teacher targets keep every loop's state of every calibration sample:
+
+    activations  = batch x seq_len x hidden x T x dtype_bytes x factor          (:func:`activation_bytes`)
+    trajectories = num_samples x seq_len x hidden x T x 2 (fp16)                (:func:`trajectory_bytes`)
+
+``factor`` (:func:`activation_factor`) counts the hidden-sized tensors autograd keeps per token per loop, read off
+the model's looped linear groups and norms. A loop count above twice the trained one gets a warning with the
+estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW_LOW_MEMORY=1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
+from loopq.data.calibration import calibration_stream, check_enough_tokens
+from loopq.errors import GuardError, UsageError
+from loopq.models.base import LoopLM, RMSNorm
+from loopq.models.loading import architecture_for, read_config
+
+#: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
+RUN_OUTPUTS = ("checkpoints", "student", "exported", "results", "report", "csv", "lightning_logs", "pipeline.json")
+ALLOW_LOW_MEMORY = "LOOPQ_ALLOW_LOW_MEMORY"
+#: tensors of a group's input size that its fake-quant chain keeps for backward: the input, the diagonal-scaled
+#: and the two Kronecker-rotated copies, per-token absmax, scaled, rounded (STE), clamp mask, quantized input
+SAVED_PER_GROUP_INPUT = 8
+#: tensors of hidden size an RMSNorm keeps for backward (its input and the normalised input)
+SAVED_PER_NORM = 2
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+def check_run_root(
+    root: str | os.PathLike[str], teacher: str | os.PathLike[str] | None, key: str = "--trainer.default_root_dir"
+) -> Path:
+    """A run directory must not be the teacher, lie inside it or be a model directory, and none of the folders a run
+    writes there (:data:`RUN_OUTPUTS`) may hold the teacher; returns ``root``."""
+    root = Path(root)
+    for read in local_dirs([teacher]):
+        how = relation(root, read)
+        if how in ("is", "is inside"):
+            raise GuardError(f"{key} {root}: {how} the teacher directory {read}; pass another directory")
+        for name in RUN_OUTPUTS:
+            if relation(root / name, read) is not None:
+                raise GuardError(
+                    f"{key} {root}: the run writes {root / name}, which holds the teacher {read}; "
+                    "pass another directory"
+                )
+    kind = model_kind(root)
+    if kind is not None:
+        raise GuardError(f"{key} {root}: is a {kind} directory; pass a separate run directory")
+    return root
+
+
+def check_writable(path: str | os.PathLike[str], key: str, named: str | os.PathLike[str] | None = None) -> Path:
+    """The directory ``path`` (or the nearest part of it that exists, where it would be created) accepts a new file:
+    tried with a temporary file, so a read-only folder or filesystem is refused before any work, not after it.
+    ``named``: what the message calls the output (a file in ``path``), default ``path``."""
+    path = Path(path)
+    named = path if named is None else named
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise GuardError(f"{key} {named}: {existing} is a file, not a directory; pass another path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise GuardError(
+            f"{key} {named}: {existing} is not writable ({err.strerror or err}); pass a directory you can write to"
+        ) from None
+    return path
+
+
+def is_result(path: Path) -> bool:
+    """Whether ``path`` is a results JSON of ``loopq.evaluate`` (the only file an evaluation may replace)."""
+    data = json_object(path)
+    return "method" in data and "wikitext2_ppl" in data
+
+
+def check_output_file(
+    out: str | os.PathLike[str], reads: Iterable[str | os.PathLike[str] | None] = (), key: str = "--out"
+) -> Path:
+    """A result file may not be a directory, lie in or beside a model (any :func:`model_kind`, or a directory the
+    command reads), or replace an existing file other than an earlier result; returns ``out``."""
+    out = Path(out)
+    if out.is_dir():
+        raise GuardError(f"{key} {out}: is a directory; pass a file path such as {out / 'result.json'}")
+    for read in local_dirs(reads):
+        if relation(out, read) is not None:
+            raise GuardError(f"{key} {out}: lies inside {read}, which this command reads; pass another path")
+    kind = model_kind(out.parent)
+    if kind is not None:
+        raise GuardError(f"{key} {out}: {out.parent} is a {kind} directory; write results elsewhere")
+    if out.exists() and not is_result(out):
+        raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
+    check_writable(out.parent, key, named=out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- loop count
+@dataclass(frozen=True)
+class LoopShape:
+    """What the memory of one calibration loop depends on, read off the model (:func:`loop_shape`)."""
+
+    hidden: int
+    trained_loops: int
+    group_inputs: int  # sum of in_features over the looped linear groups (all shared layers)
+    group_outputs: int  # sum of out_features over the same groups
+    norms: int  # RMSNorm / LayerNorm modules inside the shared layers
+    parameters: int
+
+
+def loop_shape(model: LoopLM) -> LoopShape:
+    """The :class:`LoopShape` of a model (build it on the meta device: nothing is allocated)."""
+    groups = model.linear_groups()
+    looped = [groups[name] for name in model.looped_group_names()]
+    linears = [lin for group in looped for lin in group.children()]
+    return LoopShape(
+        hidden=model.state_dim,
+        trained_loops=model.default_num_loops,
+        group_inputs=sum(group.in_features for group in looped),
+        group_outputs=sum(lin.out_features for lin in linears),
+        norms=sum(isinstance(m, (RMSNorm, nn.LayerNorm)) for m in model.loop_layers.modules()),
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def activation_factor(shape: LoopShape) -> float:
+    """Hidden-sized tensors that autograd keeps per token per loop of the student's forward.
+
+    Each looped group's fake-quant chain keeps :data:`SAVED_PER_GROUP_INPUT` copies of its input, its outputs are
+    kept once by the ops that consume them (RoPE, attention, the MLP gate, the residual), and each RMSNorm keeps
+    :data:`SAVED_PER_NORM`. The tiny Ouro teacher (2 layers, hidden 128, groups 3x128 + 384 in, 1280 out per layer,
+    4 norms per layer) gives (8 x 768 + 1280 + 2 x 4 x 128) x 2 / 128 = 132; autograd's saved tensors measure 132.4
+    (and the estimate is within 4 % for the Ouro, LoopFormer and Parcae test fixtures as well).
+    """
+    quantizers = SAVED_PER_GROUP_INPUT * shape.group_inputs + shape.group_outputs
+    return (quantizers + SAVED_PER_NORM * shape.norms * shape.hidden) / shape.hidden
+
+
+def activation_bytes(batch: int, seq_len: int, hidden: int, loops: int, dtype_bytes: int, factor: float) -> int:
+    """Activation memory of one calibration step: batch x seq_len x hidden x loops x dtype_bytes x factor."""
+    return math.ceil(batch * seq_len * hidden * loops * dtype_bytes * factor)
+
+
+def trajectory_bytes(samples: int, seq_len: int, hidden: int, loops: int, dtype_bytes: int = 2) -> int:
+    """The teacher targets' loop states (``TeacherTargets.states``, fp16), held in memory while they are built."""
+    return samples * seq_len * hidden * loops * dtype_bytes
+
+
+def available_memory() -> int | None:
+    """Bytes the machine can still give (``MemAvailable``); None where it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """A calibration's loop count and the memory it needs (:func:`loop_plan`)."""
+
+    loops: int
+    trained_loops: int
+    activations: int
+    trajectories: int
+    weights: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.trajectories + self.weights
+
+    def describe(self) -> str:
+        return (
+            f"about {gib(self.total)} (activations {gib(self.activations)}, teacher trajectories "
+            f"{gib(self.trajectories)}, weights {gib(self.weights)})"
+        )
+
+
+def loop_plan(
+    shape: LoopShape,
+    loops: int | None,
+    batch: int,
+    seq_len: int,
+    samples: int,
+    dtype_bytes: int = 4,
+    checkpoint_loops: bool = False,
+) -> LoopPlan:
+    """The memory a calibration of ``loops`` loops (None: the trained count) needs. With ``checkpoint_loops`` only
+    one loop's activations are alive at a time (each loop keeps just its input state)."""
+    loops = loops or shape.trained_loops
+    factor = activation_factor(shape)
+    if checkpoint_loops:
+        acts = activation_bytes(batch, seq_len, shape.hidden, 1, dtype_bytes, factor)
+        acts += activation_bytes(batch, seq_len, shape.hidden, loops, dtype_bytes, 1.0)
+    else:
+        acts = activation_bytes(batch, seq_len, shape.hidden, loops, dtype_bytes, factor)
+    weights = 2 * shape.parameters * 4  # the fp32 teacher, and the student's fake-quantized copies
+    return LoopPlan(loops, shape.trained_loops, acts, trajectory_bytes(samples, seq_len, shape.hidden, loops), weights)
+
+
+def check_loop_plan(
+    plan: LoopPlan, host_free: int | None, device_free: int | None = None, key: str = "model.quant.num_loops"
+) -> None:
+    """Warn (stderr) when ``plan.loops`` is more than twice the trained count; refuse a plan that does not fit
+    (``device_free``: the accelerator's free memory, which then holds activations and weights; the trajectories
+    stay in host memory) unless ``LOOPQ_ALLOW_LOW_MEMORY=1``."""
+    if plan.loops > 2 * plan.trained_loops:
+        print(
+            f"[loopq] warning: {key}={plan.loops} is {plan.loops / plan.trained_loops:.0f}x the teacher's trained "
+            f"{plan.trained_loops} loops; the calibration needs {plan.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if os.environ.get(ALLOW_LOW_MEMORY) == "1":
+        return
+    on_device = plan.activations + plan.weights
+    if device_free is not None and on_device > device_free:
+        short = f"{gib(on_device)} on the accelerator but only {gib(device_free)} is free there"
+    elif host_free is not None and plan.total - (on_device if device_free is not None else 0) > host_free:
+        short = f"{plan.describe()} but only {gib(host_free)} of memory is free"
+    else:
+        return
+    raise GuardError(
+        f"{key}={plan.loops}: the calibration needs {short}; lower {key} (trained: {plan.trained_loops}), "
+        f"data.batch_size or data.seq_len, set model.checkpoint_loops true, or set {ALLOW_LOW_MEMORY}=1 to start anyway"
+    )
+
+
+def device_memory(accelerator: str | None) -> int | None:
+    """Free bytes of the CUDA device a run will use (None on CPU)."""
+    if str(accelerator or "auto") not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def meta_teacher(teacher: str | os.PathLike[str]) -> LoopLM | None:
+    """A local teacher directory's model built on the meta device from its config.json alone (nothing allocated,
+    no weights read); None for a hub id or a path that is not a model: the loader reports those."""
+    directory = Path(teacher)
+    if not (directory / "config.json").is_file():
+        return None
+    config = read_config(directory)
+    cls = architecture_for(config, str(directory / "config.json"))
+    with torch.device("meta"):
+        return cls(cls.config_from_dict(config))
+
+
+def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
+    """:func:`loop_shape` of a local teacher directory (:func:`meta_teacher`), or None."""
+    model = meta_teacher(teacher)
+    return None if model is None else loop_shape(model)
+
+
+def check_positions(model: LoopLM, length: int, key: str, what: str = "the model") -> None:
+    """A sequence-length option may not exceed the positions ``model`` has (RoPE table / position embeddings)."""
+    if length > model.max_positions:
+        raise UsageError(
+            f"{key} {length}: longer than the {model.max_positions} positions {what} has (its config.json); pass "
+            f"{key} {model.max_positions} or less"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- loopq.fit
+def check_schedule(max_steps: int | None, warmup_steps: int) -> None:
+    """The calibration's cosine schedule runs over ``trainer.max_steps``: it must be a step count (-1, Lightning's
+    "no limit", would train 1000 epochs with the learning rate at 0 after step 1; 0 trains nothing), and the warm-up
+    must end before it."""
+    if max_steps is None or max_steps < 1:
+        raise UsageError(
+            f"--trainer.max_steps {max_steps}: the calibration's learning-rate schedule runs over trainer.max_steps, "
+            "so it must be 1 or more (configs/tiny.yaml uses 300)"
+        )
+    if not 0 <= warmup_steps < max_steps:
+        raise UsageError(
+            f"--model.warmup_steps {warmup_steps}: must be >= 0 and below --trainer.max_steps {max_steps}, or the "
+            "schedule never leaves its warm-up"
+        )
+
+
+def check_calibration_text(data: Any) -> None:
+    """The calibration text holds enough tokens for the requested windows (:func:`~loopq.data.calibration.
+    check_enough_tokens`), checked before the teacher loads when every source is a local file (an ``hf:`` source
+    is downloaded, and checked, when the data module is set up); the stream stays cached for that setup."""
+    if any(str(spec).startswith("hf:") for spec in data.sources or ()):
+        return
+    stream = calibration_stream(data.tokenizer, data.sources, data.root)
+    check_enough_tokens(stream.numel(), data.num_samples, data.holdout_samples, data.seq_len)
+
+
+def check_calibration(config: Any) -> None:
+    """Everything :mod:`loopq.fit` (and :mod:`loopq.run`) checks on its parsed config before building anything:
+    the run, student and target-cache directories against the teacher, then :func:`check_against_teacher`."""
+    check_schedule(config.trainer.max_steps, config.model.warmup_steps)
+    teacher = str(config.model.teacher)
+    root = Path(config.trainer.default_root_dir or os.getcwd())
+    check_run_root(root, teacher)
+    check_writable(root, "--trainer.default_root_dir")
+    if config.model.output_dir:
+        check_output_dir(config.model.output_dir, [teacher], "--model.output_dir", replaces=("student",))
+        check_writable(config.model.output_dir, "--model.output_dir")
+    cache = config.model.target_cache_dir
+    for read in local_dirs([teacher] if cache else []):  # a cache file there would change the teacher's fingerprint
+        how = relation(Path(cache), read)
+        if how in ("is", "is inside"):
+            raise GuardError(f"--model.target_cache_dir {cache}: {how} the teacher {read}; pass another directory")
+    model = meta_teacher(teacher)
+    if model is not None:
+        check_against_teacher(config, model)
+
+
+def check_against_teacher(config: Any, model: LoopLM) -> None:
+    """For a local teacher (``model``: built on the meta device): ``data.seq_len`` against its positions, the loop
+    count against the memory, and the calibration text against the windows asked for."""
+    check_positions(model, config.data.seq_len, "--data.seq_len", f"the teacher {config.model.teacher}")
+    quant = config.model.quant
+    precision = str(getattr(config.trainer, "precision", None) or "32")
+    plan = loop_plan(
+        loop_shape(model),
+        getattr(quant, "num_loops", None) if quant is not None else None,
+        batch=config.data.batch_size,
+        seq_len=config.data.seq_len,
+        samples=config.data.num_samples,
+        dtype_bytes=2 if precision.endswith("-true") else 4,  # mixed precision keeps the quantizer chains in fp32
+        checkpoint_loops=bool(config.model.checkpoint_loops),
+    )
+    check_loop_plan(plan, available_memory(), device_memory(getattr(config.trainer, "accelerator", None)))
+    check_calibration_text(config.data)

@@ -1,0 +1,802 @@
+"""A calibration's memory, planned before it starts: ``python -m loopq.fit --config X --print_plan``.
+
+Nothing is loaded. The teacher and its fake-quant student are built on the ``meta`` device from the teacher's
+``config.json`` alone (a local teacher's, ``--plan_config``'s, or the embedded :data:`PUBLISHED` shapes of the
+paper's four teachers), so every count is exact and costs no memory. All sizes are bytes per process (one process
+per GPU) for the trajectory objective. Symbols: P teacher parameters; L elements of the frozen weights (and biases)
+of the quantized groups, L_loop of those inside the loop, L_slt of the SLT-promoted ones; Q trainable quantization
+parameters (transforms, clips, adapters); N processes; T loops; B batch per process; S seq_len; D hidden; V
+vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the strategy's parameter bytes.
+
+* **frozen weights** (:func:`frozen_bytes`): P b_t - ``prepare`` shares the teacher's tensors with the student.
+  ZeRO-3 partitions *parameters*, but the student holds its groups' frozen weights as *buffers*, which DeepSpeed
+  never partitions: P b_t / N + L b_t. A cast of the parameters (DeepSpeed's fp16 mode, ``*-true`` precisions) gives
+  them new storage while the buffers keep the loaded one (``bf16-mixed`` casts nothing: ``loopq.calib.deepspeed``).
+* **quantization state** (:func:`optimizer_bytes`, ZeRO paper, Rajbhandari et al. 2020, with K = 12 for mixed
+  precision): single process / DDP 16 Q (fp32 parameter, gradient, AdamW m and v) + 4 Q for DDP's gradient buckets;
+  DeepSpeed b_p Q parameters (/ N under ZeRO-3), b_p Q / N gradients, (8 + 4 [fp32 master, when b_p < 4]) Q / N
+  optimizer states.
+* **fake-quant weights** (:func:`weight_chain_bytes`): every forward transforms and fake-quantizes each group's
+  weight once per distinct slot (``QuantLinearGroup.begin_forward``), and autograd keeps ``c_w`` fp32 copies of it
+  for the backward pass: (L + (T - 1) L_slt) 4 c_w in a training step, (L + (T - 1) L_probe) 4 c_w in an SLT probe
+  step (every probed group gets per-loop perturbations: L_probe = L_loop, or the largest chunk of ``probe_groups``
+  consecutive shared groups when the reselection probes in chunks). ZeRO-3 computes them per call, i.e. per loop
+  (T L_loop) unless ``checkpoint_loops`` recomputes one loop at a time. With ``checkpoint_weights`` autograd keeps
+  the fp32 quantized weights alone, and one group's chain is rebuilt at a time at the end of the backward pass.
+* **their gradients** (:func:`weight_grad_bytes`): the gradient of every quantized weight is summed over the loops
+  that use it and is consumed only when its chain's backward runs - after loop 0's, since the weights are made
+  before the loop - so all of them are alive together: (L + (T - 1) L_slt) 4. In bf16 numerics each call also
+  casts its weight to bf16 and saves the cast for the backward pass (:func:`cast_bytes`): 2 L_loop for the loop
+  being recomputed (``checkpoint_loops``). Both were found by the full-depth Ouro-1.4B rehearsal
+  (``bench/real_shapes.py``), where they are 7.5 of the 8 GiB the plan missed.
+* **activations** (:func:`activation_parts`): B S D T 4 factor, the factor of
+:func:`loopq.planning.guards.activation_factor`
+  (tested there against autograd); with ``checkpoint_loops`` every loop's input, B S D T 4, plus one loop's B S D 4
+  factor while it is recomputed - after the loss's backward, so the two are not added (:class:`Pass`); the quantized
+  groups outside the loop (Parcae's prelude and coda) once; x :data:`ACTIVATION_FRACTION` for bf16 numerics (bf16
+  and fp32 tensors) or compiled chains.
+* **logits and loss** (:func:`logit_bytes`): B S (5 V + T D) 4 - the fp32 log-softmax of the logits and its input,
+  three logit-sized gradients as the backward pass starts, the trajectory differences - and the batch's targets on
+  the device (:func:`batch_target_bytes`), B S (12 k + 4 T D) (fp32 values, int64 ids, fp32 states).
+* **setup** (:func:`clip_init_bytes`): LAS's clip initialisation records every group's input per loop slot on the
+  first global batch: min(B N S, 4096) 4 sum_g in_g slots_g; its forward runs without gradients, where every group
+  keeps its fp32 quantized weight for reuse (``QuantLinearGroup``'s evaluation cache): 4 L more.
+* **teacher targets** (:func:`target_bytes`): M S k (2 + b_id) + M T S D 2 - fp16 top-k logits, int16/int32 ids,
+  fp16 loop states - held in host memory (twice while they are concatenated; a cache file is read back whole), and
+  the cache file on disk.
+
+The peak is the largest phase: setup, the training step, or (with an SLT budget) the probe step. On a CPU run the
+host rows (the targets) share the same memory and are added. The constants below were measured with autograd's
+saved-tensor hooks on the embedded tiny teacher and the shared fixtures (``tests/test_plan.py`` re-measures them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
+from loopq.errors import LoopQError
+from loopq.files import read_json
+from loopq.models.base import LoopLM, RMSNorm
+from loopq.models.loading import architecture_for
+from loopq.planning.guards import LoopShape, activation_bytes, activation_factor, loop_shape, trajectory_bytes
+from loopq.quant import QuantConfig, prepare
+from loopq.quant.accounting import ParameterReport, parameter_report
+from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.prepare import is_fp_module, looped_quant_groups, quant_groups
+
+#: how a forward's numbers are held, the key of the two tables below: ``fp32``; ``autocast`` (``*-mixed`` precision
+#: under Lightning's autocast; a bf16 teacher); ``bf16`` (a bf16 model without autocast: the SLT probe step of a bf16
+#: teacher, which runs outside the training step's autocast, DeepSpeed's bf16 engine, ``bf16-true``)
+NUMERICS = ("fp32", "autocast", "bf16")
+#: fp32 copies of a weight that one forward's transform + fake-quant chain leaves to autograd, by (numerics, compiled
+#: chains). Measured (autograd's saved tensors, tiny teacher and the three fixtures): 8.19-8.32 fp32, 6.1-9.3
+#: autocast (7.17 tiny), 8.1-11.3 bf16 (9.19 tiny); compiled on the tiny teacher 5.13 fp32, 4.61 autocast, 6.13 bf16
+WEIGHT_CHAIN_COPIES = {
+    ("fp32", False): 8.25,
+    ("autocast", False): 7.25,
+    ("bf16", False): 9.25,
+    ("fp32", True): 5.25,
+    ("autocast", True): 4.75,
+    ("bf16", True): 6.25,
+}
+#: activation bytes relative to :func:`loopq.planning.guards.activation_factor`'s fp32 estimate, by (numerics, compiled
+#: chains): bf16 numerics keep a mix of bf16 and fp32 (the transforms) tensors, Inductor recomputes part of a fused
+#: chain in the backward instead of saving it. Measured 0.98-1.04 fp32, 0.59-0.61 autocast, 0.68-0.72 bf16; compiled
+#: on the tiny teacher 0.72 fp32, 0.40 autocast, 0.49 bf16
+ACTIVATION_FRACTION = {
+    ("fp32", False): 1.0,
+    ("autocast", False): 0.6,
+    ("bf16", False): 0.7,
+    ("fp32", True): 0.72,
+    ("autocast", True): 0.4,
+    ("bf16", True): 0.5,
+}
+#: tokens per group and slot that LAS's clip initialisation records (``init_clipping_from_data``'s ``max_tokens``)
+CLIP_INIT_TOKENS = 4096
+STRATEGIES = ("single", "ddp", "zero2", "zero3")
+
+
+class PlanError(LoopQError):
+    """The plan cannot be made (no shapes for the teacher, an unknown strategy); the message names the option."""
+
+
+# ---------------------------------------------------------------------------------------------------- shapes
+def ouro_config(
+    hidden: int,
+    layers: int,
+    loops: int,
+    mlp: int,
+    heads: int,
+    vocab: int,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    tied: bool = False,
+) -> dict[str, Any]:
+    """A native Ouro ``config.json`` of this shape (what :func:`model_counts` builds on the meta device)."""
+    return {
+        "model_type": "ouro",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "total_ut_steps": loops,
+        "intermediate_size": mlp,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads or heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+    }
+
+
+#: the native configs of the paper's teachers (their shapes; what a plan needs when the teacher is not on disk)
+PUBLISHED: dict[str, dict[str, Any]] = {
+    # huggingface.co/ByteDance/Ouro-1.4B and -2.6B config.json (Ouro-2.6B: the same layer, 48 layers)
+    "Ouro-1.4B": ouro_config(2048, 24, 4, 5632, 16, 49152, head_dim=128),
+    "Ouro-2.6B": ouro_config(2048, 48, 4, 5632, 16, 49152, head_dim=128),
+    # github.com/armenjeddi/loopformer config/train_loopformer_3blk.py (3 blocks x 8 loops, 32 heads, 2048 wide) on
+    # the GPTConfig defaults of models/loopformer.py (vocab 50304, block 1024, MLP 5120, no bias)
+    "loopformer-3x8": {
+        "model_type": "loopformer",
+        "n_layer": 3,
+        "n_head": 32,
+        "n_embd": 2048,
+        "intermediate_dim": 5120,
+        "vocab_size": 50304,
+        "block_size": 1024,
+        "bias": False,
+        "loopq_default_loops": 8,
+    },
+    # github.com/sandyresearch/parcae parcae_lm/configs/parcae/parcae-medium-370m.py (4 prelude + 4 core x 8 loops +
+    # 4 coda blocks, 1024 wide, MLP 4096, 8 heads, vocab 32768, tied embeddings)
+    "parcae-370m": {
+        "_class_name": "ParcaeConfig",
+        "name": "parcae-medium-370m",
+        "block_size": 2048,
+        "vocab_size": 32768,
+        "padding_multiple": 64,
+        "n_embd": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 4096,
+        "bias": False,
+        "tie_embeddings": True,
+        "prelude_norm": True,
+        "norm_class_name": "RMSNorm",
+        "norm_eps": 1e-5,
+        "mlp_class_name": "BaseMLP",
+        "nonlin_name": "ReLU2",
+        "qk_norm": True,
+        "init_strategy": "scaled-zero",
+        "injection_type": "diagonal",
+        "state_init": "like-init",
+        "recurrent_embedding_dimension": 1024,
+        "recurrent_intermediation_embedding_dimension": 4096,
+        "n_layers_in_recurrent_block": 4,
+        "n_layers_in_prelude": 4,
+        "n_layers_in_coda": 4,
+        "mean_recurrence": 8,
+        "mean_backprop_depth": 4,
+    },
+}
+#: other names the paper configs use for them (hub ids, the local folders of configs/*.yaml)
+ALIASES = {
+    "parcae-medium-370m": "parcae-370m",
+    "sandyresearch/parcae-370m": "parcae-370m",
+    "loopformer3x8": "loopformer-3x8",
+}
+
+
+def published_config(teacher: str) -> tuple[str, dict[str, Any]] | None:
+    """(name, native config) of :data:`PUBLISHED` for a teacher named by hub id, alias or folder name, else None."""
+    names = {name.lower(): name for name in PUBLISHED}
+    for key in (teacher.lower(), Path(teacher).name.lower()):
+        key = ALIASES.get(key, key)
+        if key in names:
+            return names[key], PUBLISHED[names[key]]
+    return None
+
+
+def teacher_config(teacher: str, plan_config: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(where it came from, native config) of the teacher: ``plan_config``, the teacher directory's ``config.json``,
+    or :data:`PUBLISHED`; never its weights, never the hub."""
+    if plan_config:
+        return plan_config, read_json(Path(plan_config), PlanError, "pass the teacher's config.json")
+    local = Path(teacher) / "config.json"
+    if local.is_file():
+        return str(local), read_json(local, PlanError, "fix the teacher's config.json")
+    found = published_config(teacher)
+    if found is None:
+        raise PlanError(
+            f"model.teacher {teacher}: no local config.json and no embedded shapes (known: {sorted(PUBLISHED)}); "
+            "pass --plan_config <its config.json>"
+        )
+    return f"embedded {found[0]}", found[1]
+
+
+# ---------------------------------------------------------------------------------------------------- counts
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the memory of a calibration depends on, counted on a meta-device teacher and student."""
+
+    shape: LoopShape  # the looped groups (loopq.planning.guards)
+    outside: LoopShape  # the quantized groups outside the loop (Parcae's prelude and coda), run once
+    vocab: int
+    frozen: int  # L: elements of the quantized groups' frozen weights and biases
+    frozen_looped: int  # L_loop: of those, inside the loop
+    frozen_promoted: int  # L_slt: of those, in the SLT-promoted groups
+    promoted_groups: int
+    largest_group: int  # elements of the largest group's frozen weights (one chain recomputed at a time)
+    probe_sizes: tuple[int, ...]  # frozen elements of each looped group with a transform (probed), in model order
+    clip_inputs: int  # sum over groups of in_features x slots (what the clip initialisation records per token)
+    trainable: int  # Q: trainable quantization parameters after SLT promotion
+    report: ParameterReport  # the paper's Table 3 (shared / loop-dependent)
+
+
+def build_meta(native: dict[str, Any], quant: QuantConfig) -> tuple[LoopLM, LoopLM]:
+    """The frozen teacher and its fake-quant student on the meta device, with ``quant.slt_budget`` looped groups
+    promoted - the ones with the most promotion parameters, so that counts and memory are upper bounds."""
+    cls = architecture_for(native, "config.json")
+    with torch.device("meta"):
+        teacher = cls(cls.config_from_dict(native))
+        teacher.requires_grad_(False)
+        student = prepare(teacher, quant)
+        ranked = sorted(looped_quant_groups(student).values(), key=promotion_size, reverse=True)
+        for group in ranked[: quant.slt_budget]:
+            group.promote()
+    return teacher, student
+
+
+def promotion_size(group: QuantLinearGroup) -> int:
+    """Parameters a group's SLT promotion adds (T per-loop transforms and weight clips)."""
+    per_slot = sum(p.numel() for p in group.transform.parameters()) if group.transform is not None else 0
+    return group.slots * (per_slot + group.weight_clip.numel())
+
+
+def model_counts(native: dict[str, Any], quant: QuantConfig) -> ModelCounts:
+    """:class:`ModelCounts` of a native ``config.json`` and a quantization config (meta device: no memory)."""
+    teacher, student = build_meta(native, quant)
+    groups = quant_groups(student)
+    frozen = {name: sum(t.numel() for t in [*g.weights(), *g.biases()] if t is not None) for name, g in groups.items()}
+    return ModelCounts(
+        shape=loop_shape(teacher),
+        outside=outside_shape(teacher),
+        vocab=teacher.lm_head.weight.shape[0],
+        frozen=sum(frozen.values()),
+        frozen_looped=sum(frozen[n] for n, g in groups.items() if g.looped),
+        frozen_promoted=sum(frozen[n] for n, g in groups.items() if g.promoted),
+        promoted_groups=sum(g.promoted for g in groups.values()),
+        largest_group=max(frozen.values(), default=0),
+        probe_sizes=tuple(frozen[n] for n, g in groups.items() if g.looped and g.transform is not None),
+        clip_inputs=sum(g.in_features * g.slots for g in groups.values()),
+        trainable=sum(p.numel() for p in student.parameters() if p.requires_grad),
+        report=parameter_report(student),
+    )
+
+
+def outside_shape(model: LoopLM) -> LoopShape:
+    """A :class:`~loopq.planning.guards.LoopShape` of the quantizable groups and norms of the decoder layers outside
+    the loop (Parcae's prelude and coda; nothing for Ouro and LoopFormer), each run once per forward."""
+    looped = set(model.looped_group_names())
+    groups = [g for n, g in model.linear_groups().items() if n not in looped and not is_fp_module(model, n)]
+    layers = [m for n, m in model.decoder_layers().items() if not n.startswith(model.loop_layers_prefix + ".")]
+    return LoopShape(
+        hidden=model.state_dim,
+        trained_loops=1,
+        group_inputs=sum(g.in_features for g in groups),
+        group_outputs=sum(lin.out_features for g in groups for lin in g.children()),
+        norms=sum(isinstance(m, (RMSNorm, torch.nn.LayerNorm)) for layer in layers for m in layer.modules()),
+        parameters=0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class RunSettings:
+    """The parts of a calibration's config that its memory depends on."""
+
+    batch: int  # per process
+    seq_len: int
+    samples: int
+    topk: int = 1000
+    loops: int | None = None  # None: the teacher's trained count
+    strategy: str = "single"  # single | ddp | zero2 | zero3
+    processes: int = 1
+    precision: str = "32-true"
+    teacher_dtype: str = "fp32"  # bf16 | fp32
+    checkpoint_loops: bool = False
+    checkpoint_weights: bool = False  # model.checkpoint_weights
+    compiled: bool = False  # model.compile_quantizers
+    on_cpu: bool = False  # host and device memory are one
+    target_cache: bool = False
+    probe_groups: int = 0  # SharingGapReselection's probe_groups (model.slt_probe_groups): 0 = all in one pass
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"trainer.strategy: the plan knows {STRATEGIES}, not {self.strategy!r}")
+
+    @property
+    def deepspeed_fp16(self) -> bool:
+        """DeepSpeed's own fp16 mode (``16-mixed``); ``bf16-mixed`` runs its fp32 engine under autocast."""
+        return self.strategy.startswith("zero") and self.precision == "16-mixed"
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision.endswith("-mixed") and not self.deepspeed_fp16
+
+    @property
+    def cast_bytes(self) -> int | None:
+        """Bytes of the dtype every parameter is cast to (``*-true`` precisions, DeepSpeed's fp16 mode), else None."""
+        if self.precision.endswith("-true") and self.precision != "32-true":
+            return 8 if self.precision.startswith("64") else 2
+        return 2 if self.deepspeed_fp16 else None
+
+    @property
+    def param_bytes(self) -> int:
+        """b_p: bytes of a trainable parameter as the strategy holds it (4 unless a cast applies)."""
+        return self.cast_bytes or 4
+
+    def numerics(self, probe: bool = False) -> tuple[str, bool]:
+        """The key of :data:`WEIGHT_CHAIN_COPIES` and :data:`ACTIVATION_FRACTION` for the training step or the SLT
+        probe step (which the reselection callback runs outside the training step's autocast)."""
+        if self.autocast and not probe:
+            return "autocast", self.compiled
+        return ("bf16" if 2 in (self.teacher_bytes, self.param_bytes) else "fp32"), self.compiled
+
+    @property
+    def teacher_bytes(self) -> int:
+        return TEACHER_DTYPES[self.teacher_dtype].itemsize
+
+
+def normalise_precision(precision: Any) -> str:
+    """Lightning's spelling of ``trainer.precision``: ``32`` -> ``32-true``, ``bf16`` -> ``bf16-mixed``, ..."""
+    text = "32" if precision is None else str(precision)
+    return {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(text, text)
+
+
+def strategy_of(strategy: Any, processes: int) -> str:
+    """``trainer.strategy`` (a name, or a class_path/init_args mapping) as one of :data:`STRATEGIES`."""
+    if isinstance(strategy, dict) or hasattr(strategy, "class_path"):
+        get = strategy.get if isinstance(strategy, dict) else lambda k, d=None: getattr(strategy, k, d)
+        args = get("init_args") or {}
+        args = args if isinstance(args, dict) else vars(args)
+        name = str(get("class_path", ""))
+        if "deepspeed" in name.lower():
+            return f"zero{deepspeed_stage(args)}"
+        return "ddp" if "ddp" in name.lower() else "single" if processes == 1 else "ddp"
+    name = str(strategy or "auto").lower()
+    if "deepspeed" in name:
+        return "zero3" if "stage_3" in name else "zero2"
+    if "ddp" in name or "fsdp" in name:
+        return "ddp"
+    return "single" if processes == 1 else "ddp"
+
+
+def deepspeed_stage(args: dict[str, Any]) -> int:
+    """ZeRO stage of DeepSpeed strategy arguments: ``config``'s ``zero_optimization.stage``, else ``stage`` (2)."""
+    config = args.get("config")
+    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
+        config = read_json(Path(config), PlanError, "fix the DeepSpeed config")
+    if isinstance(config, dict):
+        return int((config.get("zero_optimization") or {}).get("stage", 2))
+    return int(args.get("stage") or 2)
+
+
+# ---------------------------------------------------------------------------------------------------- formulas
+def frozen_bytes(
+    params: int, frozen: int, teacher_bytes: int, cast_bytes: int | None, strategy: str, processes: int
+) -> int:
+    """The frozen teacher, shared with the student: P b_t. A cast to b_c (``cast_bytes``) gives parameters new
+    storage; the student's frozen weights are buffers, which DeepSpeed neither casts nor partitions (they keep the
+    loaded storage) and Lightning's ``*-true`` precisions cast separately: P b_c + L b_t (DeepSpeed) or L b_c
+    (Lightning) when b_t != b_c. ZeRO-3: P b / N + L b_t."""
+    if strategy == "zero3":
+        return math.ceil(params * (cast_bytes or teacher_bytes) / processes) + frozen * teacher_bytes
+    if cast_bytes is None or cast_bytes == teacher_bytes:
+        return params * teacher_bytes
+    return params * cast_bytes + frozen * (teacher_bytes if strategy == "zero2" else cast_bytes)
+
+
+def optimizer_bytes(trainable: int, strategy: str, processes: int, param_bytes: int) -> int:
+    """Parameters, gradients and AdamW states of Q trainable parameters: 16 Q (+ 4 Q DDP buckets) without ZeRO;
+    ZeRO-2 b_p Q + (b_p + 8 + master) Q / N, ZeRO-3 (2 b_p + 8 + master) Q / N, master = 4 when b_p < 4."""
+    if strategy in ("single", "ddp"):
+        per = 4 * param_bytes + (param_bytes if strategy == "ddp" else 0)
+        return trainable * per
+    master = 4 if param_bytes < 4 else 0
+    sharded = param_bytes + 2 * 4 + master
+    if strategy == "zero3":
+        return math.ceil(trainable * (param_bytes + sharded) / processes)
+    return trainable * param_bytes + math.ceil(trainable * sharded / processes)
+
+
+def weight_chain_bytes(elements: int, numerics: tuple[str, bool], recomputed: bool = False) -> int:
+    """What autograd keeps of one forward's transformed, fake-quantized weights: ``elements`` x 4 x c_w
+    (:data:`WEIGHT_CHAIN_COPIES` of (numerics, compiled)); with ``checkpoint_weights`` (``recomputed``) the fp32
+    quantized weights alone, ``elements`` x 4 (measured: the chain keeps 8.2 fp32 copies, recomputed 0.03,
+    ``tests/quant/test_checkpoint_weights.py``)."""
+    if recomputed:
+        return elements * 4
+    return math.ceil(elements * 4 * WEIGHT_CHAIN_COPIES[numerics])
+
+
+def chain_recompute_bytes(largest_group: int, numerics: tuple[str, bool]) -> int:
+    """One group's chain while the backward pass rebuilds it (``checkpoint_weights``): ``largest_group`` x 4 x c_w."""
+    return math.ceil(largest_group * 4 * WEIGHT_CHAIN_COPIES[numerics])
+
+
+def weight_grad_bytes(elements: int) -> int:
+    """The fp32 gradients of every fake-quantized weight, alive together until the chains' backward: ``elements`` x 4
+    (a weight used in T loops sums T contributions into one buffer). A probe step's ``torch.autograd.grad`` w.r.t.
+    the perturbations reaches the probed groups' T per-loop weights only: T L_probe."""
+    return elements * 4
+
+
+def cast_bytes(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> tuple[int, int]:
+    """(kept for the pass, alive while one loop is recomputed) bytes of the bf16 casts of the quantized weights that
+    each call saves for its backward pass, in bf16 numerics with ``checkpoint_weights``: 2 L_loop per loop (one loop
+    with ``checkpoint_loops``, all T without), 2 (L - L_loop) for the groups outside the loop. Without
+    ``checkpoint_weights`` the measured :data:`WEIGHT_CHAIN_COPIES` include them."""
+    if settings.numerics(probe)[0] == "fp32" or not settings.checkpoint_weights:
+        return 0, 0
+    outside = 2 * (counts.frozen - counts.frozen_looped)
+    per_loop = 2 * counts.frozen_looped
+    if settings.checkpoint_loops:
+        return outside, per_loop
+    return outside + loops * per_loop, 0
+
+
+def chain_elements(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> int:
+    """Weight elements fake-quantized per forward: L + (T - 1) L_slt (training step) or L + (T - 1) L_probe (probe
+    step: :func:`probe_elements`), L + (T - 1) L_loop for ZeRO-3 without ``checkpoint_loops`` (every call recomputes
+    its weights)."""
+    if settings.strategy == "zero3" and not settings.checkpoint_loops:
+        return counts.frozen + (loops - 1) * counts.frozen_looped
+    extra = probe_elements(counts, settings.probe_groups) if probe else counts.frozen_promoted
+    return counts.frozen + (loops - 1) * extra
+
+
+def probe_elements(counts: ModelCounts, chunk: int) -> int:
+    """L_probe: frozen elements with per-loop weights in one probe pass - every looped group (``chunk`` 0), or the
+    SLT-promoted ones plus the largest run of ``chunk`` consecutive looped groups (``sharing_gap_scores`` probes the
+    shared ones in model order; an upper bound over the rounds, whichever groups are promoted by then)."""
+    sizes = counts.probe_sizes
+    if chunk <= 0 or chunk >= len(sizes):
+        return counts.frozen_looped
+    largest = max(sum(sizes[i : i + chunk]) for i in range(len(sizes) - chunk + 1))
+    return min(counts.frozen_looped, counts.frozen_promoted + largest)
+
+
+def activation_parts(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool = False) -> tuple[int, int]:
+    """(kept for the whole pass, recomputed one loop at a time) activation bytes, x :data:`ACTIVATION_FRACTION`.
+
+    Without ``checkpoint_loops``: every loop's saved tensors, B S D T 4 factor
+    (:func:`loopq.planning.guards.activation_bytes` with :func:`~loopq.planning.guards.activation_factor`), and nothing
+    recomputed; with it: every loop's input, B S D T 4, kept and one loop's saved tensors, B S D 4 factor, while that
+    loop is recomputed. The groups outside the loop (Parcae's prelude and coda) are kept once either way."""
+    b, s, d = settings.batch, settings.seq_len, counts.shape.hidden
+    factor = activation_factor(counts.shape)
+    outside = 0
+    if counts.outside.group_inputs:
+        outside = activation_bytes(b, s, counts.outside.hidden, 1, 4, activation_factor(counts.outside))
+    if settings.checkpoint_loops:
+        kept, recompute = activation_bytes(b, s, d, loops, 4, 1.0), activation_bytes(b, s, d, 1, 4, factor)
+    else:
+        kept, recompute = activation_bytes(b, s, d, loops, 4, factor), 0
+    fraction = ACTIVATION_FRACTION[settings.numerics(probe)]
+    return math.ceil((kept + outside) * fraction), math.ceil(recompute * fraction)
+
+
+def logit_bytes(batch: int, seq_len: int, vocab: int, hidden: int, loops: int) -> int:
+    """The loss's tensors as the backward pass starts: B S (5 V + T D) 4 - the fp32 logits and their log-softmax kept
+    for backward, the gradients of the log-softmax, of the logits and of the top-k gather (each B S V fp32), the
+    trajectory differences (B S D per loop)."""
+    return batch * seq_len * (5 * vocab + loops * hidden) * 4
+
+
+def batch_target_bytes(batch: int, seq_len: int, topk: int, vocab: int, hidden: int, loops: int) -> int:
+    """One batch's teacher targets on the device (``TeacherTargets.batch``): fp32 top-k values, int64 ids, fp32 loop
+    states: B S (12 k + 4 T D)."""
+    return batch * seq_len * (12 * min(topk, vocab) + 4 * loops * hidden)
+
+
+def clip_init_bytes(tokens: int, clip_inputs: int) -> int:
+    """LAS's clip initialisation: min(tokens, 4096) x sum_g in_g slots_g fp32 inputs recorded at once."""
+    return min(tokens, CLIP_INIT_TOKENS) * clip_inputs * 4
+
+
+def target_bytes(samples: int, seq_len: int, topk: int, vocab: int, hidden: int, loops: int) -> int:
+    """The teacher targets (``loopq.calib.targets``): fp16 top-k values, int16 ids (int32 above 32767 tokens), fp16
+    loop states (:func:`loopq.planning.guards.trajectory_bytes`): M S k (2 + b_id) + M T S D 2."""
+    k = min(topk, vocab)
+    id_bytes = 2 if vocab <= torch.iinfo(torch.int16).max else 4
+    return samples * seq_len * k * (2 + id_bytes) + trajectory_bytes(samples, seq_len, hidden, loops)
+
+
+def teacher_load_bytes(params: int, teacher_bytes: int) -> int:
+    """Host memory while the teacher loads: the weights as read (assumed in b_t) and the model they are copied into,
+    built on the meta device in b_t (``LoopLM.from_native``): 2 P b_t (measured 5.84 GiB with the ~0.5 GiB runtime
+    for Ouro-1.4B in bf16, 5.34 GiB predicted: ``bench/real_shapes.py``)."""
+    return 2 * params * teacher_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Pass:
+    """What one forward + backward (a training step, or an SLT probe step) adds to the resident memory.
+
+    With ``checkpoint_loops`` a loop is recomputed only after the loss's backward is done, and with
+    ``checkpoint_weights`` the chains are rebuilt only after loop 0's backward, so the three transients are not alive
+    together: the pass needs ``max(recompute, logits, chain)``, not their sum."""
+
+    weights: int  # what autograd keeps of the fake-quant weights (and their bf16 casts kept for the pass)
+    grads: int  # the fake-quant weights' gradients, summed over the loops
+    kept: int  # activations kept for the whole pass
+    recompute: int  # one loop's saved tensors (and weight casts) while it is recomputed (checkpoint_loops), else 0
+    logits: int  # the loss's tensors as the backward pass starts
+    chain: int  # one group's weight chain while it is rebuilt (checkpoint_weights), else 0
+    targets: int  # the batch's teacher targets on the device
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.kept + max(self.recompute, self.logits, self.chain) + self.targets
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every term of a calibration's memory per process (bytes), its phases and its peak."""
+
+    counts: ModelCounts
+    settings: RunSettings
+    loops: int
+    frozen: int  # the frozen teacher (shared with the student), as the strategy holds it
+    loaded: int  # the frozen teacher as loaded, before a DeepSpeed engine casts or partitions it (setup)
+    quant_params: int  # the fp32 quantization parameters alone (setup: no gradients or optimizer states yet)
+    quant_state: int  # quantization parameters, gradients and AdamW states
+    step: Pass
+    probe: Pass | None  # None without an SLT budget
+    clip_init: int
+    targets: int  # in host memory (and the cache file's size)
+    teacher_load: int  # host, transient
+
+    @property
+    def resident(self) -> int:
+        """What stays during training: frozen teacher, quantization state, and on a CPU run the targets too."""
+        return self.frozen + self.quant_state + (self.targets if self.settings.on_cpu else 0)
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, LAS's clip initialisation and the
+        quantized weights its gradient-free forward caches), the training step, the SLT probe step."""
+        phases = {
+            "setup": self.loaded + self.quant_params + self.clip_init + 4 * self.counts.frozen,
+            "training step": self.resident + self.step.total,
+        }
+        if self.probe is not None:
+            phases["SLT probe step"] = self.resident + self.probe.total
+        return phases
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+    @property
+    def peak(self) -> int:
+        return self.phases[self.peak_phase]
+
+    @property
+    def host_peak(self) -> int:
+        """Host memory a process needs besides the device: the teacher while loading, the targets while built."""
+        return max(self.teacher_load, 2 * self.targets)
+
+
+def training_pass(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> Pass:
+    """The :class:`Pass` of a training step or (``probe``) an SLT probe step."""
+    s, d = settings, counts.shape.hidden
+    kept, recompute = activation_parts(counts, loops, s, probe)
+    cast_kept, cast_recompute = cast_bytes(counts, loops, s, probe)
+    elements, numerics = chain_elements(counts, loops, s, probe), s.numerics(probe)
+    return Pass(
+        weights=weight_chain_bytes(elements, numerics, s.checkpoint_weights) + cast_kept,
+        grads=weight_grad_bytes(loops * probe_elements(counts, s.probe_groups) if probe else elements),
+        kept=kept,
+        recompute=recompute + cast_recompute,
+        logits=logit_bytes(s.batch, s.seq_len, counts.vocab, d, loops),
+        chain=chain_recompute_bytes(counts.largest_group, numerics) if s.checkpoint_weights else 0,
+        targets=batch_target_bytes(s.batch, s.seq_len, s.topk, counts.vocab, d, loops),
+    )
+
+
+def plan_memory(counts: ModelCounts, settings: RunSettings) -> MemoryPlan:
+    """The :class:`MemoryPlan` of a calibration (module docstring for every formula)."""
+    loops = settings.loops or counts.shape.trained_loops
+    s, n = settings, settings.processes
+    params = counts.shape.parameters
+    return MemoryPlan(
+        counts=counts,
+        settings=settings,
+        loops=loops,
+        frozen=frozen_bytes(params, counts.frozen, s.teacher_bytes, s.cast_bytes, s.strategy, n),
+        loaded=params * s.teacher_bytes,
+        quant_params=counts.trainable * 4,
+        quant_state=optimizer_bytes(counts.trainable, s.strategy, n, s.param_bytes),
+        step=training_pass(counts, loops, s, probe=False),
+        probe=training_pass(counts, loops, s, probe=True) if counts.promoted_groups else None,
+        clip_init=clip_init_bytes(s.batch * n * s.seq_len, counts.clip_inputs),
+        targets=target_bytes(s.samples, s.seq_len, s.topk, counts.vocab, counts.shape.hidden, loops),
+        teacher_load=teacher_load_bytes(params, s.teacher_bytes),
+    )
+
+
+def plan_shape(
+    hidden: int,
+    layers: int,
+    loops: int,
+    mlp: int,
+    heads: int,
+    vocab: int,
+    batch: int,
+    seq_len: int,
+    strategy: str = "single",
+    checkpoint_loops: bool = False,
+    compiled: bool = False,
+    precision: str = "32-true",
+    checkpoint_weights: bool = False,
+    teacher_dtype: str = "auto",
+    samples: int = 1024,
+    processes: int = 1,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    tied: bool = False,
+    quant: QuantConfig | None = None,
+    on_cpu: bool = True,
+) -> MemoryPlan:
+    """The plan of an Ouro-shaped teacher given by its dimensions (what a rehearsal at a real shape checks its
+    measured memory against); ``teacher_dtype`` auto follows ``precision`` as ``loopq.fit`` does."""
+    native = ouro_config(hidden, layers, loops, mlp, heads, vocab, kv_heads, head_dim, tied)
+    precision = normalise_precision(precision)
+    settings = RunSettings(
+        batch=batch,
+        seq_len=seq_len,
+        samples=samples,
+        strategy=strategy,
+        processes=processes,
+        precision=precision,
+        teacher_dtype=resolve_teacher_dtype(teacher_dtype, precision),
+        checkpoint_loops=checkpoint_loops,
+        checkpoint_weights=checkpoint_weights,
+        compiled=compiled,
+        on_cpu=on_cpu,
+    )
+    return plan_memory(model_counts(native, quant or QuantConfig()), settings)
+
+
+# ---------------------------------------------------------------------------------------------------- loopq.fit
+def settings_from_config(config: Any) -> RunSettings:
+    """:class:`RunSettings` of a parsed ``loopq.fit`` config (a jsonargparse namespace)."""
+    trainer, model, data = config.trainer, config.model, config.data
+    processes = device_count(trainer.devices) * int(trainer.num_nodes or 1)
+    precision = normalise_precision(trainer.precision)
+    quant = model.quant
+    return RunSettings(
+        batch=data.batch_size,
+        seq_len=data.seq_len,
+        samples=data.num_samples,
+        topk=model.topk,
+        loops=getattr(quant, "num_loops", None) if quant is not None else None,
+        strategy=strategy_of(trainer.strategy, processes),
+        processes=processes,
+        precision=precision,
+        teacher_dtype=resolve_teacher_dtype(model.teacher_dtype, precision),
+        checkpoint_loops=bool(model.checkpoint_loops),
+        checkpoint_weights=bool(getattr(model, "checkpoint_weights", False)),
+        compiled=bool(model.compile_quantizers),
+        on_cpu=str(trainer.accelerator) == "cpu",
+        target_cache=bool(model.target_cache_dir),
+        probe_groups=probe_groups_of(config),
+    )
+
+
+def probe_groups_of(config: Any) -> int:
+    """Groups per SLT probe pass: a configured ``SharingGapReselection``'s ``probe_groups``, else
+    ``model.slt_probe_groups`` (the callback the module installs by default)."""
+    for callback in config.trainer.callbacks or []:
+        if str(getattr(callback, "class_path", "")).endswith("SharingGapReselection"):
+            return int((getattr(callback, "init_args", None) or {}).get("probe_groups", 0))
+    return int(getattr(config.model, "slt_probe_groups", 0) or 0)
+
+
+def device_count(devices: Any) -> int:
+    """``trainer.devices`` as a count: an int, its string, or a list of indices; ``auto`` / -1 count as 1."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices)
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+def quant_of(config: Any) -> QuantConfig:
+    """The :class:`QuantConfig` of a parsed config's ``model.quant`` (defaults when absent)."""
+    quant = config.model.quant
+    return QuantConfig(**(vars(quant) if quant is not None else {}))
+
+
+def plan_from_config(config: Any, plan_config: str | None = None) -> tuple[str, MemoryPlan]:
+    """(where the shapes came from, the plan) of a parsed ``loopq.fit`` config, without loading the teacher."""
+    source, native = teacher_config(str(config.model.teacher), plan_config)
+    return source, plan_memory(model_counts(native, quant_of(config)), settings_from_config(config))
+
+
+# ---------------------------------------------------------------------------------------------------- printing
+def millions(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 10_000 else f"{n:,}"
+
+
+def size(n: int) -> str:
+    """Bytes as GiB (or MiB below one GiB)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
+    """The plan as a table a user reads before starting (``--print_plan``)."""
+    s, c = plan.settings, plan.counts
+    passes = {"training step": plan.step} | ({"SLT probe step": plan.probe} if plan.probe else {})
+    where = "CPU memory (host and device are one)" if s.on_cpu else "per GPU"
+    head = f"  {where:<58}" + "".join(f"{name:>16}" for name in passes)
+    lines = [
+        f"LoopQ memory plan: {title}   (shapes: {source}; nothing loaded)",
+        f"  teacher: {c.shape.parameters / 1e6:.1f}M parameters, hidden {c.shape.hidden}, {plan.loops} loops "
+        f"(trained {c.shape.trained_loops}), vocab {c.vocab}",
+        f"  run: {s.strategy} x {s.processes}, {s.precision}, teacher {s.teacher_dtype}, checkpoint_loops "
+        f"{on(s.checkpoint_loops)}, checkpoint_weights {on(s.checkpoint_weights)}, compile_quantizers "
+        f"{on(s.compiled)}, batch {s.batch} x {s.seq_len} per process",
+        head,
+    ]
+    rows = [
+        (f"frozen teacher weights ({s.teacher_dtype}, shared with the student)", [plan.frozen] * len(passes)),
+        (f"quantization params + grads + AdamW ({millions(c.trainable)})", [plan.quant_state] * len(passes)),
+        ("fake-quant weights kept for backward", [p.weights for p in passes.values()]),
+        ("their gradients (summed over the loops)", [p.grads for p in passes.values()]),
+        (
+            f"activations ({'loop inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)",
+            [p.kept for p in passes.values()],
+        ),
+    ]
+    if s.checkpoint_loops:
+        rows.append(("one loop recomputed (if the largest transient)", [p.recompute for p in passes.values()]))
+    if s.checkpoint_weights:
+        rows.append(("one weight chain rebuilt (if the largest transient)", [p.chain for p in passes.values()]))
+    rows += [
+        ("logits and loss as the backward starts (if the largest)", [p.logits for p in passes.values()]),
+        ("the batch's teacher targets", [p.targets for p in passes.values()]),
+    ]
+    if s.on_cpu:
+        rows.append(("all teacher targets (in memory)", [plan.targets] * len(passes)))
+    rows.append(("total", [plan.phases[name] for name in passes]))
+    lines += [f"    {name:<56}" + "".join(f"{size(v):>16}" for v in values) for name, values in rows]
+    lines += [
+        f"  setup (teacher as loaded, LAS clip initialisation): {size(plan.phases['setup'])}",
+        f"  PEAK {where}: {size(plan.peak)} ({plan.peak_phase})",
+    ]
+    if not s.on_cpu:
+        lines.append(
+            f"  host memory per process: teacher targets {size(plan.targets)} (twice while built), teacher while "
+            f"loading {size(plan.teacher_load)}"
+        )
+    kept = "" if s.target_cache else " (model.target_cache_dir unset: they stay in memory only)"
+    r = c.report
+    lines += [
+        f"  teacher-target cache on disk: {size(plan.targets)}{kept}",
+        f"  trainable quantization parameters: {millions(c.trainable)}; Table 3: shared {millions(r.shared)}, "
+        f"loop-dependent {millions(r.loop_dependent)} ({100 * r.loop_dependent_ratio:.3f} %), with SLT's "
+        f"{c.promoted_groups} largest groups promoted",
+    ]
+    return "\n".join(lines)
+
+
+def on(flag: bool) -> str:
+    return "on" if flag else "off"
