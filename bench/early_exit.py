@@ -33,7 +33,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loopq.artifacts import load_artifact
-from loopq.commands.evaluate import build
+from loopq.commands.evaluate import build, parse_model_method
 from loopq.data.tokenizer import load_tokenizer
 from loopq.metrics.decoding import DecodeResult, decode_perplexity
 from loopq.metrics.perplexity import token_windows, wikitext2_stream, window_nll
@@ -63,7 +63,7 @@ def models(teacher: Path, student: Path, exported: Path | None) -> dict[str, Loo
     found = {
         "FP": load_artifact(teacher, kind="teacher").model,
         "LoopQ W4A4": load_artifact(student, kind="student").model,
-        "RTN W4A4": build(str(teacher), None, None, "RTN", "w4a4")[0],
+        "RTN W4A4": build(str(teacher), None, None, parse_model_method("RTN", "w4a4"))[0],
     }
     if exported is not None:
         found["LoopQ W4A4 (exported)"] = load_artifact(exported, kind="export").model

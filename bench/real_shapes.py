@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     quant, switches = paper_model(args.config)
     print(
         f"Ouro-1.4B shape with {args.layers} layers x {OURO_1P4B['total_ut_steps']} loops, batch {args.batch} x "
-        f"{args.seq} tokens, {args.config.name}: {quant.bits_label} {switches}, threads {torch.get_num_threads()}"
+        f"{args.seq} tokens, {args.config.name}: {quant.bits.label} {switches}, threads {torch.get_num_threads()}"
     )
     rows: list[tuple[str, float, float, float]] = []
     try:

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from loopq.commands.evaluate import build, static_config, static_method
+from loopq.commands.evaluate import FP, ModelMethod, build, parse_model_method, static_config, static_method
 from loopq.paths import ASSETS
 from loopq.quant import quant_groups
+from loopq.quant.config import Bits
 
 TEACHER = str(ASSETS / "tiny-ouro")
 
@@ -27,14 +28,24 @@ def test_method_labels(label, method):
 
 
 def test_static_config_at_the_requested_bits():
-    config = static_config("smoothquant", "w4a8")
+    config = static_config("smoothquant", Bits(4, 8))
     assert (config.method, config.w_bits, config.a_bits, config.group_size) == ("smoothquant", 4, 8, 32)
+
+
+def test_method_and_bits_are_parsed_once_at_the_boundary():
+    """A baseline label at valid bits parses to its method and bits; FP ignores --bits; a bad --bits is refused
+    only for a baseline (it means nothing to FP)."""
+    assert parse_model_method("SmoothQuant", "W4A8") == ModelMethod("smoothquant", Bits(4, 8))
+    assert parse_model_method("fp", "nonsense") == FP
     with pytest.raises(ValueError, match="--bits 'w2a2'"):
-        static_config("quarot", "w2a2")
+        parse_model_method("quarot", "w2a2")
+    with pytest.raises(ValueError, match="is not a method for --model"):
+        parse_model_method("QuaRott", "w4a4")
 
 
 def test_quarot_is_built_from_the_teacher_and_calibration_text():
-    model, tok_dir, bits = build(TEACHER, None, None, "QuaRot", "w4a4", calib_samples=4, calib_seq_len=32)
+    quarot = ModelMethod("quarot", Bits(4, 4))
+    model, tok_dir, bits = build(TEACHER, None, None, quarot, calib_samples=4, calib_seq_len=32)
     assert bits == "w4a4" and tok_dir.endswith("tiny-ouro")
     assert model.quant_config.method == "quarot" and not any(p.requires_grad for p in model.parameters())
     clips = [float(g.act_clip_ratio(0)) for g in quant_groups(model).values()]
@@ -47,4 +58,4 @@ def test_quarot_is_built_from_the_teacher_and_calibration_text():
 @pytest.mark.parametrize("label", ["SpinQuant", "FlatQuant", "LoopQ"])
 def test_trained_methods_need_a_student(label):
     with pytest.raises(ValueError, match=f"--method {label} is calibrated by python -m loopq.fit"):
-        build(TEACHER, None, None, label, "w4a4")
+        parse_model_method(label, "w4a4")

@@ -16,7 +16,7 @@ import torch
 
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.seal import seal
-from loopq.commands.gpu_check import cli, kernel_bench, stages
+from loopq.commands.gpu_check import checks, kernel_bench, run_checks
 from loopq.commands.gpu_check.kernel_bench import KernelRow, check_row, format_rows, goal_for, summarize, worst_speedup
 from loopq.commands.gpu_check.peaks import fraction, gemm_tera_ops, peaks_for, percent, weight_tb_s
 from loopq.commands.gpu_check.table import (
@@ -53,7 +53,7 @@ def run(*cmd: str) -> subprocess.CompletedProcess[str]:
 def test_without_a_gpu_it_says_so_and_exits_0(cmd):
     proc = run(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == [cli.NO_GPU]
+    assert proc.stdout.splitlines() == [run_checks.NO_GPU]
     assert "Traceback" not in proc.stderr
 
 
@@ -190,13 +190,13 @@ def test_kernel_tests_verdicts(tmp_path):
     report.write_text(
         '<testsuites><testsuite name="pytest" tests="10" failures="1" errors="0" skipped="2"/></testsuites>'
     )
-    counts = stages.junit_counts(report)
+    counts = checks.junit_counts(report)
     assert counts == {"tests": 10, "failures": 1, "errors": 0, "skipped": 2, "passed": 7}
-    assert stages.kernel_tests_result(1, counts, "").status == FAIL
-    ok = stages.kernel_tests_result(0, {**counts, "failures": 0}, "")
+    assert checks.kernel_tests_result(1, counts, "").status == FAIL
+    ok = checks.kernel_tests_result(0, {**counts, "failures": 0}, "")
     assert ok.status == OK and ok.summary.startswith("7 passed, 2 skipped, 0 failed, 0 errors")
-    assert stages.kernel_tests_result(0, {**counts, "failures": 0, "passed": 0}, "").status == FAIL
-    assert stages.kernel_tests_result(4, None, "no tests ran").summary.endswith("(exit status 4): no tests ran")
+    assert checks.kernel_tests_result(0, {**counts, "failures": 0, "passed": 0}, "").status == FAIL
+    assert checks.kernel_tests_result(4, None, "no tests ran").summary.endswith("(exit status 4): no tests ran")
 
 
 def fake_run(root: Path, losses: list[str], student: bool = True) -> Path:
@@ -212,34 +212,34 @@ def fake_run(root: Path, losses: list[str], student: bool = True) -> Path:
 
 
 def test_calibration_verdicts(tmp_path):
-    good = stages.calibration_result(0, fake_run(tmp_path / "a", ["5.25", "4.5"]), 2, "")
+    good = checks.calibration_result(0, fake_run(tmp_path / "a", ["5.25", "4.5"]), 2, "")
     assert good.status == OK and "2 steps" in good.summary and "loss 5.25 -> 4.5 (all 2 finite)" in good.summary
-    assert stages.calibration_result(0, fake_run(tmp_path / "b", ["5.2", "nan"]), 2, "").status == FAIL
-    assert stages.calibration_result(0, fake_run(tmp_path / "c", []), 2, "").status == FAIL
+    assert checks.calibration_result(0, fake_run(tmp_path / "b", ["5.2", "nan"]), 2, "").status == FAIL
+    assert checks.calibration_result(0, fake_run(tmp_path / "c", []), 2, "").status == FAIL
     with pytest.raises(ValueError, match="missing"):  # no student written: the stage fails with the file named
-        stages.calibration_result(0, fake_run(tmp_path / "d", ["5.2"], student=False), 2, "")
-    failed = stages.calibration_result(2, tmp_path, 2, "Seed set to 0\nerror: data.sources: no files\n")
+        checks.calibration_result(0, fake_run(tmp_path / "d", ["5.2"], student=False), 2, "")
+    failed = checks.calibration_result(2, tmp_path, 2, "Seed set to 0\nerror: data.sources: no files\n")
     assert failed.status == FAIL and failed.summary.endswith("status 2: error: data.sources: no files")
 
 
 def test_step_verdict():
     times = {"student_ms": 300.0, "compiled_student_ms": 150.0, "fp_ms": 100.0}
-    result = stages.step_result(times, {"student_peak_gib": 12.34, "losses": [10.9, 10.8]}, 4)
+    result = checks.step_result(times, {"student_peak_gib": 12.34, "losses": [10.9, 10.8]}, 4)
     assert result.status == OK
     assert "4 of 24 layers" in result.summary and "W4A4 student 300.0 ms (3.00x)" in result.summary
     assert "compiled quantizers 150.0 ms (1.50x); student peak 12.3 GiB" in result.summary
-    assert stages.step_result(times, {"student_peak_gib": 1.0, "losses": [float("inf")]}, 4).status == FAIL
+    assert checks.step_result(times, {"student_peak_gib": 1.0, "losses": [float("inf")]}, 4).status == FAIL
 
 
 # --------------------------------------------------------------------------------------- the stage loop (faked)
 def test_stage_loop_table_json_and_exit_status(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cli, "triton_interpreted", lambda: False)
-    for name in stages.STAGES:
+    monkeypatch.setattr(run_checks, "triton_interpreted", lambda: False)
+    for name in checks.STAGES:
         status = FAIL if name == "step" else OK
-        monkeypatch.setitem(stages.STAGES, name, lambda ctx, n=name, s=status: StageResult(n, s, f"{n} numbers"))
+        monkeypatch.setitem(checks.STAGES, name, lambda ctx, n=name, s=status: StageResult(n, s, f"{n} numbers"))
     out = tmp_path / "results" / "gpu.json"
-    assert cli.main(["--quick", "--skip", "calibration", "--out", str(out)]) == 1
+    assert run_checks.main(["--quick", "--skip", "calibration", "--out", str(out)]) == 1
     table = capsys.readouterr().out
     assert "calibration   skipped" in table and "step          FAIL" in table
     saved = json.loads(out.read_text())
@@ -253,16 +253,16 @@ def test_stage_loop_table_json_and_exit_status(monkeypatch, tmp_path, capsys):
         ("step", FAIL),
         ("paper-shape", OK),
     ]
-    monkeypatch.setitem(stages.STAGES, "step", lambda ctx: 1 / 0)  # a crashing stage is that stage's failure
-    assert cli.main(["--skip", "environment", "kernel-tests", "kernel-bench", "calibration"]) == 1
+    monkeypatch.setitem(checks.STAGES, "step", lambda ctx: 1 / 0)  # a crashing stage is that stage's failure
+    assert run_checks.main(["--skip", "environment", "kernel-tests", "kernel-bench", "calibration"]) == 1
     assert "step          FAIL" in capsys.readouterr().out
 
 
 def test_interpreted_triton_on_a_gpu_machine_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cli, "triton_interpreted", lambda: True)
+    monkeypatch.setattr(run_checks, "triton_interpreted", lambda: True)
     with pytest.raises(UsageError, match="TRITON_INTERPRET=0"):
-        cli.main([])
+        run_checks.main([])
 
 
 # --------------------------------------------------------------------- the benchmark's check, under the interpreter
@@ -294,14 +294,14 @@ def test_benchmark_check_catches_a_wrong_kernel(monkeypatch):
 def test_step_trains_the_students_quantization_parameters_only():
     """The timed step on a tiny Ouro (on CPU, where the cuda autocast is a no-op): a finite loss, gradients reach the
     student's quantization parameters during backward, and none are kept afterwards."""
-    config = stages.OuroConfig(64, 64, 96, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
-    student = stages.prepare(stages.OuroLM.from_config(config, seed=0), stages.STUDENT)
+    config = checks.OuroConfig(64, 64, 96, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    student = checks.prepare(checks.OuroLM.from_config(config, seed=0), checks.STUDENT)
     seen = []
     for p in student.parameters():
         if p.requires_grad:
             p.register_hook(lambda grad: seen.append(bool(grad.abs().sum() > 0)) or grad)
     losses: list[float] = []
-    stages.train_step(student, torch.randint(0, 64, (2, 16)), losses)()
+    checks.train_step(student, torch.randint(0, 64, (2, 16)), losses)()
     assert len(losses) == 1 and losses[0] == pytest.approx(torch.log(torch.tensor(64.0)).item(), rel=0.2)
     assert seen and any(seen) and all(p.grad is None for p in student.parameters())
 
@@ -309,6 +309,6 @@ def test_step_trains_the_students_quantization_parameters_only():
 def test_profile_of_a_step_counts_its_time():
     """The ``step`` stage profiles one student step (where a 4x step goes); on the CPU it profiles CPU ops."""
     x = torch.randn(64, 64, requires_grad=True)
-    profile = stages.profile_step(lambda: (x @ x).sum().backward(), rows=5)
+    profile = checks.profile_step(lambda: (x @ x).sum().backward(), rows=5)
     assert "aten::mm" in profile["top_ops"] and profile["cpu_ms"] > 0
     assert profile["kernel_launches"] == 0 and profile["cuda_ms"] == 0  # no CUDA here

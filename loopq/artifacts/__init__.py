@@ -30,7 +30,7 @@ from loopq.artifacts.student import (
 )
 from loopq.models import LoopLM, load_looplm
 from loopq.models.loading import architecture_for, read_config, resolve_model_dir
-from loopq.quant.config import FP_LABEL, bits_label
+from loopq.quant.config import FP_LABEL, Bits
 
 __all__ = [
     "Artifact",
@@ -67,7 +67,7 @@ class Artifact(NamedTuple):
     def bits(self) -> str:
         """``w4a4``, ``w4a8``, ... for a student or export; ``fp`` for a teacher."""
         quant = self.meta.get("quant")
-        return bits_label(quant["w_bits"], quant["a_bits"]) if quant else FP_LABEL.lower()
+        return Bits(quant["w_bits"], quant["a_bits"]).label if quant else FP_LABEL.lower()
 
 
 def artifact_kind(path: str | Path) -> ArtifactKind:

@@ -59,9 +59,10 @@ from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
 from loopq.errors import UsageError
 from loopq.models import LoopLM, load_looplm
-from loopq.models.loading import architecture_for, read_config, resolve_model_dir
+from loopq.models.loading import resolve_model_dir
 from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import (
+    GroupOptions,
     QuantConfig,
     QuantLinearGroup,
     init_clipping_from_data,
@@ -134,16 +135,15 @@ class LoopQCalibration(L.LightningModule):
         self.save_hyperparameters(ignore=["quant"])
         self.hparams["quant"] = quant.to_dict()  # plain types only: checkpoints load with weights_only=True
         self.quant_config = quant
-        self.teacher = load_teacher(teacher, TEACHER_DTYPES[resolve_teacher_dtype(teacher_dtype)])
-        self.teacher_dir = str(resolve_model_dir(teacher))
+        directory = resolve_model_dir(teacher)  # once: a hub id is looked up here only
+        self.teacher = load_teacher(directory, TEACHER_DTYPES[resolve_teacher_dtype(teacher_dtype)])
+        self.teacher_dir = str(directory)
         self.teacher_sha256 = teacher_fingerprint(self.teacher_dir)
         #: teacher fingerprint + resolved config (loopq.fit sets the config), stored in checkpoints and the student
         self.provenance: dict[str, Any] = record(self.teacher_sha256)
-        self.student = prepare(self.teacher, quant)
+        options = GroupOptions(compiled=compile_quantizers, checkpoint_weights=checkpoint_weights)
+        self.student = prepare(self.teacher, quant, options=options)
         self.student.checkpoint_loops = checkpoint_loops
-        for group in quant_groups(self.student).values():
-            group.compiled = compile_quantizers  # torch.compile the quantizer chains (loopq.quant.fused)
-            group.checkpoint_weights = checkpoint_weights
         self.num_loops = self.student.calibrated_loops
         self.register_buffer("mu", torch.zeros(self.num_loops), persistent=False)
         self.promoted: list[str] = []
@@ -414,11 +414,10 @@ def resolve_teacher_dtype(name: str, precision: str | int | None = None) -> str:
     return name
 
 
-def load_teacher(path: str, dtype: torch.dtype = torch.float32) -> LoopLM:
-    """Load and freeze the FP teacher in ``dtype`` (a clear error for a directory that is not a looped LM)."""
-    directory = resolve_model_dir(path)
-    architecture_for(read_config(directory), str(directory / "config.json"))
-    teacher = load_looplm(directory, dtype=dtype)
+def load_teacher(path: str | Path, dtype: torch.dtype = torch.float32) -> LoopLM:
+    """Load and freeze the FP teacher in ``dtype`` (:func:`load_looplm`: a clear error for a directory that is not
+    a looped LM); ``path`` is a directory or a hub id, resolved once, ``config.json`` read once."""
+    teacher = load_looplm(path, dtype=dtype)
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher.eval()

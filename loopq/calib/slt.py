@@ -1,9 +1,9 @@
 """Scoring the sharing gap S_l of every shared looped group (paper §4.2) on a calibration module.
 
 :func:`sharing_gap_scores` attaches zero per-loop perturbations Delta_t to each still-shared group's transform
-(:meth:`QuantLinearGroup.start_probe`), takes gradients of the module's calibration loss w.r.t. them
-(``torch.autograd.grad``: parameter gradients and the optimizer are untouched), optionally averages them across
-processes, and returns S_l per group (:mod:`loopq.quant.sharing_gap`). ``chunk`` probes that many groups per
+(:class:`LoopProbe`, set with :meth:`QuantLinearGroup.perturb`), takes gradients of the module's calibration loss
+w.r.t. them (``torch.autograd.grad``: parameter gradients and the optimizer are untouched), optionally averages them
+across processes, and returns S_l per group (:mod:`loopq.quant.sharing_gap`). ``chunk`` probes that many groups per
 forward/backward pass (in model order): every probed group has T per-loop quantized weights and their gradients
 alive in the pass, so a real-size model probes in chunks (``slt_probe_groups``) to fit a GPU, at the price of one
 pass per chunk and batch; the scores do not depend on the chunking. A chunk that runs out of device memory is
@@ -28,6 +28,8 @@ from loopq.errors import LoopQError
 from loopq.quant import looped_quant_groups
 from loopq.quant.sharing_gap import SharingGapAccumulator
 
+#: (P1, P2, P1^-1, P2^-1) of a transform
+Matrices = tuple[Tensor, Tensor, Tensor, Tensor]
 #: what a probe pass raises when the device is full (CUDA and other accelerators)
 OUT_OF_MEMORY = (torch.OutOfMemoryError,)
 
@@ -126,16 +128,17 @@ def probe_chunk(
     reduce: Callable[[Tensor], Tensor] | None,
 ) -> dict[str, SharingGapAccumulator]:
     """Per-loop gradients phi of ``groups`` (probed together) accumulated over ``batches``."""
-    for g in groups.values():
-        g.start_probe()
-    probed = {n: g for n, g in groups.items() if g.probe is not None}
+    probes = {n: LoopProbe.of(g) for n, g in groups.items() if g.perturbable}
+    probed = {n: groups[n] for n in probes}
     acc = {n: SharingGapAccumulator() for n in probed}
     try:
+        for name, probe in probes.items():
+            groups[name].perturb(probe)
         for batch in batches if probed else []:
             batch = [t.to(getattr(module, "compute_device", module.device)) for t in batch]
             with torch.enable_grad():
                 loss = module.compute_loss(batch)["loss"]
-                deltas = [d for g in probed.values() for d in g.probe]
+                deltas = [d for probe in probes.values() for d in probe.deltas]
                 grads = torch.autograd.grad(loss, deltas, allow_unused=True)
             phis = [
                 per_loop_gradient(grads[2 * i], grads[2 * i + 1], g.slots, loss.device)
@@ -147,9 +150,53 @@ def probe_chunk(
             for name, phi in zip(probed, phis, strict=True):
                 acc[name].add(phi)
     finally:
-        for g in groups.values():
-            g.stop_probe()
+        for name in probes:
+            groups[name].perturb(None)
     return acc
+
+
+@dataclass(frozen=True)
+class LoopProbe:
+    """Zero per-loop perturbations Delta_t ``[T, n, n]`` of a shared group's two Kronecker factors (§4.2): the group
+    computes with P_t = P + Delta_t (:func:`probed_matrices`), so the gradients of the loss w.r.t. the deltas are
+    the per-loop parts phi_{t,l} of the shared transform's gradient."""
+
+    deltas: tuple[Tensor, Tensor]
+
+    @classmethod
+    def of(cls, group: Any) -> LoopProbe:
+        """The zero probe of a perturbable group (one slot per loop, the factors' dtype and device)."""
+        ref = group.transform.left.log_s
+        n1, n2 = ref.numel(), group.transform.right.log_s.numel()
+        return cls(
+            (
+                torch.zeros(group.slots, n1, n1, device=ref.device, dtype=ref.dtype, requires_grad=True),
+                torch.zeros(group.slots, n2, n2, device=ref.device, dtype=ref.dtype, requires_grad=True),
+            )
+        )
+
+    def matrices(
+        self, slot: int, shared: tuple[Tensor, Tensor, Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return probed_matrices(shared, self.deltas[0][slot], self.deltas[1][slot])
+
+    def gradients(self) -> Tensor | None:
+        """phi ``[T, n1^2 + n2^2]`` accumulated in the deltas' ``.grad`` since the probe was made (or None)."""
+        if self.deltas[0].grad is None:
+            return None
+        slots = self.deltas[0].shape[0]
+        return torch.cat([d.grad.reshape(slots, -1) for d in self.deltas], dim=1).detach()
+
+
+def probed_matrices(shared: Matrices, delta1: Tensor, delta2: Tensor) -> Matrices:
+    """(P1 + Delta1, P2 + Delta2) and their inverses to first order, P^-1 - P^-1 Delta P^-1 (§4.2's probe).
+
+    The probe is only ever evaluated at Delta = 0, where this is exact in value *and* gradient, and its forward is
+    bit-identical to the unprobed one: a group's probe then leaves every other group's numerics untouched, so S_l
+    does not depend on which groups are probed together (``slt_probe_groups``). A numerical inverse of P + Delta
+    differs from the transform's own inverse by rounding, enough to flip 4-bit codes and move the scores."""
+    p1, p2, p1_inv, p2_inv = shared
+    return p1 + delta1, p2 + delta2, p1_inv - p1_inv @ delta1 @ p1_inv, p2_inv - p2_inv @ delta2 @ p2_inv
 
 
 def per_loop_gradient(g1: Tensor | None, g2: Tensor | None, slots: int, device: torch.device | None = None) -> Tensor:

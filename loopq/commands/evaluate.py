@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from loopq.models.loading import resolve_model_dir
 from loopq.planning.guards import check_output_file, check_positions
 from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import QuantConfig
-from loopq.quant.config import FP_LABEL, METHODS, method_of_label, parse_bits
+from loopq.quant.config import FP_LABEL, METHODS, Bits, method_of_label
 from loopq.quant.prepare import prepare_static
 
 #: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
@@ -56,51 +57,60 @@ def static_method(label: str) -> str | None:
     return method if method is not None and not METHODS[method].trained else None
 
 
-def static_config(method: str, bits: str, group_size: int = 32) -> QuantConfig:
-    """The config of a training-free baseline at ``bits`` (``w4a4``, ``w4a8``, ...)."""
-    check_bits(bits)
-    return QuantConfig.of_method(method, *parse_bits(bits, "--bits"), group_size=group_size)
+@dataclass(frozen=True)
+class ModelMethod:
+    """``--method`` (and ``--bits``) of a ``--model``, parsed once: the FP teacher (``baseline`` None) or a
+    training-free baseline (its ``quant.method``) at ``bits``."""
+
+    baseline: str | None = None
+    bits: Bits | None = None
 
 
-def check_bits(bits: str) -> None:
-    parse_bits(bits, "--bits")
+#: the FP teacher as is
+FP = ModelMethod()
 
 
-def check_method(method: str) -> None:
-    """A ``--model`` is evaluated as FP or as a training-free baseline built from it; any other label would
-    report the teacher's numbers under that label (a typo such as ``QuaRott``), so it is refused."""
+def parse_model_method(method: str, bits: str) -> ModelMethod:
+    """What ``--method`` / ``--bits`` ask of a ``--model``: FP, or a training-free baseline built from it. A trained
+    method, or any other label (it would report the teacher's numbers under that label: a typo such as
+    ``QuaRott``), is refused; ``--bits`` is read only for a baseline."""
     key = method.lower()
     if key in METHODS and METHODS[key].trained:
         raise UsageError(f"--method {method} is calibrated by python -m loopq.fit; evaluate its --student directory")
-    if key != "fp" and static_method(method) is None:
+    baseline = static_method(method)
+    if baseline is None and key != "fp":
         raise UsageError(
             f"--method {method!r} is not a method for --model; use {MODEL_METHODS} (RTN... labels are RTN), or "
             "evaluate a calibrated --student / --exported model under any label"
         )
+    return FP if baseline is None else ModelMethod(baseline, Bits.parse(bits, "--bits"))
+
+
+def static_config(method: str, bits: Bits, group_size: int = 32) -> QuantConfig:
+    """The config of a training-free baseline at ``bits``."""
+    return QuantConfig.of_method(method, bits.w, bits.a, group_size=group_size)
 
 
 def check_options(
     model: str | None, student: str | None, exported: str | None, method: str, bits: str, tasks: list[str]
-) -> None:
-    """Every option that can be checked without loading a model, checked before anything is loaded."""
+) -> ModelMethod:
+    """Every option that can be checked without loading a model, checked before anything is loaded; what a
+    ``--model`` is evaluated as (:data:`FP` for a student or export, whose bits are its own)."""
     if [model, student, exported].count(None) != 2:
         raise UsageError("pass exactly one of --model (FP or a training-free baseline), --student or --exported")
-    if model is not None:
-        check_method(method)
-        if static_method(method) is not None:
-            check_bits(bits)
+    choice = parse_model_method(method, bits) if model is not None else FP
     if tasks:
         from loopq.metrics.tasks import check_tasks
 
         check_tasks(tasks)
+    return choice
 
 
 def build(
     model: str | None,
     student: str | None,
     exported: str | None,
-    method: str,
-    bits: str,
+    choice: ModelMethod = FP,
     calib_samples: int = 32,
     calib_seq_len: int = 128,
     teacher: str | None = None,
@@ -118,15 +128,14 @@ def build(
         return artifact.model, str(tokenizer_dir(path, artifact)), artifact.bits
     if model is None:
         raise UsageError("pass --model (FP or a training-free baseline), --student or --exported")
-    check_method(method)
     fp = load_artifact(model, kind="teacher", device=device)
     teacher, model_dir = fp.model, fp.meta["teacher"]
-    baseline = static_method(method)
+    baseline = choice.baseline
     check_lengths(teacher, {"--ppl_seq_len": ppl_seq_len, "--calib_seq_len": calib_seq_len if baseline else None})
-    if baseline is None:
+    if baseline is None or choice.bits is None:
         return teacher, model_dir, "fp"
     ids = calibration_samples(model_dir, calib_samples, calib_seq_len).to(device)
-    return prepare_static(teacher, static_config(baseline, bits), ids), model_dir, bits
+    return prepare_static(teacher, static_config(baseline, choice.bits), ids), model_dir, choice.bits.label
 
 
 def check_lengths(net: LoopLM, lengths: dict[str, int | None]) -> None:
@@ -165,12 +174,12 @@ def evaluate(
     if ppl_windows is not None and ppl_windows < 1:
         raise UsageError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
     task_list = ["loopq_paper"] if tasks is None else tasks
-    check_options(model, student, exported, method, bits, task_list)
+    choice = check_options(model, student, exported, method, bits, task_list)
     if out:  # before any work: a result never replaces a model file or anything but an earlier result
         check_output_file(out, [model, student, exported])
     start = time.time()
     net, tok_dir, bits = build(
-        model, student, exported, method, bits, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
+        model, student, exported, choice, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
     )
     tokenizer = load_tokenizer(tok_dir)
     stream = torch.tensor(wikitext2_stream(tokenizer), device="cpu")  # host tokens; windows move per batch
@@ -189,7 +198,7 @@ def evaluate(
         "device": device_label(where),
         "provenance": provenance_of(model, student, exported),
     }
-    if model and static_method(method) not in (None, "rtn"):
+    if choice.baseline not in (None, "rtn"):
         result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
     if task_list:
         result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)

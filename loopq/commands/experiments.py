@@ -44,11 +44,11 @@ from loopq.commands.examine import slt_history
 from loopq.errors import UsageError, run_cli
 from loopq.files import atomic_write, read_json
 from loopq.paths import REPO_ROOT
-from loopq.quant.config import BIT_LABELS, METHODS, parse_bits
+from loopq.quant.config import BIT_LABELS, METHODS, Bits
 from loopq.stats import log_gap_recovery, separated, summarize
 
 #: activation bits of each reported bit-width label (w4a4 -> 4, w4a8 -> 8)
-BITS = {label: parse_bits(label)[1] for label in BIT_LABELS}
+BITS = {label: Bits.parse(label).a for label in BIT_LABELS}
 #: fields that mark a sweep's result (kept out of :func:`summary`'s tables)
 SWEEP_TAGS = ("per_loop_of", "loop_sweep", "slt_budget", "num_samples")
 

@@ -63,7 +63,7 @@ from loopq.models.loading import architecture_for, read_config, resolve_model_di
 from loopq.provenance import teacher_fingerprint
 from loopq.quant import QuantConfig
 from loopq.quant.accounting import footprint
-from loopq.quant.config import bits_label
+from loopq.quant.config import Bits
 from loopq.quant.packed import check_kernel_support
 from loopq.stages import Manifest, Stage, StageRunner, clock, differing_keys, normalised, say
 
@@ -124,7 +124,8 @@ class Pipeline(StageRunner):
         self.quant = asked_quant(config)
         #: content hash of the teacher: every stage's inputs include it, so a rebuilt teacher is never mixed in
         self.teacher_sha256 = teacher_fingerprint(resolve_model_dir(self.teacher))
-        self.bits = bits_label(self.quant["w_bits"], self.quant["a_bits"])
+        #: the bit widths as the label its stages and result files record (the JSON boundary)
+        self.bits = Bits(self.quant["w_bits"], self.quant["a_bits"]).label
         super().__init__(Manifest(self.root / MANIFEST, fresh=options.force, error=PipelineError))
 
     # ------------------------------------------------------------------ plan and run

@@ -1,7 +1,7 @@
 """The LoopQ quantization core: pure quantizers, Kronecker transforms, the fake-quant group, LAS/SLT/CTA."""
 
 from loopq.quant.config import QuantConfig, QuantConfigError
-from loopq.quant.modules import QuantLinearGroup
+from loopq.quant.modules import GroupOptions, QuantLinearGroup
 from loopq.quant.prepare import (
     init_clipping_from_data,
     init_diagonal_from_data,
@@ -12,6 +12,7 @@ from loopq.quant.prepare import (
 )
 
 __all__ = [
+    "GroupOptions",
     "QuantConfig",
     "QuantConfigError",
     "QuantLinearGroup",

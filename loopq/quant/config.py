@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from loopq.errors import LoopQError
 from loopq.qspec import SUPPORTED_BITS
@@ -69,21 +69,28 @@ def method_of_label(label: str) -> str | None:
     return next((name for name, m in METHODS.items() if key in (name, m.label.lower())), None)
 
 
-def bits_label(w_bits: int, a_bits: int) -> str:
-    """``w4a4``-style label of a bit-width pair (16 means unquantized and is written as such: ``w4a16``)."""
-    return f"w{w_bits}a{a_bits}"
+class Bits(NamedTuple):
+    """A bit-width pair, the one value for it inside the package; ``w4a4``-style labels only at the boundary (command
+    lines, file names, JSON): :meth:`parse` reads one, :attr:`label` writes one. 16 means unquantized (``w4a16``)."""
 
+    w: int
+    a: int
 
-def parse_bits(label: str, key: str = "bits") -> tuple[int, int]:
-    """``(w_bits, a_bits)`` of a ``w<W>a<A>`` label with supported widths; a bad one is refused naming ``key``."""
-    match = re.fullmatch(r"w(\d+)a(\d+)", label.strip().lower())
-    if match is None:
-        raise QuantConfigError(f"{key} {label!r}: write bit widths as w<W>a<A>, e.g. w4a4 or w4a8")
-    w, a = int(match.group(1)), int(match.group(2))
-    for name, value in (("w", w), ("a", a)):
-        if value not in SUPPORTED_BITS:
-            raise QuantConfigError(f"{key} {label!r}: {value}-bit {name} is not supported; use {SUPPORTED_BITS}")
-    return w, a
+    @property
+    def label(self) -> str:
+        return f"w{self.w}a{self.a}"
+
+    @classmethod
+    def parse(cls, label: str, key: str = "bits") -> Bits:
+        """The pair of a ``w<W>a<A>`` label with supported widths; a bad one is refused naming ``key``."""
+        match = re.fullmatch(r"w(\d+)a(\d+)", label.strip().lower())
+        if match is None:
+            raise QuantConfigError(f"{key} {label!r}: write bit widths as w<W>a<A>, e.g. w4a4 or w4a8")
+        bits = cls(int(match.group(1)), int(match.group(2)))
+        for name, value in zip("wa", bits, strict=True):
+            if value not in SUPPORTED_BITS:
+                raise QuantConfigError(f"{key} {label!r}: {value}-bit {name} is not supported; use {SUPPORTED_BITS}")
+        return bits
 
 
 class QuantConfigError(LoopQError):
@@ -185,9 +192,9 @@ class QuantConfig:
         return cls.of_method("flatquant", w_bits, a_bits, group_size)
 
     @property
-    def bits_label(self) -> str:
-        """``w4a4``-style label of this config's bit widths."""
-        return bits_label(self.w_bits, self.a_bits)
+    def bits(self) -> Bits:
+        """This config's bit widths."""
+        return Bits(self.w_bits, self.a_bits)
 
     @property
     def label(self) -> str:

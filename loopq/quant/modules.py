@@ -17,7 +17,8 @@ Groups outside the loop (Parcae's prelude/coda) have a single slot and receive `
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,40 @@ class SlotTensors(NamedTuple):
     act_clip: Tensor  # c_t for every activation slot
 
 
-class QuantLinearGroup(nn.Module):
-    """Fake-quant replacement of a :class:`LinearGroup` (same call: ``group(x, t) -> tuple of outputs``)."""
+@dataclass(frozen=True)
+class GroupOptions:
+    """How a group computes (not what it computes: the numbers are the same either way), fixed when it is built.
 
-    def __init__(self, group: LinearGroup, config: QuantConfig, num_loops: int, looped: bool) -> None:
+    ``compiled``: run the per-call quantizer chains as torch.compile-d functions (``model.compile_quantizers``);
+    ``checkpoint_weights``: recompute the weight's transform + fake-quant chain in the backward pass
+    (``model.checkpoint_weights``): autograd then keeps the fp32 quantized weight only, not the chain's ~8 fp32
+    copies of it."""
+
+    compiled: bool = False
+    checkpoint_weights: bool = False
+
+
+class TransformPerturbation(Protocol):
+    """Per-loop matrices in place of a shared group's transform, set by an algorithm for a while
+    (:meth:`QuantLinearGroup.perturb`); SLT's sharing-gap probe is one (:class:`loopq.calib.slt.LoopProbe`). While it
+    is set every loop has its own slot, and nothing is cached across forwards."""
+
+    def matrices(
+        self, slot: int, shared: tuple[Tensor, Tensor, Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+
+
+class QuantLinearGroup(nn.Module):
+    """Fake-quant replacement of a :class:`LinearGroup` (same call: ``group(x, t) -> tuple of outputs``).
+
+    It owns its buffers (the frozen weights), its quantization parameters and its forward. The method's decisions
+    live in the calibration code: *which* groups are promoted and when (:mod:`loopq.calib.reselection`), the
+    sharing-gap probe's perturbations and gradients (:mod:`loopq.calib.slt`); the group only offers
+    :meth:`promote` (its parameter layout) and :meth:`perturb`."""
+
+    def __init__(
+        self, group: LinearGroup, config: QuantConfig, num_loops: int, looped: bool, options: GroupOptions | None = None
+    ) -> None:
         super().__init__()
         self.names = group.names
         linears = list(group.children())
@@ -66,15 +97,12 @@ class QuantLinearGroup(nn.Module):
         self.act_clip = _clip_param((act_slots,), config.learn_act_clip and config.a_bits < 16)
         self.weight_clip = _clip_param((1, out), config.learn_weight_clip and config.w_bits < 16)
         self.loop_weight_clip: nn.Parameter | None = None
-        self.probe: tuple[Tensor, Tensor] | None = None
         self.act_clip_promoted = False
-        #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`)
+        self.options = options or GroupOptions()
+        #: an algorithm's per-loop stand-in for the shared transform matrices (:meth:`perturb`), else None
+        self.perturbation: TransformPerturbation | None = None
+        #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`); a mode, like ``training``
         self.kernel_numerics = False
-        #: run the per-call quantizer chains as torch.compile-d functions (``model.compile_quantizers``)
-        self.compiled = False
-        #: recompute the weight's transform + fake-quant chain in the backward pass (``model.checkpoint_weights``):
-        #: autograd then keeps the fp32 quantized weight only, not the chain's ~8 fp32 copies of it
-        self.checkpoint_weights = False
         self._cache: dict[int, SlotTensors] = {}
         self._cache_state: tuple | None = None
 
@@ -105,8 +133,7 @@ class QuantLinearGroup(nn.Module):
         return clip_ratio(logits).reshape(-1, 1, 1)
 
     def transform_matrices(self, tr: KroneckerTransform, slot: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(P1, P2, P1^-1, P2^-1) of ``slot``; in probe mode P_t = P + Delta_t with a zero Delta_t whose gradient
-        is phi_t (:func:`probed_matrices`)."""
+        """(P1, P2, P1^-1, P2^-1) of ``slot``, perturbed while a :attr:`perturbation` is set."""
         return self._slot_tensors(slot).mats  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ forward
@@ -130,11 +157,11 @@ class QuantLinearGroup(nn.Module):
     # per-loop checkpointed bodies, whose recomputation then reuses them) and, in eval mode without gradients,
     # once per parameter version. Anything that changes a parameter in place bumps its version and invalidates.
     def _param_slot(self, slot: int) -> int:
-        """Slot of the transform/weight: all loops share slot 0 unless promoted or probed (per-loop Delta_t)."""
-        return slot if self.promoted or self.probe is not None else 0
+        """Slot of the transform/weight: all loops share slot 0 unless promoted or perturbed per loop."""
+        return slot if self.promoted or self.perturbation is not None else 0
 
     def _state_key(self) -> tuple:
-        probe = None if self.probe is None else id(self.probe[0])
+        probe = None if self.perturbation is None else id(self.perturbation)
         versions = tuple(p._version for p in self.parameters())
         return self.training, torch.is_grad_enabled(), probe, versions
 
@@ -158,9 +185,9 @@ class QuantLinearGroup(nn.Module):
         if tr is not None:
             inv_d = None if tr.log_d is None else (-tr.log_d).exp()
             shared = base[id(tr)] if base is not None and id(tr) in base else tr.matrices()
-            mats = shared if self.probe is None else probed_matrices(shared, self.probe[0][slot], self.probe[1][slot])
+            mats = shared if self.perturbation is None else self.perturbation.matrices(slot, shared)
         inverses = () if mats is None else (mats[2], mats[3])
-        if self.checkpoint_weights and torch.is_grad_enabled():
+        if self.options.checkpoint_weights and torch.is_grad_enabled():
             weight = checkpoint(self._weight_chain, slot, *inverses, use_reentrant=False)
         else:
             weight = self._weight_chain(slot, *inverses)
@@ -171,7 +198,7 @@ class QuantLinearGroup(nn.Module):
         weight = torch.cat([at_least_fp32(w) for w in self.weights()])
         if inverses:
             weight = self.transform_for(slot).weight(weight, *inverses)  # type: ignore[union-attr]
-        return quantizers(self.compiled)[1](weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+        return quantizers(self.options.compiled)[1](weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
 
     def begin_forward(self) -> None:
         """Compute every distinct slot's transform matrices and quantized weight for the coming model forward."""
@@ -181,14 +208,14 @@ class QuantLinearGroup(nn.Module):
         if any(hasattr(p, "ds_id") for p in self.parameters()):
             return  # DeepSpeed ZeRO-3 gathers a module's parameters only inside its own forward: compute per call
         base: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-        if self.probe is not None and self.transform is not None:
+        if self.perturbation is not None and self.transform is not None:
             base[id(self.transform)] = self.transform.matrices()
         for key in sorted({self._param_slot(t) for t in range(self.slots)}):
             self._cache[key] = self._compute_slot(key, base)
         self._cache_state = self._state_key()
 
     def _cacheable(self) -> bool:
-        return not self.training and not torch.is_grad_enabled() and self.probe is None
+        return not self.training and not torch.is_grad_enabled() and self.perturbation is None
 
     def train(self, mode: bool = True) -> QuantLinearGroup:
         self._cache, self._cache_state = {}, None
@@ -209,7 +236,7 @@ class QuantLinearGroup(nn.Module):
         cached = self._slot_tensors(slot)
         p1, p2 = cached.mats[:2] if cached.mats is not None else (None, None)
         clip = cached.act_clip[loop_slot(slot, cached.act_clip.numel())]
-        return quantizers(self.compiled)[0](x, p1, p2, cached.inv_d, clip, self.a_bits, self.group_size)
+        return quantizers(self.options.compiled)[0](x, p1, p2, cached.inv_d, clip, self.a_bits, self.group_size)
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)
@@ -280,43 +307,18 @@ class QuantLinearGroup(nn.Module):
             params.append(self.act_clip)
         return params
 
-    # ------------------------------------------------------------------ sharing-gap probe
-    def start_probe(self) -> None:
-        """Attach zero per-loop perturbations Delta_t of (P1, P2); their gradients are phi_{t,l} of §4.2."""
+    # ------------------------------------------------------------------ perturbation
+    @property
+    def perturbable(self) -> bool:
+        """A shared transform inside the loop: what a per-loop :meth:`perturb` applies to."""
+        return self.transform is not None and self.looped and not self.promoted
+
+    def perturb(self, perturbation: TransformPerturbation | None) -> None:
+        """Set (or with None, remove) per-loop stand-ins for this group's shared transform matrices."""
+        if perturbation is not None and not self.perturbable:
+            raise ValueError("only a shared transform inside the loop can be perturbed per loop")
+        self.perturbation = perturbation
         self._cache, self._cache_state = {}, None
-        if self.transform is None or self.promoted or not self.looped:
-            self.probe = None
-            return
-        n1, n2 = self.transform.left.log_s.numel(), self.transform.right.log_s.numel()
-        ref = self.transform.left.log_s
-        self.probe = (
-            torch.zeros(self.slots, n1, n1, device=ref.device, dtype=ref.dtype, requires_grad=True),
-            torch.zeros(self.slots, n2, n2, device=ref.device, dtype=ref.dtype, requires_grad=True),
-        )
-
-    def probe_gradients(self) -> Tensor | None:
-        """Per-loop gradients ``[T, n1^2 + n2^2]`` accumulated since :meth:`start_probe` (or None)."""
-        if self.probe is None or self.probe[0].grad is None:
-            return None
-        g1, g2 = (d.grad.reshape(self.slots, -1) for d in self.probe)
-        return torch.cat([g1, g2], dim=1).detach()
-
-    def stop_probe(self) -> None:
-        self.probe = None
-        self._cache, self._cache_state = {}, None
-
-
-def probed_matrices(
-    shared: tuple[Tensor, Tensor, Tensor, Tensor], delta1: Tensor, delta2: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(P1 + Delta1, P2 + Delta2) and their inverses to first order, P^-1 - P^-1 Delta P^-1 (§4.2's probe).
-
-    The probe is only ever evaluated at Delta = 0, where this is exact in value *and* gradient, and its forward is
-    bit-identical to the unprobed one: a group's probe then leaves every other group's numerics untouched, so S_l
-    does not depend on which groups are probed together (``slt_probe_groups``). A numerical inverse of P + Delta
-    differs from the transform's own inverse by rounding, enough to flip 4-bit codes and move the scores."""
-    p1, p2, p1_inv, p2_inv = shared
-    return p1 + delta1, p2 + delta2, p1_inv - p1_inv @ delta1 @ p1_inv, p2_inv - p2_inv @ delta2 @ p2_inv
 
 
 def begin_forward(model: nn.Module, args: object) -> None:

@@ -24,7 +24,7 @@ from loopq.models.base import LoopLM
 from loopq.quant import baselines
 from loopq.quant.config import METHODS, QuantConfig, QuantConfigError
 from loopq.quant.cta import TransitionAdapters
-from loopq.quant.modules import QuantLinearGroup, begin_forward
+from loopq.quant.modules import GroupOptions, QuantLinearGroup, begin_forward
 from loopq.quant.primitives import best_clip_ratio, clip_logit, row_clip_errors
 
 #: (group, weight of the RMSNorm feeding it or None, config, generator) -> sets up the group's transform in place
@@ -48,8 +48,12 @@ def check_group_sizes(model: LoopLM, config: QuantConfig) -> None:
             )
 
 
-def prepare(model: LoopLM, config: QuantConfig, share_weights: bool = True) -> LoopLM:
-    """Build the fake-quant student of ``model`` (the teacher is left untouched)."""
+def prepare(
+    model: LoopLM, config: QuantConfig, share_weights: bool = True, options: GroupOptions | None = None
+) -> LoopLM:
+    """Build the fake-quant student of ``model`` (the teacher is left untouched): every quantized group a
+    :class:`QuantLinearGroup` computing as ``options`` say, CTA's adapters in the transition hook, and the
+    quantization state :class:`~loopq.models.base.LoopLM` declares (``quant_config``, ``calibrated_loops``) filled."""
     check_group_sizes(model, config)
     num_loops = config.num_loops or model.default_num_loops
     memo = {id(p): p for p in model.parameters()} if share_weights else {}
@@ -62,7 +66,7 @@ def prepare(model: LoopLM, config: QuantConfig, share_weights: bool = True) -> L
     for name, group in list(student.linear_groups().items()):
         if is_fp_module(student, name):
             continue
-        qgroup = QuantLinearGroup(group, config, num_loops, looped=name in looped)
+        qgroup = QuantLinearGroup(group, config, num_loops, looped=name in looped, options=options)
         norm = model.feeding_norm(name)
         GROUP_SETUPS[config.method](qgroup, None if norm is None else norm.weight, config, gen)
         qgroup.to(device=group_device(group))

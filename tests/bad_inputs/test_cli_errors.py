@@ -103,7 +103,7 @@ def student(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------------- loopq.fit
 def test_fit_missing_teacher(tmp_path: Path):
     proc = cli("fit", "--config", "configs/tiny.yaml", "--model.teacher", tmp_path / "nowhere")
-    assert_one_line_error(proc, r"nowhere/config\.json: no config\.json")
+    assert_one_line_error(proc, r"nowhere: not a directory; pass the folder holding config\.json")
 
 
 def test_fit_broken_json_config_names_the_file_and_the_line(teacher: Path):

@@ -105,7 +105,7 @@ def test_a_probe_that_runs_out_of_memory_halves_its_chunk_and_keeps_the_scores(c
     real = module.compute_loss
 
     def limited(batch, limit=3):
-        if sum(g.probe is not None for g in looped_quant_groups(module.student).values()) > limit:
+        if sum(g.perturbation is not None for g in looped_quant_groups(module.student).values()) > limit:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(batch)
 
@@ -113,7 +113,7 @@ def test_a_probe_that_runs_out_of_memory_halves_its_chunk_and_keeps_the_scores(c
     found = probe_scores(module, batches)
     assert found.fitted == 2 and "probing 4 at a time" in capsys.readouterr().out
     assert list(found.scores.values()) == pytest.approx(list(whole.values()), rel=1e-4)
-    assert all(g.probe is None for g in looped_quant_groups(module.student).values())  # nothing left attached
+    assert all(g.perturbation is None for g in looped_quant_groups(module.student).values())  # nothing left set
     callback = SharingGapReselection(probe_groups=8)
     trainer = type("T", (), {"world_size": 1})()
     assert callback.score(trainer, module, batches).keys() == whole.keys() and callback.probe_groups == 2

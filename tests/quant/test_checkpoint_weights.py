@@ -7,15 +7,16 @@ import torch
 
 from loopq.models import load_looplm
 from loopq.paths import ASSETS
-from loopq.quant import QuantConfig, looped_quant_groups, prepare, quant_groups
+from loopq.quant import GroupOptions, QuantConfig, looped_quant_groups, prepare, quant_groups
 
 
 def student(checkpoint_weights: bool):
     torch.manual_seed(0)
-    model = prepare(load_looplm(ASSETS / "tiny-ouro"), QuantConfig(transform_init="random", cta=True, seed=0))
+    config = QuantConfig(transform_init="random", cta=True, seed=0)
+    model = prepare(
+        load_looplm(ASSETS / "tiny-ouro"), config, options=GroupOptions(checkpoint_weights=checkpoint_weights)
+    )
     quant_groups(model)[list(looped_quant_groups(model))[1]].promote()
-    for group in quant_groups(model).values():
-        group.checkpoint_weights = checkpoint_weights
     return model.train()
 
 
@@ -60,5 +61,7 @@ def test_the_calibration_module_switches_every_group():
     from loopq.calib.module import LoopQCalibration
 
     module = LoopQCalibration(str(ASSETS / "tiny-ouro"), QuantConfig(), checkpoint_weights=True)
-    assert all(g.checkpoint_weights for g in quant_groups(module.student).values())
-    assert not any(g.checkpoint_weights for g in quant_groups(LoopQCalibration(str(ASSETS / "tiny-ouro"))).values())
+    assert all(g.options.checkpoint_weights for g in quant_groups(module.student).values())
+    assert not any(
+        g.options.checkpoint_weights for g in quant_groups(LoopQCalibration(str(ASSETS / "tiny-ouro"))).values()
+    )

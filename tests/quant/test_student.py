@@ -5,8 +5,10 @@ import copy
 import pytest
 import torch
 
+from loopq.calib.slt import LoopProbe
 from loopq.models import load_looplm
 from loopq.quant import (
+    GroupOptions,
     QuantConfig,
     QuantConfigError,
     init_clipping_from_data,
@@ -190,10 +192,11 @@ def test_probe_gradients_are_per_loop_parts_of_the_shared_gradient(fixtures):
     expected = p1.grad - p1_inv.T @ p1_inv.grad @ p1_inv.T
     student.zero_grad()
 
-    group.start_probe()
+    probe = LoopProbe.of(group)
+    group.perturb(probe)
     loss().backward()
-    phi = group.probe_gradients()
-    group.stop_probe()
+    phi = probe.gradients()
+    group.perturb(None)
     n1 = p1.shape[0]
     assert phi.shape[0] == teacher.default_num_loops
     assert not torch.allclose(phi[0], phi[1]), "loops pull the shared transform differently"
@@ -287,10 +290,31 @@ def test_compiled_quantizers_match_eager(fixtures):
     ids = ids_for(teacher)
     eager = _grads(student, ids)
     eager_logits = student(ids).logits.detach()
-    for group in quant_groups(student).values():
-        group.compiled = True
+    student = prepare(teacher, config, options=GroupOptions(compiled=True)).train()
+    next(iter(looped_quant_groups(student).values())).promote()
+    assert all(g.options.compiled for g in quant_groups(student).values())
     compiled = _grads(student, ids, checkpoint_loops=True)  # also through the per-loop recomputation
     torch.testing.assert_close(student(ids).logits.detach(), eager_logits, rtol=0, atol=1e-5)
     assert compiled.keys() == eager.keys()
     for name, grad in eager.items():
         torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_only_a_shared_looped_transform_is_perturbed(fixtures):
+    """A per-loop perturbation stands in for a shared transform inside the loop; a promoted group already has
+    per-loop transforms and is refused, and removing a perturbation restores the unperturbed forward exactly."""
+    teacher = load_looplm(fixtures / "ouro-tiny")
+    student = prepare(teacher, QuantConfig(transform_init="random")).eval()
+    ids = ids_for(teacher)
+    group = next(iter(looped_quant_groups(student).values()))
+    with torch.no_grad():
+        before = student(ids).logits
+        group.perturb(LoopProbe.of(group))  # zero deltas: the same numbers, one slot per loop
+        probed = student(ids).logits
+        group.perturb(None)
+        after = student(ids).logits
+    torch.testing.assert_close(probed, before, atol=0, rtol=0)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    group.promote()
+    with pytest.raises(ValueError, match="only a shared transform inside the loop"):
+        group.perturb(LoopProbe.of(group))

@@ -3,19 +3,19 @@
 import pytest
 
 from loopq.quant import QuantConfig
-from loopq.quant.config import METHODS, QuantConfigError, bits_label, method_of_label, parse_bits
+from loopq.quant.config import METHODS, Bits, QuantConfigError, method_of_label
 
 
 def test_bits_labels_round_trip():
-    assert parse_bits("w4a4") == (4, 4) and parse_bits(" W4A8 ") == (4, 8)
-    assert bits_label(*parse_bits("w3a3")) == "w3a3"
-    assert QuantConfig.rtn(4, 8).bits_label == "w4a8"
+    assert Bits.parse("w4a4") == Bits(4, 4) == (4, 4) and Bits.parse(" W4A8 ") == Bits(w=4, a=8)
+    assert Bits.parse("w3a3").label == "w3a3" and Bits(4, 16).label == "w4a16"
+    assert QuantConfig.rtn(4, 8).bits == Bits(4, 8)
 
 
 @pytest.mark.parametrize(("label", "why"), [("4bit", "w<W>a<A>"), ("w5a4", "5-bit w"), ("w4a2", "2-bit a")])
 def test_bad_bits_labels_name_the_key(label, why):
     with pytest.raises(QuantConfigError, match=rf"^--bits '{label}': .*{why}"):
-        parse_bits(label, "--bits")
+        Bits.parse(label, "--bits")
 
 
 def test_method_labels():

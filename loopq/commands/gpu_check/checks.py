@@ -41,7 +41,7 @@ from loopq.commands.gpu_check.table import FAIL, OK, StageResult
 from loopq.errors import one_line
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import REPO_ROOT
-from loopq.quant import QuantConfig, prepare, quant_groups
+from loopq.quant import GroupOptions, QuantConfig, prepare
 
 KERNEL_TESTS = REPO_ROOT / "tests" / "kernels"
 TINY_CONFIG = "configs/tiny.yaml"
@@ -260,8 +260,10 @@ def step(ctx: Context) -> StageResult:
     details["student_peak_gib"] = peak_gib(train_step(student, ids, losses))
     details["student_profile"] = profile_step(train_step(student, ids, losses))
     if not ctx.quick:
-        for group in quant_groups(student).values():
-            group.compiled = True  # model.compile_quantizers: true, as configs/ouro1.4b.yaml calibrates
+        # model.compile_quantizers: true, as configs/ouro1.4b.yaml calibrates (the same parameters, compiled chains)
+        compiled = prepare(teacher, STUDENT, options=GroupOptions(compiled=True)).cuda()
+        compiled.load_state_dict(student.state_dict())
+        student = compiled
         times["compiled_student_ms"] = cuda_median_ms(train_step(student, ids, losses), iters, warmup=2)
     teacher.requires_grad_(True)
     times["fp_ms"] = cuda_median_ms(train_step(teacher, ids, losses), iters, warmup)

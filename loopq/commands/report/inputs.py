@@ -23,7 +23,7 @@ from loopq.artifacts import artifact_kind, read_export_meta, read_student_meta
 from loopq.artifacts.layout import STUDENT_META
 from loopq.errors import LoopQError
 from loopq.files import read_json as read_json_file
-from loopq.quant.config import bits_label
+from loopq.quant.config import Bits
 
 #: the Table-1 column of the WikiText-2 perplexity under the PTQ protocol (``wikitext2_ppl`` of a result)
 PTQ_COLUMN = "WT2-PTQ"
@@ -110,7 +110,7 @@ def load_result(path: Path) -> Result:
     bits = str(data.get("bits", "")).lower()
     quant = (meta or {}).get("quant") or {}
     if data["method"].upper() != "FP" and "w_bits" in quant and "a_bits" in quant:
-        bits = bits_label(quant["w_bits"], quant["a_bits"])
+        bits = Bits(quant["w_bits"], quant["a_bits"]).label
     calibrated = data.get("calibrated_loops", (meta or {}).get("calibrated_loops"))
     return Result(
         path=path,
