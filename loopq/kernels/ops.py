@@ -75,9 +75,10 @@ def gemm_w4a4(
 ) -> Tensor:
     """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``.
 
-    With ``backend="triton"``, M > 16 runs the tile kernel (bit-exact with the torch backend) and 1 <= M <= 16 the
-    split-K decode kernel, whose fp32 output is within ``reference.gemm_fp64``'s rounding bound of the float64 value
-    of the same codes (see :mod:`loopq.kernels.decode_kernel`). The same holds for :func:`gemm_w4a8`.
+    With ``backend="triton"``, M > 16 runs the prefill tile kernel (:mod:`loopq.kernels.gemm_kernel`) and
+    1 <= M <= 16 the split-K decode kernel (:mod:`loopq.kernels.decode_kernel`); the fp32 output of both is within
+    ``reference.gemm_fp64``'s rounding bound of the float64 value of the same codes, not bit-exact with the torch
+    backend. The same holds for :func:`gemm_w4a8`.
     """
     backend = _check_gemm("a_packed", a_packed, 4, a_scales, w_packed, w_scales, out_dtype, backend)
     return _GEMM_W4A4[backend](a_packed, a_scales, w_packed, w_scales, out_dtype)
