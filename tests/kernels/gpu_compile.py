@@ -38,6 +38,17 @@ def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bo
     return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
 
 
+def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int, block_m: int):
+    """The ``tl.dot`` transform path (``exact=False``) at the padding and tokens per program the launcher uses."""
+    sig = {"x_ptr": "*bf16", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
+    sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
+    n1p, n2p = quantize_kernel.dot_padding(n1), quantize_kernel.dot_padding(n2)
+    const = dict(K=k, KP=triton.next_power_of_2(k), N1=n1, N2=n2, N1P=n1p, N2P=n2p, BITS=bits)
+    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), BLOCK_M=block_m)
+    src = ASTSource(quantize_kernel._quantize_dot_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
+    return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
+
+
 def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig):
     sig = {"a_ptr": "*u8" if a_int4 else "*i8", "sa_ptr": "*fp32", "w_ptr": "*u8", "sw_ptr": "*fp16"}
     sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
@@ -104,6 +115,12 @@ def main(arch: int) -> None:
             "div.approx",
             ptx.count("div.approx") + ptx.count("div.full"),
         )
+    for k, n1, n2, bits in ((5632, 64, 88, 4), (2048, 32, 64, 8)):
+        block_m = quantize_kernel.fast_block_m(4096, quantize_kernel.dot_padding(n1), quantize_kernel.dot_padding(n2))
+        compiled = compile_fast_quantizer(target, k, n1, n2, bits, block_m)
+        ptx = compiled.asm["ptx"]
+        regs, spills = ptxas_usage(ptx, arch)
+        print(f"fastquant K={k} a{bits} m{block_m} tf32", ptx.count(".tf32"), "regs", regs, "spills", spills)
     for cfg in gemm_kernel.CANDIDATES:
         for a_int4 in (True, False):
             compiled = compile_gemm(target, a_int4, cfg)

@@ -40,6 +40,8 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     else:
         tensor_core = r"warp_group_dot 0 wgmma 0 mma.sync [1-9]\d* int8 [1-9]\d* "
     assert all(re.search(tensor_core + r"cp.async [1-9]\d* regs \d+ spills 0$", s) for s in gemm), gemm
+    fast = [s for s in lines if s.startswith("fastquant")]
+    assert len(fast) == 2 and all(" tf32 0 regs" in s for s in fast), fast  # IEEE fp32 dots, never tf32
     decode = [s for s in lines if s.startswith("decode m")]
     assert len(decode) == 6
     assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 ", s) for s in decode), decode
