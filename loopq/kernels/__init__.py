@@ -18,11 +18,11 @@ integer dot and accumulates ``dot * s_a[m, g] * s_w[n, g]`` in fp32.
 
 Every entry point takes ``backend="torch" | "triton"`` (``None``: triton on CUDA, torch on CPU). The torch
 backend (:mod:`loopq.kernels.reference`) is the CPU path and the test oracle; the Triton quantizer
-(:mod:`loopq.kernels.quantize_kernel`) and the tile GEMM (:mod:`loopq.kernels.gemm_kernel`, calls of more than 16
-tokens) follow its fp32 operation order with FMA contraction disabled, so they reproduce it bit for bit (the GEMM
-tests still allow fp32 rounding). Decode calls (1 to 16 tokens) run the split-K GEMM
-(:mod:`loopq.kernels.decode_kernel`), which adds the groups in another order: its fp32 output is within the
-rounding bound of :func:`loopq.kernels.reference.gemm_fp64` of the float64 value of the same codes, not bit-exact.
+(:mod:`loopq.kernels.quantize_kernel`) follows its fp32 operation order with FMA contraction disabled, so it
+reproduces it bit for bit. The GEMMs add the groups in other orders (the prefill one with FMA): the prefill tile GEMM
+(:mod:`loopq.kernels.gemm_kernel`, calls of more than 16 tokens) and the split-K decode GEMM
+(:mod:`loopq.kernels.decode_kernel`, 1 to 16 tokens) give fp32 outputs within the rounding bound of
+:func:`loopq.kernels.reference.gemm_fp64` of the float64 value of the same codes, not bit-exact.
 """
 
 from loopq.kernels.ops import gemm_w4a4, gemm_w4a8, quantize_activation, triton_interpreted

@@ -1,20 +1,90 @@
-"""Triton kernel #2: W4A4 / W4A8 GEMM ``out[M, N] = A[M, K] W[N, K]^T`` with per-group scales.
+"""Triton kernel #2: the prefill W4A4 / W4A8 GEMM ``out[M, N] = A[M, K] W[N, K]^T`` with per-group scales.
 
-Each program owns a ``BLOCK_M x BLOCK_N`` tile and walks K one 32-element group at a time: it unpacks the
-group's int4 nibbles to int8 (sign extension ``(n ^ 8) - 8``), restores the natural K order by interleaving the
-low (even k) and high (odd k) halves with ``tl.join`` + ``tl.reshape``, and issues one int8 ``tl.dot`` of depth
-32 with int32 accumulation (the smallest 8-bit tensor-core dot). The exact integer group sum is then scaled in
-fp32, ``acc += dot * (s_a[m, g] * s_w[n, g])``, in the reference's order (:mod:`loopq.kernels.reference`) and
-without FMA contraction, so the result matches the torch backend bit for bit.
-W4A8 activations are int8 in natural K order already and are loaded as is.
+Calls of more than 16 tokens (:mod:`loopq.kernels.ops`; M <= 16 runs :mod:`loopq.kernels.decode_kernel`). Prefill
+is compute-bound, so the kernel is organised around the tensor cores:
+
+* one program owns a ``BLOCK_M x BLOCK_N`` output tile (:func:`prefill_config`: 64 x 256 with 8 warps where
+  the grid still fills the GPU, smaller tiles otherwise), programs are numbered in groups of ``GROUP_M`` tile rows
+  (grouped rasterisation: consecutive programs share the same weight columns, which stay in L2);
+* each K iteration covers ``BLOCK_G`` 32-groups (``BLOCK_K = 32 BLOCK_G``, 64 or 128): the iteration's scales
+  are loaded as one short contiguous vector per row (``[BLOCK_M, BLOCK_G]``, ``[BLOCK_N, BLOCK_G]``) and split
+  into columns in registers; a statically unrolled loop issues one int8 ``tl.dot`` of depth 32 per group with
+  int32 accumulation (exact: |sum| <= 32 * 128 * 8) and rescales it once, vectorised over the tile,
+  ``acc += (dot * s_a[m, g]) * s_w[n, g]``; the K loop is software pipelined over ``num_stages`` iterations
+  (``cp.async`` loads in flight while the tensor cores work). On sm_90 the dots lower to ``wgmma`` (warp-group
+  MMA, the A operand from registers, W from shared memory), on sm_80 to ``mma.sync``;
+* the int4 nibbles are unpacked to int8 (sign extension ``(n ^ 8) - 8``) and put back in natural K order with
+  ``tl.join`` + ``tl.reshape``, which only pairs the two nibbles of a byte in the same thread before the operand
+  is written to shared memory for the tensor cores. The stored weight layout is unchanged (export format v2).
+
+Rounding contract (the decode kernel's, :mod:`loopq.kernels.decode_kernel`): every group dot is an exact integer
+(and exact in fp32, below 2^24); the term ``(dot s_a) s_w`` is rounded at most twice (with FMA contraction, which
+the launch enables, once: ``fma(dot s_a, s_w, acc)`` rounds the product and the sum together), and the G terms are
+added left to right, each through at most G - 1 additions; so with ``u = 2^-24``, ``gamma_n = n u / (1 - n u)``::
+
+    |out - ref64| <= gamma_{G+1} * sum_k |a_k w_k s_a s_w|                      (fp32 output)
+
+``ref64`` being the float64 value of the same codes and scales (:func:`loopq.kernels.reference.gemm_fp64`, which
+returns this bound). The output is no longer bit-identical with the torch backend (which never contracts).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+#: programs one wave of an H100 SXM5 runs (132 SMs): a tile size is kept only while the grid fills it
+SMS = 132
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """One launch of :func:`_gemm_kernel`: tile, warps, pipeline depth, rasterisation group."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_g: int  # 32-groups per K iteration (2 or 4)
+    group_m: int = 8
+
+    def programs(self, m: int, n: int) -> int:
+        return triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n)
+
+
+#: tiles from the largest (most reuse per byte loaded, ~fewest CUDA-core rescales per MAC) to the smallest; each
+#: checked ahead of time for sm_80 / sm_90 (``tests/kernels/gpu_compile.py``: no spills, tensor-core dots)
+#: (sm_90: 255 / 177 / 178 registers per thread; 64 x 256 spills with four groups per iteration, so it takes two;
+#: 128 x 128 spills at every depth and group count tried, so it is not offered)
+CANDIDATES: tuple[PrefillConfig, ...] = (
+    PrefillConfig(64, 256, 8, 3, 2),
+    PrefillConfig(64, 128, 8, 4, 4),
+    PrefillConfig(64, 64, 4, 4, 4),
+)
+
+
+def m_bucket(m: int) -> int:
+    """Calls are configured per power-of-two bucket of M (at least 32), so one config serves a range of M."""
+    return max(32, triton.next_power_of_2(m))
+
+
+@lru_cache(maxsize=256)
+def _config_for_bucket(bucket: int, n: int) -> PrefillConfig:
+    for cfg in CANDIDATES:
+        if cfg.programs(bucket, n) >= SMS:
+            return cfg
+    return CANDIDATES[-1]
+
+
+def prefill_config(m: int, n: int) -> PrefillConfig:
+    """The largest candidate tile whose grid still has at least one program per SM at M's bucket (else the
+    smallest): M = 4096 gets 64 x 256 (Ouro-1.4B: 512 to 2816 programs), M = 256 on N = 2048 gets 64 x 64 (128)."""
+    return _config_for_bucket(m_bucket(m), n)
 
 
 @triton.jit
@@ -31,6 +101,17 @@ def _interleave(even, odd, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped rasterisation: program ids walk ``GROUP_M`` tile rows down one tile column, then the next column."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr,
     sa_ptr,
@@ -43,47 +124,84 @@ def _gemm_kernel(
     A_INT4: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may exceed 2^31
-    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    m_mask, n_mask = rm < M, rn < N
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     groups = K // 32
-    if A_INT4:
-        a_ptrs = a_ptr + rm[:, None] * (K // 2) + tl.arange(0, 16)[None, :]  # a group's 16 bytes
-    else:
-        a_ptrs = a_ptr + rm[:, None] * K + tl.arange(0, 32)[None, :]  # a group's 32 codes
-    w_ptrs = w_ptr + rn[:, None] * (K // 2) + tl.arange(0, 16)[None, :]
+    row_a = K // 2 if A_INT4 else K  # bytes per activation row
+    # 64-bit scalar bases (M * K may exceed 2^31), 32-bit offsets inside the tile: half the registers
+    m0, n0 = pid_m.to(tl.int64) * BLOCK_M, pid_n.to(tl.int64) * BLOCK_N
+    a_base, sa_base = a_ptr + m0 * row_a, sa_ptr + m0 * groups
+    w_base, sw_base = w_ptr + n0 * (K // 2), sw_ptr + n0 * groups
+    rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rm < M - pid_m * BLOCK_M, rn < N - pid_n * BLOCK_N  # 32-bit compares
+    gs = tl.arange(0, BLOCK_G)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(groups):
-        if A_INT4:
-            a_even, a_odd = _unpack_int4(tl.load(a_ptrs + g * 16, mask=m_mask[:, None], other=0))
-            a = _interleave(a_even, a_odd, BLOCK_M)
-        else:
-            a = tl.load(a_ptrs + g * 32, mask=m_mask[:, None], other=0)
-        w_even, w_odd = _unpack_int4(tl.load(w_ptrs + g * 16, mask=n_mask[:, None], other=0))
-        dot = tl.dot(a, tl.trans(_interleave(w_even, w_odd, BLOCK_N)), out_dtype=tl.int32)
-        sa = tl.load(sa_ptr + rm * groups + g, mask=m_mask, other=0.0).to(tl.float32)
-        sw = tl.load(sw_ptr + rn * groups + g, mask=n_mask, other=0.0).to(tl.float32)
-        acc = acc + dot.to(tl.float32) * (sa[:, None] * sw[None, :])
+    for g0 in range(0, groups, BLOCK_G):
+        # the iteration's scales, one short contiguous vector per row, split into groups in registers
+        g_live = g0 + gs < groups  # K = 32 * groups need not be a multiple of BLOCK_K
+        sa_tile = tl.load(
+            sa_base + rm[:, None] * groups + (g0 + gs)[None, :], mask=m_mask[:, None] & g_live[None, :], other=0.0
+        )
+        sw_tile = tl.load(
+            sw_base + rn[:, None] * groups + (g0 + gs)[None, :], mask=n_mask[:, None] & g_live[None, :], other=0.0
+        )
+        for i in tl.static_range(BLOCK_G):
+            g = g0 + i
+            live = (g * 16 + tl.arange(0, 16) < groups * 16)[None, :]  # a group past K: masked to zero codes
+            w_off = rn[:, None] * (K // 2) + (g * 16 + tl.arange(0, 16))[None, :]
+            w_even, w_odd = _unpack_int4(tl.load(w_base + w_off, mask=n_mask[:, None] & live))
+            if A_INT4:
+                a_off = rm[:, None] * row_a + (g * 16 + tl.arange(0, 16))[None, :]
+                a_even, a_odd = _unpack_int4(tl.load(a_base + a_off, mask=m_mask[:, None] & live))
+                a = _interleave(a_even, a_odd, BLOCK_M)
+            else:
+                a_live = (g * 32 + tl.arange(0, 32) < groups * 32)[None, :]
+                a = tl.load(
+                    a_base + rm[:, None] * row_a + (g * 32 + tl.arange(0, 32))[None, :], mask=m_mask[:, None] & a_live
+                )
+            dot = tl.dot(a, tl.trans(_interleave(w_even, w_odd, BLOCK_N)), out_dtype=tl.int32)
+            sa = _column(sa_tile, i, BLOCK_G).to(tl.float32)
+            sw = _column(sw_tile, i, BLOCK_G).to(tl.float32)
+            acc += (dot.to(tl.float32) * sa[:, None]) * sw[None, :]  # no [BLOCK_M, BLOCK_N] scale temporary
     out_mask = m_mask[:, None] & n_mask[None, :]
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_off = rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out_ptr + m0 * N + n0 + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _column(tile, i: tl.constexpr, COLS: tl.constexpr):
+    """Column ``i`` of a ``[rows, COLS]`` tile (``COLS`` = 2 or 4) by ``tl.split``: no arithmetic, no shuffles
+    across threads once the few columns sit in one thread. Column ``2 a + b`` of ``[rows, 2, 2]`` is (a, b)."""
+    if COLS == 2:
+        c0, c1 = tl.split(tile)
+        col = c0 if i == 0 else c1
+    else:
+        b0, b1 = tl.split(tl.reshape(tile, [tile.shape[0], 2, 2]))  # b = i % 2
+        c0, c1 = tl.split(b0 if i % 2 == 0 else b1)  # a = i // 2
+        col = c0 if i // 2 == 0 else c1
+    return col
 
 
 def gemm(
-    a: Tensor, a_scales: Tensor, w_packed: Tensor, w_scales: Tensor, out_dtype: torch.dtype, a_int4: bool
+    a: Tensor,
+    a_scales: Tensor,
+    w_packed: Tensor,
+    w_scales: Tensor,
+    out_dtype: torch.dtype,
+    a_int4: bool,
+    config: PrefillConfig | None = None,
 ) -> Tensor:
-    """Launch :func:`_gemm_kernel` (arguments already validated by :mod:`loopq.kernels.ops`)."""
+    """Launch :func:`_gemm_kernel` (arguments already validated by :mod:`loopq.kernels.ops`); ``config`` overrides
+    :func:`prefill_config` (the tests force small tiles)."""
     m, n = a.shape[0], w_packed.shape[0]
     k = 2 * w_packed.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    # register-checked on sm_80/sm_90 (no spills); ops sends M <= 16 to decode_kernel, but M <= 16 still runs
-    # here when called directly (the tests do): 32-wide N blocks then give more programs
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
-    block_n = 32 if block_m == 16 and a.is_cuda else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _gemm_kernel[grid](
+    cfg = config or prefill_config(m, n)
+    _gemm_kernel[(cfg.programs(m, n),)](
         a.contiguous(),
         a_scales.contiguous(),
         w_packed.contiguous(),
@@ -93,9 +211,12 @@ def gemm(
         n,
         k,
         A_INT4=a_int4,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=8 if block_m == 128 else 4,
-        enable_fp_fusion=False,  # acc + dot * s rounded like the torch reference (no FMA)
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_G=cfg.block_g,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=True,  # acc + (dot s_a) s_w as one FMA: fewer roundings, inside the bound
     )
     return out

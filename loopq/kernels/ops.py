@@ -42,6 +42,7 @@ def quantize_activation(
     bits: int = 4,
     group_size: int = GROUP_SIZE,
     backend: str | None = None,
+    exact: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Online activation quantizer: ``x [M, K]`` -> (codes, float32 scales ``[M, K / group_size]``).
 
@@ -49,6 +50,12 @@ def quantize_activation(
     a missing factor is the identity, both missing means no transform), then quantized symmetrically per
     ``group_size`` consecutive channels with clipping ratio ``clip``. Codes are packed int4 (uint8 ``[M, K/2]``)
     for ``bits=4`` and int8 ``[M, K]`` for ``bits=8``. All arithmetic is fp32 whatever the dtype of ``x``.
+
+    ``exact`` (triton backend, with a transform): ``True`` reproduces the torch backend bit for bit; ``False``
+    computes the transform with two fp32 ``tl.dot`` (fast; transformed values within
+    ``quantize_kernel.transform_error_bound`` of the float64 transform, so a code can differ from the reference's
+    only where the value lies that close to a rounding tie or the clamp); ``None``: exact (the fast path is opt-in
+    until it is timed on a GPU, see :mod:`loopq.kernels.quantize_kernel`).
     """
     _check_matrix("x", x, FLOAT_DTYPES)
     if bits not in (4, 8):
@@ -62,7 +69,9 @@ def quantize_activation(
         raise ValueError(f"x has K={k} channels, not a multiple of group_size={group_size} (and even for int4)")
     left, right = _transform_factors(left, right, k, x.device)
     backend = _resolve_backend(backend, x, "group_size", group)
-    return _QUANTIZE[backend](x, left, right, clip, bits, group)
+    if backend == "torch":
+        return _QUANTIZE[backend](x, left, right, clip, bits, group)
+    return _QUANTIZE[backend](x, left, right, clip, bits, group, exact)
 
 
 def gemm_w4a4(
@@ -75,9 +84,10 @@ def gemm_w4a4(
 ) -> Tensor:
     """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``.
 
-    With ``backend="triton"``, M > 16 runs the tile kernel (bit-exact with the torch backend) and 1 <= M <= 16 the
-    split-K decode kernel, whose fp32 output is within ``reference.gemm_fp64``'s rounding bound of the float64 value
-    of the same codes (see :mod:`loopq.kernels.decode_kernel`). The same holds for :func:`gemm_w4a8`.
+    With ``backend="triton"``, M > 16 runs the prefill tile kernel (:mod:`loopq.kernels.gemm_kernel`) and
+    1 <= M <= 16 the split-K decode kernel (:mod:`loopq.kernels.decode_kernel`); the fp32 output of both is within
+    ``reference.gemm_fp64``'s rounding bound of the float64 value of the same codes, not bit-exact with the torch
+    backend. The same holds for :func:`gemm_w4a8`.
     """
     backend = _check_gemm("a_packed", a_packed, 4, a_scales, w_packed, w_scales, out_dtype, backend)
     return _GEMM_W4A4[backend](a_packed, a_scales, w_packed, w_scales, out_dtype)

@@ -17,6 +17,13 @@ One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the
    |v| <= 2^22, guaranteed by clamping first (clamp and round commute for integer bounds). The textbook
    ``floor(v + 0.5)`` is wrong for v = 0.49999997, where ``v + 0.5`` already rounds up to 1.
 4. int4: ``tl.split`` pairs (even k, odd k) into one byte (low, high nibble); int8: stored as is.
+
+That exact path is the default and the oracle-exact mode. ``exact=False`` selects :func:`_quantize_dot_kernel`,
+whose step 1 is two fp32 ``tl.dot`` on a tile of tokens (``input_precision="ieee"``, factors zero-padded to powers
+of two >= 16, e.g. 88 -> 128 for K = 5632); a dot changes the summation order, so its contract is a bound, not
+bit-exactness: transformed values within :func:`transform_error_bound` of the float64 transform, hence codes equal
+to the reference's except where the pre-rounding value lies within that bound of a .5 tie or of the clamp, and
+scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` checks both against float64).
 """
 
 from __future__ import annotations
@@ -106,6 +113,25 @@ def _quantize_kernel(
     else:
         z = _load_tokens(x_ptr, rows, row_mask, K, KP)
 
+    _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M)
+
+
+@triton.jit
+def _quantize_store(
+    z,
+    rows,
+    row_mask,
+    codes_ptr,
+    scales_ptr,
+    clip,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BITS: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Steps 2-4 on transformed tokens ``z [BLOCK_M, KP]`` (K order, zero past K): scales, codes, packing."""
     groups = tl.reshape(z, [BLOCK_M, KP // 32, 32])
     absmax = tl.max(tl.abs(groups), axis=2)
     scale = tl.maximum(tl.math.div_rn(absmax * clip, QMAX), 1e-8)
@@ -128,13 +154,177 @@ def _quantize_kernel(
         tl.store(codes_ptr + rows[:, None] * K + c[None, :], tl.reshape(q, [BLOCK_M, KP]).to(tl.int8), mask=c_mask)
 
 
+@triton.jit
+def _transform_dot(
+    x_ptr,
+    left_ptr,
+    right_ptr,
+    scratch_ptr,
+    rows,
+    row_mask,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    N1: tl.constexpr,
+    N2: tl.constexpr,
+    N1P: tl.constexpr,
+    N2P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``Z = L^T X R`` for ``BLOCK_M`` tokens as two fp32 ``tl.dot`` (IEEE products and sums, no tf32): the tokens'
+    rows stacked, ``XR = [BLOCK_M N1P, N2P] @ R``, then ``Z^T``-wise ``L^T @ [N1P, BLOCK_M N2P]``. Factors and
+    tokens are zero-padded to ``N1P x N2P`` (powers of two, at least 16 for the dot), which adds exact zeros."""
+    a = tl.arange(0, N1P)
+    b = tl.arange(0, N2P)
+    a3, b3 = a[None, :, None], b[None, None, :]
+    x_mask = row_mask[:, None, None] & (a3 < N1) & (b3 < N2)
+    x = tl.load(x_ptr + rows[:, None, None] * K + a3 * N2 + b3, mask=x_mask, other=0.0).to(tl.float32)
+    r = tl.load(right_ptr + b[:, None] * N2 + b[None, :], mask=(b[:, None] < N2) & (b[None, :] < N2), other=0.0)
+    xr = tl.dot(tl.reshape(x, [BLOCK_M * N1P, N2P]), r, input_precision="ieee")
+    xr_t = tl.reshape(tl.permute(tl.reshape(xr, [BLOCK_M, N1P, N2P]), 1, 0, 2), [N1P, BLOCK_M * N2P])
+    left_t = tl.load(left_ptr + a[None, :] * N1 + a[:, None], mask=(a[:, None] < N1) & (a[None, :] < N1), other=0.0)
+    z_t = tl.dot(left_t, xr_t, input_precision="ieee")  # [a, (m, b)] = sum_i L[i, a] XR[m, i, b]
+    z = tl.permute(tl.reshape(z_t, [N1P, BLOCK_M, N2P]), 1, 0, 2)
+    if N2P == N2:  # padding only after the last row: already in K order
+        return tl.reshape(z, [BLOCK_M, KP])
+    tl.store(scratch_ptr + rows[:, None, None] * K + a3 * N2 + b3, z, mask=x_mask)
+    tl.debug_barrier()  # the reload reads other threads' stores
+    return _load_tokens(scratch_ptr, rows, row_mask, K, KP)
+
+
+@triton.jit
+def _quantize_dot_kernel(
+    x_ptr,
+    left_ptr,
+    right_ptr,
+    scratch_ptr,
+    codes_ptr,
+    scales_ptr,
+    M,
+    clip,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    N1: tl.constexpr,
+    N2: tl.constexpr,
+    N1P: tl.constexpr,
+    N2P: tl.constexpr,
+    BITS: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The fast path: :func:`_transform_dot`, then the same quantization as :func:`_quantize_kernel`."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < M
+    z = _transform_dot(x_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M)
+    _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M)
+
+
 def quantize_activation(
-    x: Tensor, left: Tensor | None, right: Tensor | None, clip: float, bits: int, group_size: int
+    x: Tensor,
+    left: Tensor | None,
+    right: Tensor | None,
+    clip: float,
+    bits: int,
+    group_size: int,
+    exact: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Launch :func:`_quantize_kernel` (arguments already validated by :mod:`loopq.kernels.ops`)."""
+    """Launch the quantizer (arguments already validated by :mod:`loopq.kernels.ops`).
+
+    ``exact=True`` runs :func:`_quantize_kernel` (the reference's operation order, bit-exact), ``False`` the
+    ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`); ``None`` is exact
+    for now: the fast path compiles for sm_80 / sm_90 but spills registers heavily at Ouro's widths (its fp32 dots
+    hold whole padded factors in registers; ``tests/kernels/gpu_compile.py`` prints the spills) and has not been
+    timed on a GPU, so it is opt-in. Without a transform both are the same kernel."""
+    has_transform = left is not None and right is not None
+    if not has_transform or exact in (None, True):
+        return _quantize_exact(x, left, right, clip, bits)
+    return _quantize_fast(x, left, right, clip, bits)
+
+
+def _outputs(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     m, k = x.shape
     codes = torch.empty(m, k // 2 if bits == 4 else k, dtype=torch.uint8 if bits == 4 else torch.int8, device=x.device)
-    scales = torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
+    return codes, torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
+
+
+def _clip32(clip: float) -> float:
+    return float(torch.tensor(clip, dtype=torch.float32, device="cpu"))  # the fp32 value, as a Python float
+
+
+def dot_padding(n: int) -> int:
+    """A Kronecker factor's size on the ``tl.dot`` path: the next power of two, at least 16 (the dot's minimum)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def fast_block_m(m: int, n1p: int, n2p: int) -> int:
+    """Tokens per program on the fast path: up to 8192 fp32 transformed values (a K = 5632 token padded to
+    64 x 128 is one), at most as many as there are tokens; at M = 1 one token per program."""
+    return max(1, min(triton.next_power_of_2(m), 8192 // (n1p * n2p)))
+
+
+def _quantize_fast(x: Tensor, left: Tensor, right: Tensor, clip: float, bits: int) -> tuple[Tensor, Tensor]:
+    m, k = x.shape
+    codes, scales = _outputs(x, bits)
+    if m == 0:
+        return codes, scales
+    x = x.contiguous()
+    n1, n2 = left.shape[0], right.shape[0]
+    n1p, n2p = dot_padding(n1), dot_padding(n2)
+    scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if n2p != n2 else x
+    block_m = fast_block_m(m, n1p, n2p)
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    _quantize_dot_kernel[(triton.cdiv(m, block_m),)](
+        x,
+        left.float().contiguous(),
+        right.float().contiguous(),
+        scratch,
+        codes,
+        scales,
+        m,
+        _clip32(clip),
+        K=k,
+        KP=triton.next_power_of_2(k),
+        N1=n1,
+        N2=n2,
+        N1P=n1p,
+        N2P=n2p,
+        BITS=bits,
+        QMIN=float(qmin),
+        QMAX=float(qmax),
+        BLOCK_M=block_m,
+        num_warps=8,
+        enable_fp_fusion=False,  # the quantization steps round like the reference
+    )
+    return codes, scales
+
+
+def transform_error_bound(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """Float64 ``[M, K]`` bound on ``|Z_fast - Z64|``, ``Z64 = L^T X R`` in float64 of the same fp32 inputs.
+
+    Each dot sums products in fp32 in some order: ``|fl(X R) - X R| <= gamma_{n2} |X| |R|`` and, for
+    ``Y = fl(X R)``, ``|fl(L^T Y) - L^T Y| <= gamma_{n1} |L|^T |Y|`` with ``|Y| <= (1 + gamma_{n2}) |X| |R|``
+    (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5, with or without FMA); hence
+    ``|Z_fast - Z64| <= (gamma_{n1} + gamma_{n2} + gamma_{n1} gamma_{n2}) |L|^T |X| |R|``, ``gamma_n =
+    n u / (1 - n u)``, ``u = 2^-24``, n the padded sizes (padding adds exact zeros). Float64's own error on
+    ``Z64`` (``gamma_{n1 + n2}`` with ``u = 2^-53``) is added so the bound also covers the oracle."""
+    n1, n2 = left.shape[0], right.shape[0]
+
+    def gamma(n: int, u: float = 2.0**-24) -> float:
+        return n * u / (1 - n * u)
+
+    g1, g2 = gamma(dot_padding(n1)), gamma(dot_padding(n2))
+    rho = g1 + g2 + g1 * g2 + gamma(n1 + n2, 2.0**-53)
+    xm = x.double().abs().reshape(-1, n1, n2)
+    mag = left.double().abs().T @ xm @ right.double().abs()
+    return rho * mag.reshape(x.shape)
+
+
+def _quantize_exact(
+    x: Tensor, left: Tensor | None, right: Tensor | None, clip: float, bits: int
+) -> tuple[Tensor, Tensor]:
+    """Launch :func:`_quantize_kernel` (the exact path)."""
+    m, k = x.shape
+    codes, scales = _outputs(x, bits)
     if m == 0:
         return codes, scales
     x = x.contiguous()
@@ -147,7 +337,6 @@ def quantize_activation(
     tile = n1p * n2p if has_transform else kp
     block_m = max(1, min(triton.next_power_of_2(m), _tile_budget(x) // tile))
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    clip32 = float(torch.tensor(clip, dtype=torch.float32, device="cpu"))  # the fp32 value, as a Python float
     _quantize_kernel[(triton.cdiv(m, block_m),)](
         x,
         left,
@@ -156,7 +345,7 @@ def quantize_activation(
         codes,
         scales,
         m,
-        clip32,
+        _clip32(clip),
         K=k,
         KP=kp,
         N1=n1,

@@ -1,7 +1,10 @@
 """Compile the Triton kernels ahead of time for an NVIDIA target, without a GPU (``ptxas`` ships with triton).
 
 Run as ``python -m tests.kernels.gpu_compile [arch]`` with TRITON_INTERPRET unset; prints one line per kernel
-configuration with PTX facts the bit-exactness relies on and, for the decode GEMM, the facts its speed relies on:
+configuration with PTX facts the bit-exactness relies on; for the prefill GEMM (every tile of its config table, W4A4
+and W4A8) the tensor-core instruction its dots lower to (``warp_group_dot`` in TTGIR and ``wgmma`` in PTX on sm_90,
+``mma.sync`` on sm_80), its pipelined ``cp.async`` loads, registers and spills; for the decode GEMM the facts its
+speed relies on:
 the weight's loads by width (``ld.global`` / ``cp.async`` with the evict-first cache hint only the weight carries),
 registers and spills as ``ptxas -v`` reports them, and its grid at M = 1 on Ouro-1.4B's shapes.
 """
@@ -20,7 +23,6 @@ from loopq.commands.gpu_check.kernel_bench import SHAPES
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
 
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
-GEMM_CONFIGS = ((True, 128, 64, 8), (False, 16, 32, 4))
 #: the decode configs ``decode_config`` picks at M = 1 (CUDA cores), 4 (CUDA cores, 4 rows) and 16 (tensor cores)
 DECODE_CONFIGS = tuple(decode_kernel.decode_config(m, *SHAPES[0]) for m in (1, 4, 16))
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -36,12 +38,26 @@ def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bo
     return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
 
 
-def compile_gemm(target: GPUTarget, a_int4: bool, block_m: int, block_n: int, num_warps: int):
+def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int, block_m: int):
+    """The ``tl.dot`` transform path (``exact=False``) at the padding and tokens per program the launcher uses."""
+    sig = {"x_ptr": "*bf16", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
+    sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
+    n1p, n2p = quantize_kernel.dot_padding(n1), quantize_kernel.dot_padding(n2)
+    const = dict(K=k, KP=triton.next_power_of_2(k), N1=n1, N2=n2, N1P=n1p, N2P=n2p, BITS=bits)
+    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), BLOCK_M=block_m)
+    src = ASTSource(quantize_kernel._quantize_dot_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
+    return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
+
+
+def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig):
     sig = {"a_ptr": "*u8" if a_int4 else "*i8", "sa_ptr": "*fp32", "w_ptr": "*u8", "sw_ptr": "*fp16"}
     sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
-    const = dict(A_INT4=a_int4, BLOCK_M=block_m, BLOCK_N=block_n)
-    src = ASTSource(gemm_kernel._gemm_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
-    return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": False})
+    const = dict(A_INT4=a_int4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, GROUP_M=cfg.group_m)
+    # what the launcher specializes on Ouro's shapes: 16-byte aligned pointers, N and K multiples of 16
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
+    src = ASTSource(gemm_kernel._gemm_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
+    return triton.compile(src, target=target, options=options)
 
 
 def compile_decode(target: GPUTarget, a_int4: bool, cfg: decode_kernel.DecodeConfig):
@@ -99,9 +115,21 @@ def main(arch: int) -> None:
             "div.approx",
             ptx.count("div.approx") + ptx.count("div.full"),
         )
-    for cfg in GEMM_CONFIGS:
-        ptx = compile_gemm(target, *cfg).asm["ptx"]
-        print("gemm", cfg, "int8 mma", ptx.count(".s32.s8.s8"), "fma", ptx.count("fma."))
+    for k, n1, n2, bits in ((5632, 64, 88, 4), (2048, 32, 64, 8)):
+        block_m = quantize_kernel.fast_block_m(4096, quantize_kernel.dot_padding(n1), quantize_kernel.dot_padding(n2))
+        compiled = compile_fast_quantizer(target, k, n1, n2, bits, block_m)
+        ptx = compiled.asm["ptx"]
+        regs, spills = ptxas_usage(ptx, arch)
+        print(f"fastquant K={k} a{bits} m{block_m} tf32", ptx.count(".tf32"), "regs", regs, "spills", spills)
+    for cfg in gemm_kernel.CANDIDATES:
+        for a_int4 in (True, False):
+            compiled = compile_gemm(target, a_int4, cfg)
+            ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+            regs, spills = ptxas_usage(ptx, arch)
+            name = f"gemm m{cfg.block_m} n{cfg.block_n} g{cfg.block_g} w{cfg.num_warps} s{cfg.num_stages}"
+            print(name, f"a{4 if a_int4 else 8}", "warp_group_dot", ttgir.count("ttng.warp_group_dot "), end=" ")
+            print("wgmma", ptx.count("wgmma.mma_async"), "mma.sync", ptx.count("mma.sync.aligned"), end=" ")
+            print("int8", ptx.count(".s32.s8.s8"), "cp.async", ptx.count("cp.async.c"), "regs", regs, "spills", spills)
     for cfg in DECODE_CONFIGS:
         for a_int4 in (True, False):
             ptx = compile_decode(target, a_int4, cfg).asm["ptx"]

@@ -1,8 +1,9 @@
 """The kernels compile for real NVIDIA targets (PTX + ptxas, no GPU needed), with the properties bit-exactness
-relies on: no FMA contraction and IEEE division in the quantizer, int8 tensor-core dots in the GEMM; and the
-ahead-of-time proxies of the decode GEMM's speed (issue 28): 16-byte weight loads and nothing narrower than 8
-bytes among them, no register spills (``ptxas -v``), int8 ``mma`` only on the M = 16 path, and at least 132
-programs (one per H100 SM) at M = 1 on every Ouro-1.4B shape.
+relies on: no FMA contraction and IEEE division in the quantizer; the ahead-of-time proxies of the prefill GEMM's
+speed (issue 28): int8 ``wgmma`` on sm_90 (``mma.sync`` on sm_80), pipelined ``cp.async`` loads and no register
+spills for every tile of its config table; and those of the decode GEMM's speed: 16-byte weight loads and
+nothing narrower than 8 bytes among them, no register spills (``ptxas -v``), int8 ``mma`` only on the M = 16
+path, and at least 132 programs (one per H100 SM) at M = 1 on every Ouro-1.4B shape.
 
 The interpreter accepts programs the GPU compiler rejects (and vice versa), so this catches GPU-only breakage.
 It runs in a subprocess because this test session has TRITON_INTERPRET=1.
@@ -32,9 +33,15 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     quant, gemm = [s for s in lines if s.startswith("quantize")], [s for s in lines if s.startswith("gemm")]
-    assert len(quant) == 3 and len(gemm) == 2
+    assert len(quant) == 3 and len(gemm) == 6
     assert all(re.search(r"fma 0 div.rn [1-9]\d* div.approx 0$", s) for s in quant), quant
-    assert all(re.search(r"int8 mma [1-9]\d* fma 0$", s) for s in gemm), gemm
+    if arch == 90:  # Hopper: warp-group MMA (wgmma), not the Ampere-style mma.sync
+        tensor_core = r"warp_group_dot [1-9]\d* wgmma [1-9]\d* mma.sync 0 int8 [1-9]\d* "
+    else:
+        tensor_core = r"warp_group_dot 0 wgmma 0 mma.sync [1-9]\d* int8 [1-9]\d* "
+    assert all(re.search(tensor_core + r"cp.async [1-9]\d* regs \d+ spills 0$", s) for s in gemm), gemm
+    fast = [s for s in lines if s.startswith("fastquant")]
+    assert len(fast) == 2 and all(" tf32 0 regs" in s for s in fast), fast  # IEEE fp32 dots, never tf32
     decode = [s for s in lines if s.startswith("decode m")]
     assert len(decode) == 6
     assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 ", s) for s in decode), decode
