@@ -4,8 +4,9 @@ Shapes are Ouro-1.4B's linears as the exported model runs them (:data:`SHAPES`, 
 fused gate+up, ``down_proj``) at M tokens per call (:data:`TOKENS`: decode, a small batch, a calibration-size and a
 prefill-size call). Every row is first **checked** - the Triton quantizer must reproduce the torch reference's
 codes and scales bit for bit, the Triton GEMM's fp32 output must lie within the fp32 rounding bound of the float64
-value of the same codes (:func:`loopq.kernels.reference.gemm_fp64`: the tile kernel of M > 16 follows the
-reference's order, the split-K decode kernel of M <= 16 does not; see :mod:`loopq.kernels`) - then **timed** with
+value of the same codes (:func:`loopq.kernels.reference.gemm_fp64`: neither the prefill tile kernel of M > 16,
+which sums several groups per step with FMA, nor the split-K decode kernel of M <= 16 follows the reference's
+order; see :mod:`loopq.kernels`) - then **timed** with
 ``triton.testing.do_bench`` (median, L2 flushed before every call, so weights are read from memory as in a real
 forward). A quantized linear pays quantizer + GEMM per call (``x q+mm``); the goals (:func:`goal_for`) are on the
 GEMM alone (``x mm``): at M = 1 it reads 0.5625 bytes per weight (int4 + an fp16 scale per 32) instead of BF16's
