@@ -30,6 +30,7 @@ from loopq.models.generation import generate
 from loopq.models.kv_cache import LoopKVCache
 from loopq.models.static_decode import HostState, StaticDecoder, StaticKVCache
 from loopq.quant.packed import PackedLinearGroup
+from tests.device_guard import ElsewhereFactories
 from tests.export.conftest import export_student
 
 ARCHS = ["ouro-tiny", "loopformer-tiny", "parcae-tiny"]
@@ -307,3 +308,15 @@ def test_packed_groups_read_their_clip_once_and_follow_a_write(fixtures, tmp_pat
     with torch.no_grad():
         group.act_clip.mul_(0.5)  # an in-place write (load_state_dict copies in place) must not leave a stale value
     assert group.host_clip(slot) == float(group.act_clip[slot])
+
+
+def test_static_and_graph_paths_make_every_tensor_on_the_model_device(fixtures, monkeypatch):
+    model = load_looplm(fixtures / "ouro-tiny").eval()
+    ids = prompt_ids(model)
+    want = generate(model, ids, max_new_tokens=4)
+    monkeypatch.setattr(sd, "capture_for", lambda device: FakeGraph())
+    with ElsewhereFactories() as mode:  # a factory call without device= lands on meta and fails on the CPU model
+        static = generate(model, ids, max_new_tokens=4, static_cache=True)
+        graphed = generate(model, ids, max_new_tokens=4, cuda_graphs=True)
+    assert mode.redirected == [], mode.redirected
+    assert torch.equal(static, want) and torch.equal(graphed, want)
