@@ -6,17 +6,20 @@ its W4A4 and W4A8 exports (an uncalibrated student: speed does not depend on the
 KV cache on:
 
 * prefill: tokens/s of one ``1 x --prompt_len`` forward;
-* decode: ms per generated token at batch 1 and 16 (``--batches``), after a ``--prompt_len`` prefill, over
-  ``--steps`` steps;
+* decode: ms per generated token at batch 1 and 16 (``--batches``), after a ``--prompt_len`` prefill and one
+  warm-up step, over ``--steps`` steps, in each decode mode (``--modes``): ``cache`` the growing KV cache,
+  ``static`` the preallocated cache with fixed-shape steps, ``graphs`` that step captured once as a CUDA graph and
+  replayed per token (:mod:`loopq.models.static_decode`; on a CPU it runs the eager static step);
 * the BF16 decode step's weight-bandwidth bound on a GPU in ``loopq.commands.gpu_check.peaks``: the looped layers'
 weights
   read once per loop plus the LM head, divided by the memory bandwidth; the issue's goal is a BF16 step within 3x of
-  it (the first H100 run: ~90x, launch- and dispatch-bound).
+  it (the first H100 run, growing cache: ~90x, launch- and dispatch-bound), and the packed models >= 2x BF16's
+  tokens/s in decode at batch 1 and 16.
 
 Ratios (``x bf16``) come from one run on one device. On a CPU the packed models run the torch reference kernels
 (correct, not fast), so CPU numbers say nothing about the Triton kernels::
 
-    python bench/e2e.py --device cuda --layers 4 [--prompt_len 2048] [--batches 1 16] [--steps 32]
+    python bench/e2e.py --device cuda --layers 4 [--prompt_len 2048] [--batches 1 16] [--steps 32] [--modes ...]
     python bench/e2e.py --device cpu --layers 1 --prompt_len 32 --steps 2   # a smoke run
 """
 
@@ -32,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from generate import Decoder, timed  # bench/generate.py: the same prefill / decode split
+from generate import MODES, Decoder, timed  # bench/generate.py: the same prefill / decode split and decode modes
 
 from loopq.artifacts import export_student, load_quantized, student_meta
 from loopq.commands.gpu_check.flow import write_random_teacher
@@ -40,6 +43,9 @@ from loopq.commands.gpu_check.peaks import peaks_for
 from loopq.devices import resolve_device
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, prepare
+
+#: the decode modes this benchmark times (bench/generate.py's MODES without the re-run)
+DECODE_MODES = tuple(m for m in MODES if m != "rerun")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt_len", type=int, default=2048, help="prefill length (and decode's prefix)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode batch sizes")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--modes", nargs="+", default=list(DECODE_MODES), choices=DECODE_MODES, help="decode modes to time"
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.prompt_len < 1 or min(args.batches) < 1:
+        parser.error("--steps, --prompt_len and --batches must be >= 1")
+    return args
 
 
 def models(root: Path, layers: int, device: torch.device) -> dict[str, LoopLM]:
@@ -74,6 +86,27 @@ def weight_bound_ms(model: LoopLM, device: torch.device) -> float | None:
     return (looped + head) / (peaks.hbm_tb_s * 1e12) * 1e3
 
 
+def decode_ms(net: LoopLM, ids: torch.Tensor, mode: str, steps: int, device: torch.device) -> float:
+    """Milliseconds per token of ``steps`` greedy decode steps in ``mode`` after a prefill of ``ids`` and one warm-up
+    step (where ``graphs`` captures)."""
+    run = Decoder(net, ids, mode, room=steps + 1)
+    run.prefill()
+    run.decode(1)
+    return timed(lambda: run.decode(steps), str(device)) / steps * 1e3
+
+
+def print_table(rows: dict[str, dict[str, float]], higher_is_better: bool) -> None:
+    """One row per model, each cell its value and its ratio to BF16's in the same column (> 1: faster)."""
+    columns = list(rows["BF16"])
+    print(f"{'':8}" + "".join(f"{c:>24}" for c in columns))
+    for name, row in rows.items():
+        cells = []
+        for c in columns:
+            ratio = row[c] / rows["BF16"][c] if higher_is_better else rows["BF16"][c] / row[c]
+            cells.append(f"{row[c]:14.2f} ({ratio:4.2f}x)")
+        print(f"{name:8}" + "".join(f"{cell:>24}" for cell in cells))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -81,33 +114,28 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         nets = models(Path(tmp), args.layers, device)
     print(f"Ouro layer shape, {args.layers} layers x 4 loops, device {device}; prompt {args.prompt_len} tokens")
-    rows: dict[str, dict[str, float]] = {}
+    if device.type != "cuda" and "graphs" in args.modes:
+        print("(not CUDA: the graphs mode runs the eager static step)")
+    ids = torch.randint(0, 49152, (1, args.prompt_len), generator=gen).to(device)
+    prefill: dict[str, dict[str, float]] = {}
+    decode: dict[str, dict[str, float]] = {}
     for name, net in nets.items():
-        ids = torch.randint(0, 49152, (1, args.prompt_len), generator=gen).to(device)
-        Decoder(net, ids, True).prefill()  # warm-up (kernel compilation, caches)
-        rows[name] = {
-            "prefill tok/s": args.prompt_len
-            / min(timed(Decoder(net, ids, True).prefill, str(device)) for _ in range(2))
+        Decoder(net, ids, "cache").prefill()  # warm-up (kernel compilation, caches)
+        seconds = min(timed(Decoder(net, ids, "cache").prefill, str(device)) for _ in range(2))
+        prefill[name] = {"prefill tok/s": args.prompt_len / seconds}
+        decode[name] = {
+            f"b{batch} {mode} ms/tok": decode_ms(net, ids.expand(batch, -1).contiguous(), mode, args.steps, device)
+            for batch in args.batches
+            for mode in args.modes
         }
-        for batch in args.batches:
-            run = Decoder(net, ids.expand(batch, -1).contiguous(), True)
-            run.prefill()
-            run.decode(1)  # warm-up
-            rows[name][f"decode b{batch} ms/token"] = (
-                timed(lambda run=run: run.decode(args.steps), str(device)) / args.steps * 1e3
-            )
-    columns = list(rows["BF16"])
-    print(f"{'':8}" + "".join(f"{c:>24}" for c in columns))
-    for name, row in rows.items():
-        cells = []
-        for c in columns:
-            ratio = row[c] / rows["BF16"][c] if "tok/s" in c else rows["BF16"][c] / row[c]
-            cells.append(f"{row[c]:14.1f} ({ratio:4.2f}x)")
-        print(f"{name:8}" + "".join(f"{cell:>24}" for cell in cells))
+    print_table(prefill, higher_is_better=True)
+    print_table(decode, higher_is_better=False)
     bound = weight_bound_ms(nets["BF16"], device)
-    if bound is not None:
-        step = rows["BF16"][f"decode b{args.batches[0]} ms/token"]
-        print(f"BF16 decode step {step:.2f} ms against its weight-bandwidth bound {bound:.3f} ms: {step / bound:.1f}x")
+    for batch in args.batches:
+        for mode in args.modes:
+            step = decode["BF16"][f"b{batch} {mode} ms/tok"]
+            against = f" against its weight-bandwidth bound {bound:.3f} ms: {step / bound:.1f}x" if bound else ""
+            print(f"BF16 decode step, batch {batch}, {mode}: {step:.2f} ms{against}")
 
 
 if __name__ == "__main__":

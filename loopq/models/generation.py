@@ -24,6 +24,7 @@ from loopq.models.base import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold, early_exit_forward
 from loopq.models.kv_cache import LoopKVCache
 from loopq.models.kv_quant import check_kv_bits
+from loopq.models.static_decode import StaticDecoder, check_graph_model
 
 #: called after every step with the new tokens ``[B]``; returning True stops the generation
 OnToken = Callable[[Tensor], bool | None]
@@ -96,6 +97,8 @@ def generate(
     exit_threshold: float | None = None,
     kv_bits: int | None = None,
     exit_stats: ExitStats | None = None,
+    static_cache: bool = False,
+    cuda_graphs: bool = False,
     **forward_kwargs: Any,
 ) -> Tensor:
     """The generated tokens ``[B, n]`` (n <= ``max_new_tokens``) after ``input_ids`` ``[B, S]`` (left padded where
@@ -104,12 +107,19 @@ def generate(
 
     ``exit_threshold`` in (0, 1] (Ouro): each decoded token stops looping at its threshold exit
     (:mod:`loopq.models.early_exit`); its exit loops are appended to ``exit_stats`` when given. ``kv_bits`` 8 or 4
-    stores the cache as codes and scales (:mod:`loopq.models.kv_quant`); both need the cache."""
+    stores the cache as codes and scales (:mod:`loopq.models.kv_quant`); both need the cache.
+
+    ``static_cache``: decode on a preallocated cache with fixed-shape steps (:mod:`loopq.models.static_decode`);
+    ``cuda_graphs`` (implies it): replay each decode step from one CUDA graph on a CUDA model (on a CPU model the
+    same static step runs eagerly). Neither combines with early exit or ``kv_bits``."""
     check_sampling(max_new_tokens, temperature, top_p)
     check_decoding(model, use_cache, exit_threshold, kv_bits)
+    check_static_options(model, use_cache, exit_threshold, kv_bits, static_cache, cuda_graphs)
     check_prompt(model, input_ids, attention_mask, max_new_tokens)
     kwargs = {"num_loops": num_loops, **forward_kwargs}
-    if use_cache:
+    if static_cache or cuda_graphs:
+        step = _static_steps(model, input_ids, attention_mask, kwargs, max_new_tokens, cuda_graphs)
+    elif use_cache:
         cache = LoopKVCache.for_model(model, input_ids.shape[0], kv_bits=kv_bits)
         step = _cached_steps(model, input_ids, attention_mask, kwargs, cache, exit_threshold, exit_stats)
     else:
@@ -123,7 +133,9 @@ def generate(
             token = torch.where(done, torch.full_like(token, eos_token_id), token)
             done |= token == eos_token_id
         new.append(token)
-        if (on_token is not None and on_token(token)) or bool(done.all()) or len(new) == max_new_tokens:
+        if (on_token is not None and on_token(token)) or len(new) == max_new_tokens:
+            break
+        if eos_token_id is not None and bool(done.all()):  # a device read: only when there is an EOS to wait for
             break
         logits = step(token)
     return torch.stack(new, dim=1)
@@ -138,6 +150,47 @@ def check_decoding(model: LoopLM, use_cache: bool, exit_threshold: float | None,
     if not use_cache and (exit_threshold is not None or check_kv_bits(kv_bits) is not None):
         flag = "--exit_threshold" if exit_threshold is not None else "--kv_bits"
         raise LoopLMError(f"{flag} needs the KV cache; drop --no_cache (use_cache=False)")
+
+
+def check_static_options(
+    model: LoopLM,
+    use_cache: bool,
+    exit_threshold: float | None,
+    kv_bits: int | None,
+    static_cache: bool,
+    cuda_graphs: bool,
+) -> None:
+    """One line for an option the static cache / CUDA-graph decode step does not support."""
+    if not (static_cache or cuda_graphs):
+        return
+    flag = "--cuda_graphs" if cuda_graphs else "--static_cache"
+    if not use_cache:
+        raise LoopLMError(f"{flag} is a KV cache; drop --no_cache (use_cache=False)")
+    if exit_threshold is not None:
+        raise LoopLMError(f"{flag} runs every loop at every step; drop --exit_threshold (early exit) or {flag}")
+    if check_kv_bits(kv_bits) is not None:
+        raise LoopLMError(f"{flag} stores the cache in the model's dtype; drop --kv_bits or {flag}")
+    if cuda_graphs:
+        check_graph_model(model)
+
+
+def _static_steps(
+    model: LoopLM,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    kwargs: dict[str, Any],
+    max_new_tokens: int,
+    graphs: bool,
+) -> Callable[[Tensor | None], Tensor]:
+    """Logits of the prompt (``None``), then of each new token, on a static cache with room for the prompt and the
+    ``max_new_tokens - 1`` tokens fed back (the last new token is never fed)."""
+    capacity = input_ids.shape[1] + max_new_tokens - 1
+    decoder = StaticDecoder(model, input_ids.shape[0], capacity, graphs=graphs, **kwargs)
+
+    def step(token: Tensor | None) -> Tensor:
+        return decoder.prefill(input_ids, attention_mask) if token is None else decoder.step(token)
+
+    return step
 
 
 def _cached_steps(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -85,7 +85,28 @@ class DecodeStep:
     positions: Tensor
     valid: Tensor
     mask: Tensor
-    cache: LoopKVCache | None = None
+    cache: DecodeCache | None = None
+    #: an upper bound on ``positions`` known on the host (a static cache's count), so that the models' position check
+    #: needs no device-to-host read; None: read ``positions`` (one sync)
+    max_position: int | None = None
+
+    def position_bound(self) -> int:
+        """The largest position of the new tokens, or an upper bound the cache knows without a device sync."""
+        return int(self.positions.max()) if self.max_position is None else self.max_position
+
+
+class DecodeCache(Protocol):
+    """What a forward with ``cache=`` calls (:class:`LoopKVCache`, :class:`loopq.models.static_decode.StaticKVCache`):
+    ``check`` the model and batch, ``step`` the new tokens' positions and mask, ``extend`` an entry in every attention
+    (returning the keys/values to attend over) and ``advance`` after the head."""
+
+    def check(self, model: nn.Module, input_ids: Tensor) -> None: ...
+
+    def step(self, attention_mask: Tensor | None, input_ids: Tensor) -> DecodeStep: ...
+
+    def extend(self, layer: nn.Module, t: int | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def advance(self, step: DecodeStep) -> None: ...
 
 
 @dataclass
@@ -213,7 +234,7 @@ def _replace_last(buffers: tuple[SlotBuffer, ...], slot: Entry, rows: Tensor) ->
 
 
 def decode_step(
-    input_ids: Tensor, attention_mask: Tensor | None, past_valid: Tensor, start: Tensor, cache: LoopKVCache | None
+    input_ids: Tensor, attention_mask: Tensor | None, past_valid: Tensor, start: Tensor, cache: DecodeCache | None
 ) -> DecodeStep:
     """Positions and mask for new tokens after ``past_valid`` ``[B, P]`` cached slots whose next position is
     ``start`` ``[B]``. ``attention_mask`` ``[B, S]`` (1 = token, 0 = padding) defaults to all ones."""

@@ -238,7 +238,7 @@ class LoopFormerLM(LoopLM):
     ) -> tuple[Tensor, dict[str, Any]]:
         schedule = step_schedule(steps, num_loops)
         batch, seq = input_ids.shape
-        seq = seq if step is None else int(step.positions.max()) + 1
+        seq = seq if step is None else step.position_bound() + 1
         if seq > self.config.block_size:
             raise LoopLMError(
                 f"input has {seq} tokens but config.json block_size={self.config.block_size} (rows of wpe); "

@@ -213,7 +213,7 @@ class OuroLM(LoopLM):
     ) -> tuple[Tensor, dict[str, Any]]:
         if exit_mode not in EXIT_MODES:
             raise LoopLMError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
-        seq = input_ids.shape[1] if step is None else int(step.positions.max()) + 1
+        seq = input_ids.shape[1] if step is None else step.position_bound() + 1
         if seq > self.config.max_position_embeddings:
             raise LoopLMError(
                 f"input has {seq} tokens but config.json max_position_embeddings="

@@ -464,7 +464,7 @@ class ParcaeLM(LoopLM):
         of the unpadded sequence under the same seed."""
         c = self.config
         b, s = input_ids.shape
-        if (s if step is None else int(step.positions.max()) + 1) > c.rope_length:
+        if (s if step is None else step.position_bound() + 1) > c.rope_length:
             raise LoopLMError(
                 f"input has {s} positions but the model's RoPE table has {c.rope_length} (config.json block_size); "
                 "shorten the input"

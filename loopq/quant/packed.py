@@ -186,7 +186,7 @@ class PackedLinearGroup(nn.Module):
             flat = flat.float() * _at(self.inv_d, slot)
         left = None if self.left is None else _at(self.left, slot)
         right = None if self.right is None else _at(self.right, slot)
-        clip = float(_at(self.act_clip, slot))
+        clip = self.host_clip(slot)
         codes, scales = quantize_activation(flat, left, right, clip, self.spec.a_bits, GROUP_SIZE, self.backend)
         gemm = gemm_w4a4 if self.spec.a_bits == 4 else gemm_w4a8
         y = gemm(codes, scales, _at(self.weight, slot), _at(self.weight_scale, slot), backend=self.backend)
@@ -194,6 +194,16 @@ class PackedLinearGroup(nn.Module):
             y = y + self.bias.float()
         y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return tuple(y.split(list(self.spec.splits), dim=-1))
+
+    def host_clip(self, slot: int) -> float:
+        """``act_clip`` of ``slot`` as a float, read once per buffer version: a ``float()`` per call would sync the
+        device at every linear of a decode step and cannot run inside a CUDA graph capture."""
+        clips = self.act_clip
+        key = (clips.data_ptr(), 0 if clips.is_inference() else clips._version)
+        if getattr(self, "_host_clips", (None,))[0] != key:
+            self._host_clips = (key, clips.tolist())
+        values = self._host_clips[1]
+        return values[loop_slot(slot, len(values))]
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PackedLinearGroup:
         """Follow device moves but never dtype casts: ``model.to(torch.bfloat16)`` / ``.half()`` would round the
