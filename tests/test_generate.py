@@ -10,7 +10,7 @@ import torch
 from lm_eval.api.instance import Instance
 
 from loopq.commands.generate import main
-from loopq.errors import LoopQError
+from loopq.errors import LoopQError, UsageError
 from loopq.metrics.lm import LoopQLM
 from loopq.models import load_looplm
 from loopq.models.generation import generate, next_token, top_p_filter
@@ -37,6 +37,16 @@ def test_cli_streams_the_cached_greedy_continuation(capsys, teacher):
     ids = torch.tensor([teacher_tokens(PROMPT)])
     rerun = generate(teacher, ids, max_new_tokens=12, use_cache=False)
     assert texts[0] == tokenizer().decode(rerun[0].tolist(), skip_special_tokens=False)
+
+
+def test_cli_static_cache_and_graph_steps_continue_the_same_text(capsys):
+    """``--static_cache`` and ``--cuda_graphs`` (eager on a CPU model) decode the growing cache's greedy text; a
+    combination the fixed-shape step cannot serve is refused naming the flags."""
+    args = ["--model", str(TEACHER), "--prompt", PROMPT, "--max_new_tokens", "12", "--device", "cpu"]
+    want = main(args)
+    assert main([*args, "--static_cache"]) == want and main([*args, "--cuda_graphs"]) == want
+    with pytest.raises(UsageError, match=r"--cuda_graphs decodes every loop .*drop --no_cache, --exit_threshold"):
+        main([*args, "--cuda_graphs", "--kv_bits", "8"])
 
 
 def tokenizer():

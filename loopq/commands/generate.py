@@ -55,6 +55,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str, Path]:
         "--exit_threshold", type=float, default=None, help="Ouro early exit: stop looping a token at this threshold"
     )
     parser.add_argument("--kv_bits", type=int, default=None, help="store the KV cache in 8 or 4 bits (16: as is)")
+    parser.add_argument(
+        "--static_cache", action="store_true", help="decode on a preallocated KV cache with fixed-shape steps"
+    )
+    parser.add_argument(
+        "--cuda_graphs",
+        action="store_true",
+        help="replay each decode step from one captured CUDA graph (implies --static_cache; eager on a CPU)",
+    )
     args = parser.parse_args(argv)
     args.device = resolve_device(args.device)
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
@@ -62,6 +70,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str, Path]:
     check_kv_bits(args.kv_bits)
     if args.no_cache and (args.exit_threshold is not None or args.kv_bits not in (None, 16)):
         raise UsageError("--exit_threshold and --kv_bits need the KV cache; drop --no_cache")
+    fixed = "--cuda_graphs" if args.cuda_graphs else "--static_cache" if args.static_cache else None
+    if fixed and (args.no_cache or args.exit_threshold is not None or args.kv_bits not in (None, 16)):
+        raise UsageError(
+            f"{fixed} decodes every loop on a full-precision cache: drop --no_cache, --exit_threshold, --kv_bits"
+        )
     if args.num_loops is not None and args.num_loops < 1:
         raise UsageError(f"--num_loops must be >= 1, got {args.num_loops}")
     kind, path = next((k, p) for k in ("model", "student", "exported") if (p := getattr(args, k)) is not None)
@@ -134,6 +147,8 @@ def main(argv: list[str] | None = None) -> list[str]:
             exit_threshold=args.exit_threshold,
             kv_bits=args.kv_bits,
             exit_stats=stats,
+            static_cache=args.static_cache,
+            cuda_graphs=args.cuda_graphs,
         )
         write("\n")
         texts.append(tokenizer.decode(new[0].tolist(), skip_special_tokens=False))
