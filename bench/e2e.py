@@ -26,6 +26,7 @@ Ratios (``x bf16``) come from one run on one device. On a CPU the packed models 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--modes", nargs="+", default=list(DECODE_MODES), choices=DECODE_MODES, help="decode modes to time"
     )
+    parser.add_argument("--json", type=Path, default=None, help="also write the numbers here (the GPU check reads it)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.prompt_len < 1 or min(args.batches) < 1:
         parser.error("--steps, --prompt_len and --batches must be >= 1")
@@ -136,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
             step = decode["BF16"][f"b{batch} {mode} ms/tok"]
             against = f" against its weight-bandwidth bound {bound:.3f} ms: {step / bound:.1f}x" if bound else ""
             print(f"BF16 decode step, batch {batch}, {mode}: {step:.2f} ms{against}")
+    if args.json is not None:
+        payload = {"layers": args.layers, "prompt_len": args.prompt_len, "batches": args.batches, "modes": args.modes}
+        payload |= {"device": str(device), "prefill": prefill, "decode": decode, "bound_ms": bound}
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,14 @@
    peak CUDA memory. Random weights cost the same time as trained ones.
 6. ``pipeline`` and 7. ``paper-shape``: the user's flow on cuda - export, evaluation and generation agreeing with the
    CPU, and ``configs/ouro2.6b.yaml`` at real shape against its memory plan (:mod:`loopq.commands.gpu_check.flow`).
+8. ``e2e``: ``bench/e2e.py`` - prefill and decode (growing cache, static cache, CUDA graphs) of the packed W4A4 /
+   W4A8 models against BF16 at Ouro-1.4B's layer shape, judged by issue 28's goals (:func:`e2e_result`).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import statistics
@@ -29,6 +32,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +41,7 @@ import triton
 from loopq.artifacts.student import check_student_dir, read_student_meta
 from loopq.commands.gpu_check import flow, kernel_bench
 from loopq.commands.gpu_check.peaks import peaks_for
-from loopq.commands.gpu_check.table import FAIL, OK, StageResult
+from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, StageResult
 from loopq.errors import one_line
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import REPO_ROOT
@@ -327,6 +331,48 @@ def paper_shape_stage(ctx: Context) -> StageResult:
     return flow.paper_shape(ctx.workdir / "paper-shape", steps, layers)
 
 
+# ------------------------------------------------------------------------------------------ 8 end to end
+#: issue 28's end-to-end goals: packed decode tokens/s over BF16's, packed prefill over BF16's, and the BF16 decode
+#: step's time over its weight-bandwidth bound (at most)
+E2E_GOALS = {"decode": 2.0, "prefill": 1.0, "bf16_step_over_bound": 3.0}
+
+
+def e2e_stage(ctx: Context) -> StageResult:
+    """``bench/e2e.py`` (a random Ouro-1.4B-width model, 4 layers x 4 loops; quick: 1 layer, a 256-token prompt):
+    prefill and decode of the W4A4 / W4A8 exports against BF16 in every decode mode, then :func:`e2e_result`."""
+    out = ctx.workdir / "e2e.json"
+    shape = ["--layers", "1", "--prompt_len", "256", "--steps", "8"] if ctx.quick else ["--layers", "4"]
+    cmd = [sys.executable, str(REPO_ROOT / "bench" / "e2e.py"), "--device", "cuda", *shape, "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": pythonpath()})
+    print(tail(proc.stdout, 30))
+    if proc.returncode != 0 or not out.is_file():
+        return StageResult("e2e", FAIL, f"bench/e2e.py exit status {proc.returncode}: {tail(proc.stderr, 3)}")
+    return e2e_result(json.loads(out.read_text()))
+
+
+def e2e_result(payload: dict[str, Any]) -> StageResult:
+    """The verdict on ``bench/e2e.py --json``'s numbers: per batch, W4A4's decode speed-up over BF16 in the mode
+    where W4A4 is fastest, W4A4's prefill speed-up, and BF16's fastest decode step against its bandwidth bound;
+    ``below goal`` when one misses :data:`E2E_GOALS`."""
+    decode, prefill, bound = payload["decode"], payload["prefill"], payload.get("bound_ms")
+    parts, missed = [], False
+    for batch in payload["batches"]:
+        cells = {mode: decode["W4A4"][f"b{batch} {mode} ms/tok"] for mode in payload["modes"]}
+        mode = min(cells, key=cells.__getitem__)
+        ratio = decode["BF16"][f"b{batch} {mode} ms/tok"] / cells[mode]
+        missed |= ratio < E2E_GOALS["decode"]
+        parts.append(f"decode b{batch} W4A4 {ratio:.2f}x bf16 ({mode})")
+    pre = prefill["W4A4"]["prefill tok/s"] / prefill["BF16"]["prefill tok/s"]
+    missed |= pre < E2E_GOALS["prefill"]
+    parts.append(f"prefill W4A4 {pre:.2f}x")
+    if bound:
+        step = min(decode["BF16"][f"b1 {mode} ms/tok"] for mode in payload["modes"])
+        missed |= step / bound > E2E_GOALS["bf16_step_over_bound"]
+        parts.append(f"BF16 b1 step {step:.2f} ms = {step / bound:.1f}x its bandwidth bound")
+    goals = "goals: decode >= 2x, prefill >= 1x, BF16 step <= 3x bound"
+    return StageResult("e2e", BELOW_GOAL if missed else OK, "; ".join([*parts, goals]), details=payload)
+
+
 #: the stages in the order they run (``--skip`` takes these names)
 STAGES: dict[str, Callable[[Context], StageResult]] = {
     "environment": environment,
@@ -336,6 +382,7 @@ STAGES: dict[str, Callable[[Context], StageResult]] = {
     "pipeline": pipeline_stage,
     "step": step,
     "paper-shape": paper_shape_stage,
+    "e2e": e2e_stage,
 }
 
 

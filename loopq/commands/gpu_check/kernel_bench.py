@@ -60,11 +60,12 @@ class KernelRow:
 
 
 def goal_for(m: int) -> float | None:
-    """The W4A4-GEMM speed-up over BF16 asked for at M tokens: 2.5x at M = 1 (weight bandwidth), 1.6x at M >= 256
-    (int8 tensor cores), none in between."""
-    if m == 1:
+    """The W4A4-GEMM speed-up over BF16 issue 28 asks for at M tokens: 2.5x at M <= 16 (weight bandwidth: up to 3.56x
+    for int4 + fp16 scales per 32 against bf16), 1.0x at M >= 256 (compute-bound; g32 scales on both operands cost
+    CUDA-core work, so ~1.0x without overlap), none in between."""
+    if m <= 16:
         return 2.5
-    return 1.6 if m >= 256 else None
+    return 1.0 if m >= 256 else None
 
 
 def speedup(bf16_ms: float | None, ms: float | None) -> float | None:
@@ -248,12 +249,12 @@ def worst_speedup(rows: list[KernelRow], keep: Callable[[int], bool]) -> float |
 def summarize(rows: list[KernelRow], peaks: DevicePeaks | None) -> tuple[str, str]:
     """(status, one line): FAIL on any mismatch, ``below goal`` when a timed row misses its goal, else ok."""
     bad = [r for r in rows if r.problems]
-    at_1, at_256 = worst_speedup(rows, lambda m: m == 1), worst_speedup(rows, lambda m: m >= 256)
+    at_1, at_256 = worst_speedup(rows, lambda m: m <= 16), worst_speedup(rows, lambda m: m >= 256)
     best = max((t for r in rows if (t := _tera(r, r.w4a4_gemm_ms)) is not None), default=None)
     parts = [f"{len(rows) - len(bad)}/{len(rows)} shapes exact"]
     if bad:
         parts.append("MISMATCH at " + ", ".join(f"N={r.n} K={r.k} M={r.m}" for r in bad))
-    parts.append(f"W4A4 GEMM vs bf16, worst shape: M=1 {_x(at_1)} (goal 2.5x), M>=256 {_x(at_256)} (goal 1.6x)")
+    parts.append(f"W4A4 GEMM vs bf16, worst shape: M<=16 {_x(at_1)} (goal 2.5x), M>=256 {_x(at_256)} (goal 1.0x)")
     if best is not None:
         int8_peak = peaks.int8_tops if peaks else None
         parts.append(f"best W4A4 {best:.0f} TOPS = {percent(fraction(best, int8_peak))} of int8 peak")
