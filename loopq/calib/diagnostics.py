@@ -45,7 +45,7 @@ class PerLoopDiagnostics(L.Callback):
         was_training = pl_module.student.training
         pl_module.student.eval()
         errors = layer_loop_errors(
-            pl_module.teacher, pl_module.student, holdout.to(pl_module.device), pl_module.num_loops
+            pl_module.teacher, pl_module.student, holdout.to(pl_module.compute_device), pl_module.num_loops
         )
         pl_module.student.train(was_training)
         if not trainer.is_global_zero:

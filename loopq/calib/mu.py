@@ -36,7 +36,7 @@ class AdaptiveMu(L.Callback):
         last = pl_module.last_trajectory
         if not mu_update_due(step, self.every_n_steps) or last is None:
             return
-        sums = mu_sums(last.teacher_states, last.student_states).to(pl_module.device)
+        sums = mu_sums(last.teacher_states, last.student_states).to(pl_module.compute_device)
         sums = trainer.strategy.reduce(sums, reduce_op="sum")  # sums, then the ratio: world-size invariant
         mu = mu_from_sums(sums, self.eps)
         pl_module.mu.copy_(mu)
