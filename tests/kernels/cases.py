@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from loopq.kernels import triton_interpreted
+from loopq.kernels import triton_interpreted, unpack_int4
+from loopq.kernels.reference import gemm_fp64
 from loopq.qspec import qrange
 from loopq.quant.transforms import kron_factors
 
@@ -50,3 +51,9 @@ def random_transform(k: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
         torch.eye(n1) + 0.3 * torch.randn(n1, n1, generator=gen),
         torch.eye(n2) + 0.3 * torch.randn(n2, n2, generator=gen),
     )
+
+
+def assert_within_bound(out: Tensor, a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, bits: int) -> None:
+    ref, bound = gemm_fp64(unpack_int4(a) if bits == 4 else a, sa, unpack_int4(w), sw)
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())

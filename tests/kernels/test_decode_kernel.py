@@ -18,11 +18,9 @@ from loopq.kernels import (
     ops,
     quantize_activation,
     quantize_weight,
-    unpack_int4,
 )
 from loopq.kernels.decode_kernel import MAX_M, DecodeConfig, decode_config
-from loopq.kernels.reference import gemm_fp64
-from tests.kernels.cases import cuda_only
+from tests.kernels.cases import assert_within_bound, cuda_only
 
 #: (M, N, K, forced config or None): N tails at 40 / 70 / 33 columns; the splits end mid-iteration
 CASES = {
@@ -39,12 +37,6 @@ def operands(m, n, k, bits, device, seed=0):
     a, sa = quantize_activation(torch.randn(m, k, generator=gen).to(device), clip=0.9, bits=bits)
     w, sw = quantize_weight(torch.randn(n, k, generator=gen).to(device), 0.7 + 0.3 * torch.rand(n, generator=gen))
     return a, sa, w, sw
-
-
-def assert_within_bound(out, a, sa, w, sw, bits):
-    ref, bound = gemm_fp64(unpack_int4(a) if bits == 4 else a, sa, unpack_int4(w), sw)
-    err = (out.double() - ref).abs()
-    assert bool((err <= bound).all()), float((err / bound).max())
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -14,10 +14,9 @@ from functools import partial
 import pytest
 import torch
 
-from loopq.kernels import gemm_kernel, gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight, unpack_int4
+from loopq.kernels import gemm_kernel, gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight
 from loopq.kernels.gemm_kernel import CANDIDATES, PrefillConfig, prefill_config
-from loopq.kernels.reference import gemm_fp64
-from tests.kernels.cases import cuda_only
+from tests.kernels.cases import assert_within_bound, cuda_only
 
 #: (M, N, K, config): ragged M / N tails, K = 5 groups (a masked half / three masked quarters of an iteration),
 #: Ouro's K = 2048 and 5632 at small M, N, and a grid of several tile rows for the grouped rasterisation
@@ -35,12 +34,6 @@ def operands(m, n, k, bits, device, seed=0):
     a, sa = quantize_activation(3 * torch.randn(m, k, generator=gen).to(device), clip=0.9, bits=bits)
     w, sw = quantize_weight(torch.randn(n, k, generator=gen).to(device), 0.7 + 0.3 * torch.rand(n, generator=gen))
     return a, sa, w, sw
-
-
-def assert_within_bound(out, a, sa, w, sw, bits):
-    ref, bound = gemm_fp64(unpack_int4(a) if bits == 4 else a, sa, unpack_int4(w), sw)
-    err = (out.double() - ref).abs()
-    assert bool((err <= bound).all()), float((err / bound).max())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
