@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loopq.kernels import quantize_activation, unpack_int4
-from loopq.kernels.quantize_kernel import dot_padding, fast_block_m, transform_error_bound
+from loopq.kernels.quantize_kernel import FastConfig, dot_padding, fast_config, transform_error_bound
 from loopq.qspec import qrange, quantize_codes
 from loopq.quant.transforms import kron_apply, kron_factors
 from tests.kernels.cases import cuda_only, random_transform, scaled_permutation, tie_tokens
@@ -79,7 +79,7 @@ def _codes_of(v: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize(("m", "k"), [(33, 96), (3, 160), (2, 2048), (2, 5632)])
+@pytest.mark.parametrize(("m", "k"), [(33, 96), (5, 128), (3, 160), (2, 2048), (2, 5632)])
 def test_fast_transform_within_its_bound(m, k, bits, device):
     """The ``tl.dot`` transform (``exact=False``) against a float64 oracle, with ``B = transform_error_bound``
     (``|Z_fast - Z64| <= B``, derived there). Per group, with ``s64 = max(clip absmax(Z64) / q_max, 1e-8)``:
@@ -119,10 +119,14 @@ def test_fast_transform_within_its_bound(m, k, bits, device):
         assert torch.equal(got[clear], expected.reshape(m, k)[clear])
 
 
-def test_fast_path_grid():
-    """Tokens per program on the fast path: one at M = 1 (as many programs as tokens), a K = 5632 token (64 x 88
-    padded to 64 x 128) alone per program, several K = 2048 tokens (32 x 64) per program at large M."""
-    assert fast_block_m(1, 32, 64) == 1
-    assert fast_block_m(4096, 64, 128) == 1
-    assert fast_block_m(4096, 32, 64) == 4
+def test_fast_path_config():
+    """Tiles, chunks and warps of the fast path: Ouro's widths padded 32 x 64 (already in K order: the quantized
+    vector is the tile) and 64 x 128 (88 columns: compacted to next_pow2(5632) = 8192), both reductions in chunks of
+    32 (so K = 5632 takes two row chunks and three column chunks, the last one part padding), 8 warps only for the
+    8192-value tile; a 16-padded factor (the dot's minimum) chunked by 16, and an 8 x 16 factor pair whose tile
+    (16 x 16 = 256) is longer than next_pow2(128)."""
+    assert fast_config(32, 64) == FastConfig(32, 64, 2048, 32, 32, 4)
+    assert fast_config(64, 88) == FastConfig(64, 128, 8192, 32, 32, 8)
+    assert fast_config(8, 12) == FastConfig(16, 16, 128, 16, 16, 4)
+    assert fast_config(8, 16) == FastConfig(16, 16, 256, 16, 16, 4)
     assert dot_padding(88) == 128 and dot_padding(8) == 16
