@@ -18,16 +18,17 @@ One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the
    ``floor(v + 0.5)`` is wrong for v = 0.49999997, where ``v + 0.5`` already rounds up to 1.
 4. int4: ``tl.split`` pairs (even k, odd k) into one byte (low, high nibble); int8: stored as is.
 
-That exact path is the default and the oracle-exact mode. ``exact=False`` selects :func:`_quantize_dot_kernel`,
-one token per program, whose step 1 is fp32 ``tl.dot`` (``input_precision="ieee"``: FMA, no tf32) on chunks:
-``XR_c = X[c, :] R`` for 32 rows of X at a time, accumulated over 32-column chunks, then ``Z += L^T[:, c] XR_c``,
-output tiles zero-padded to powers of two >= 16 (e.g. 64 x 128 for K = 5632 = 64 x 88; compacted through the
-scratch row as above). The chunks bound what a dot holds in registers: no spills at Ouro's widths on sm_80 and
-sm_90 (``tests/kernels/test_gpu_compile.py``), where the unchunked dots spilled 50 KB per thread at K = 5632. A dot
-changes the summation order, so its contract is a bound, not bit-exactness: transformed values within
-:func:`transform_error_bound` of the float64 transform, hence codes equal to the reference's except where the
-pre-rounding value lies within that bound of a .5 tie or of the clamp, and scales within the bound's image
-(``tests/kernels/test_quantize_kernel.py`` checks both against float64).
+That exact path (``exact=True``) is the oracle-exact mode and the default in the CPU interpreter. ``exact=False``,
+and since its dots compile without spills the default on CUDA (``exact=None``, :func:`uses_fast_path`; not yet timed
+on a GPU), selects :func:`_quantize_dot_kernel`, one token per program, whose step 1 is fp32 ``tl.dot``
+(``input_precision="ieee"``: FMA, no tf32) on chunks: ``XR_c = X[c, :] R`` for 32 rows of X at a time, accumulated
+over 32-column chunks, then ``Z += L^T[:, c] XR_c``, output tiles zero-padded to powers of two >= 16 (e.g. 64 x 128
+for K = 5632 = 64 x 88; compacted through the scratch row as above). The chunks bound what a dot holds in registers:
+no spills at Ouro's widths on sm_80 and sm_90 (``tests/kernels/test_gpu_compile.py``), where the unchunked dots
+spilled 50 KB per thread at K = 5632. A dot changes the summation order, so its contract is a bound, not
+bit-exactness: transformed values within :func:`transform_error_bound` of the float64 transform, hence codes equal
+to the reference's except where the pre-rounding value lies within that bound of a .5 tie or of the clamp, and
+scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` checks both against float64).
 """
 
 from __future__ import annotations
@@ -247,14 +248,22 @@ def quantize_activation(
     """Launch the quantizer (arguments already validated by :mod:`loopq.kernels.ops`).
 
     ``exact=True`` runs :func:`_quantize_kernel` (the reference's operation order, bit-exact), ``False`` the
-    ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`); ``None`` is exact
-    for now: the fast path compiles for sm_80 / sm_90 but spills registers heavily at Ouro's widths (its fp32 dots
-    hold whole padded factors in registers; ``tests/kernels/gpu_compile.py`` prints the spills) and has not been
-    timed on a GPU, so it is opt-in. Without a transform both are the same kernel."""
-    has_transform = left is not None and right is not None
-    if not has_transform or exact in (None, True):
+    ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
+    :func:`uses_fast_path` picks: the fast path for compiled kernels on CUDA, the exact one in the CPU interpreter.
+    Without a transform both are the same kernel."""
+    if left is None or right is None or not uses_fast_path(exact, x.device):
         return _quantize_exact(x, left, right, clip, bits)
     return _quantize_fast(x, left, right, clip, bits)
+
+
+def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
+    """Whether a transformed call takes the ``tl.dot`` path. ``exact=None`` does on CUDA with compiled kernels: its
+    chunked dots compile without register spills at Ouro's widths (``tests/kernels/test_gpu_compile.py``); it has
+    not been timed on a GPU yet. Under the interpreter (CPU CI) ``None`` stays exact, so the tests comparing the
+    Triton backend with the torch reference bit for bit keep doing so."""
+    if exact is not None:
+        return not exact
+    return device.type == "cuda" and isinstance(_quantize_dot_kernel, triton.runtime.JITFunction)
 
 
 def _outputs(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:

@@ -1,18 +1,19 @@
 """Triton quantizer (CPU interpreter; CUDA with TRITON_INTERPRET=0) against the torch backend: the exact path
-bit-identical (the default), the ``tl.dot`` transform (``exact=False``) within its bound."""
+(``exact=True``; the default in the interpreter) bit-identical, the ``tl.dot`` transform (``exact=False``; the
+default on CUDA) within its bound."""
 
 import pytest
 import torch
 
-from loopq.kernels import quantize_activation, unpack_int4
-from loopq.kernels.quantize_kernel import FastConfig, dot_padding, fast_config, transform_error_bound
+from loopq.kernels import quantize_activation, quantize_kernel, triton_interpreted, unpack_int4
+from loopq.kernels.quantize_kernel import FastConfig, dot_padding, fast_config, transform_error_bound, uses_fast_path
 from loopq.qspec import qrange, quantize_codes
 from loopq.quant.transforms import kron_apply, kron_factors
-from tests.kernels.cases import cuda_only, random_transform, scaled_permutation, tie_tokens
+from tests.kernels.cases import ON_CUDA, cuda_only, random_transform, scaled_permutation, tie_tokens
 
 
 def _both(x, left, right, clip, bits):
-    tri = quantize_activation(x, left, right, clip, bits, backend="triton")
+    tri = quantize_activation(x, left, right, clip, bits, backend="triton", exact=True)
     ref = quantize_activation(x, left, right, clip, bits, backend="torch")
     return tri, ref
 
@@ -130,3 +131,41 @@ def test_fast_path_config():
     assert fast_config(8, 12) == FastConfig(16, 16, 128, 16, 16, 4)
     assert fast_config(8, 16) == FastConfig(16, 16, 256, 16, 16, 4)
     assert dot_padding(88) == 128 and dot_padding(8) == 16
+
+
+def test_exact_flag_and_default_rule():
+    """``exact`` given wins on any device; ``None`` is the fast path only for compiled kernels on CUDA."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert uses_fast_path(False, cpu) and uses_fast_path(False, cuda)
+    assert not uses_fast_path(True, cpu) and not uses_fast_path(True, cuda)
+    assert not uses_fast_path(None, cpu)
+    assert uses_fast_path(None, cuda) is not triton_interpreted()
+
+
+def _refuse(*args):
+    raise AssertionError("the other quantizer path was dispatched")
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the interpreter's default")
+def test_default_is_exact_in_the_interpreter(monkeypatch):
+    """A transformed call without ``exact`` takes the exact kernel on CPU: bit-identical with the torch backend."""
+    gen = torch.Generator().manual_seed(7)
+    x = 3 * torch.randn(5, 160, generator=gen)
+    left, right = random_transform(160, gen)
+    monkeypatch.setattr(quantize_kernel, "_quantize_fast", _refuse)
+    codes, scales = quantize_activation(x, left, right, 0.8, 4, backend="triton")
+    ref_codes, ref_scales = quantize_activation(x, left, right, 0.8, 4, backend="torch")
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+
+
+@cuda_only
+def test_default_is_fast_on_cuda(monkeypatch):
+    """On CUDA a transformed call without ``exact`` (and without a backend: triton) is the ``tl.dot`` path: the
+    same codes and scales as ``exact=False``, the exact kernel never launched."""
+    gen = torch.Generator().manual_seed(8)
+    x = (3 * torch.randn(300, 5632, generator=gen)).to("cuda", torch.bfloat16)
+    left, right = (f.to("cuda") for f in random_transform(5632, gen))
+    fast = quantize_activation(x, left, right, 0.8, 4, exact=False)
+    monkeypatch.setattr(quantize_kernel, "_quantize_exact", _refuse)
+    default = quantize_activation(x, left, right, 0.8, 4)
+    assert all(torch.equal(d, f) for d, f in zip(default, fast, strict=True))
