@@ -52,10 +52,12 @@ def quantize_activation(
     for ``bits=4`` and int8 ``[M, K]`` for ``bits=8``. All arithmetic is fp32 whatever the dtype of ``x``.
 
     ``exact`` (triton backend, with a transform): ``True`` reproduces the torch backend bit for bit; ``False``
-    computes the transform with two fp32 ``tl.dot`` (fast; transformed values within
+    computes the transform with chunked fp32 ``tl.dot`` (fast; transformed values within
     ``quantize_kernel.transform_error_bound`` of the float64 transform, so a code can differ from the reference's
-    only where the value lies that close to a rounding tie or the clamp); ``None``: exact (the fast path is opt-in
-    until it is timed on a GPU, see :mod:`loopq.kernels.quantize_kernel`).
+    only where the value lies that close to a rounding tie or the clamp, and a scale by the bound's image);
+    ``None``: the fast path on CUDA with compiled kernels (so the default Triton quantizer on a GPU is no longer
+    bit-exact with the torch backend: pass ``exact=True`` for that), exact in the CPU interpreter (see
+    ``quantize_kernel.uses_fast_path``; the fast path compiles without register spills but is not yet timed).
     """
     _check_matrix("x", x, FLOAT_DTYPES)
     if bits not in (4, 8):

@@ -18,15 +18,22 @@ One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the
    ``floor(v + 0.5)`` is wrong for v = 0.49999997, where ``v + 0.5`` already rounds up to 1.
 4. int4: ``tl.split`` pairs (even k, odd k) into one byte (low, high nibble); int8: stored as is.
 
-That exact path is the default and the oracle-exact mode. ``exact=False`` selects :func:`_quantize_dot_kernel`,
-whose step 1 is two fp32 ``tl.dot`` on a tile of tokens (``input_precision="ieee"``, factors zero-padded to powers
-of two >= 16, e.g. 88 -> 128 for K = 5632); a dot changes the summation order, so its contract is a bound, not
+That exact path (``exact=True``) is the oracle-exact mode and the default in the CPU interpreter. ``exact=False``,
+and since its dots compile without spills the default on CUDA (``exact=None``, :func:`uses_fast_path`; not yet timed
+on a GPU), selects :func:`_quantize_dot_kernel`, one token per program, whose step 1 is fp32 ``tl.dot``
+(``input_precision="ieee"``: FMA, no tf32) on chunks: ``XR_c = X[c, :] R`` for 32 rows of X at a time, accumulated
+over 32-column chunks, then ``Z += L^T[:, c] XR_c``, output tiles zero-padded to powers of two >= 16 (e.g. 64 x 128
+for K = 5632 = 64 x 88; compacted through the scratch row as above). The chunks bound what a dot holds in registers:
+no spills at Ouro's widths on sm_80 and sm_90 (``tests/kernels/test_gpu_compile.py``), where the unchunked dots
+spilled 50 KB per thread at K = 5632. A dot changes the summation order, so its contract is a bound, not
 bit-exactness: transformed values within :func:`transform_error_bound` of the float64 transform, hence codes equal
 to the reference's except where the pre-rounding value lies within that bound of a .5 tie or of the clamp, and
 scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` checks both against float64).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -160,35 +167,43 @@ def _transform_dot(
     left_ptr,
     right_ptr,
     scratch_ptr,
-    rows,
-    row_mask,
+    row,
     K: tl.constexpr,
     KP: tl.constexpr,
     N1: tl.constexpr,
     N2: tl.constexpr,
     N1P: tl.constexpr,
     N2P: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    CI: tl.constexpr,
+    CJ: tl.constexpr,
 ):
-    """``Z = L^T X R`` for ``BLOCK_M`` tokens as two fp32 ``tl.dot`` (IEEE products and sums, no tf32): the tokens'
-    rows stacked, ``XR = [BLOCK_M N1P, N2P] @ R``, then ``Z^T``-wise ``L^T @ [N1P, BLOCK_M N2P]``. Factors and
-    tokens are zero-padded to ``N1P x N2P`` (powers of two, at least 16 for the dot), which adds exact zeros."""
+    """``Z = L^T X R`` of one token as fp32 ``tl.dot`` on chunks (IEEE products and sums, no tf32), so that no dot
+    operand is wider than ``CI`` / ``CJ`` along its reduction: for each block of ``CI`` rows of X,
+    ``XR_c = X[c, :] R`` accumulated over ``CJ``-column chunks, then ``Z += L^T[:, c] XR_c``. Output tiles are
+    padded to ``N1P x N2P`` (powers of two, at least 16 for the dot), reductions to multiples of the chunks; the
+    padding adds exact zeros. Returns ``[1, KP]`` in K order, zero past K."""
     a = tl.arange(0, N1P)
     b = tl.arange(0, N2P)
-    a3, b3 = a[None, :, None], b[None, None, :]
-    x_mask = row_mask[:, None, None] & (a3 < N1) & (b3 < N2)
-    x = tl.load(x_ptr + rows[:, None, None] * K + a3 * N2 + b3, mask=x_mask, other=0.0).to(tl.float32)
-    r = tl.load(right_ptr + b[:, None] * N2 + b[None, :], mask=(b[:, None] < N2) & (b[None, :] < N2), other=0.0)
-    xr = tl.dot(tl.reshape(x, [BLOCK_M * N1P, N2P]), r, input_precision="ieee")
-    xr_t = tl.reshape(tl.permute(tl.reshape(xr, [BLOCK_M, N1P, N2P]), 1, 0, 2), [N1P, BLOCK_M * N2P])
-    left_t = tl.load(left_ptr + a[None, :] * N1 + a[:, None], mask=(a[:, None] < N1) & (a[None, :] < N1), other=0.0)
-    z_t = tl.dot(left_t, xr_t, input_precision="ieee")  # [a, (m, b)] = sum_i L[i, a] XR[m, i, b]
-    z = tl.permute(tl.reshape(z_t, [N1P, BLOCK_M, N2P]), 1, 0, 2)
+    ci = tl.arange(0, CI)
+    cj = tl.arange(0, CJ)
+    x_tok = x_ptr + row * K
+    z = tl.zeros([N1P, N2P], dtype=tl.float32)
+    for i0 in range(0, N1, CI):
+        i = i0 + ci
+        xr = tl.zeros([CI, N2P], dtype=tl.float32)
+        for j0 in range(0, N2, CJ):
+            j = j0 + cj
+            x = tl.load(x_tok + i[:, None] * N2 + j[None, :], mask=(i < N1)[:, None] & (j < N2)[None, :], other=0.0)
+            r = tl.load(right_ptr + j[:, None] * N2 + b[None, :], mask=(j < N2)[:, None] & (b < N2)[None, :], other=0.0)
+            xr = tl.dot(x.to(tl.float32), r, xr, input_precision="ieee")  # [c, b] += sum_j X[c, j] R[j, b]
+        left_t = tl.load(left_ptr + i[None, :] * N1 + a[:, None], mask=(a < N1)[:, None] & (i < N1)[None, :], other=0.0)
+        z = tl.dot(left_t, xr, z, input_precision="ieee")  # [a, b] += sum_c L[c, a] XR[c, b]
     if N2P == N2:  # padding only after the last row: already in K order
-        return tl.reshape(z, [BLOCK_M, KP])
-    tl.store(scratch_ptr + rows[:, None, None] * K + a3 * N2 + b3, z, mask=x_mask)
+        return tl.reshape(z, [1, KP])
+    z_mask = (a < N1)[:, None] & (b < N2)[None, :]
+    tl.store(scratch_ptr + row * K + a[:, None] * N2 + b[None, :], z, mask=z_mask)
     tl.debug_barrier()  # the reload reads other threads' stores
-    return _load_tokens(scratch_ptr, rows, row_mask, K, KP)
+    return _load_tokens(scratch_ptr, row + tl.arange(0, 1), tl.full([1], True, tl.int1), K, KP)
 
 
 @triton.jit
@@ -207,16 +222,18 @@ def _quantize_dot_kernel(
     N2: tl.constexpr,
     N1P: tl.constexpr,
     N2P: tl.constexpr,
+    CI: tl.constexpr,
+    CJ: tl.constexpr,
     BITS: tl.constexpr,
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
 ):
-    """The fast path: :func:`_transform_dot`, then the same quantization as :func:`_quantize_kernel`."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = rows < M
-    z = _transform_dot(x_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M)
-    _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M)
+    """The fast path, one token per program: :func:`_transform_dot`, then the same quantization as
+    :func:`_quantize_kernel`."""
+    row = tl.program_id(0).to(tl.int64)  # M * K may exceed 2^31
+    z = _transform_dot(x_ptr, left_ptr, right_ptr, scratch_ptr, row, K, KP, N1, N2, N1P, N2P, CI, CJ)
+    rows = row + tl.arange(0, 1)
+    _quantize_store(z, rows, rows < M, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, 1)
 
 
 def quantize_activation(
@@ -231,14 +248,22 @@ def quantize_activation(
     """Launch the quantizer (arguments already validated by :mod:`loopq.kernels.ops`).
 
     ``exact=True`` runs :func:`_quantize_kernel` (the reference's operation order, bit-exact), ``False`` the
-    ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`); ``None`` is exact
-    for now: the fast path compiles for sm_80 / sm_90 but spills registers heavily at Ouro's widths (its fp32 dots
-    hold whole padded factors in registers; ``tests/kernels/gpu_compile.py`` prints the spills) and has not been
-    timed on a GPU, so it is opt-in. Without a transform both are the same kernel."""
-    has_transform = left is not None and right is not None
-    if not has_transform or exact in (None, True):
+    ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
+    :func:`uses_fast_path` picks: the fast path for compiled kernels on CUDA, the exact one in the CPU interpreter.
+    Without a transform both are the same kernel."""
+    if left is None or right is None or not uses_fast_path(exact, x.device):
         return _quantize_exact(x, left, right, clip, bits)
     return _quantize_fast(x, left, right, clip, bits)
+
+
+def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
+    """Whether a transformed call takes the ``tl.dot`` path. ``exact=None`` does on CUDA with compiled kernels: its
+    chunked dots compile without register spills at Ouro's widths (``tests/kernels/test_gpu_compile.py``); it has
+    not been timed on a GPU yet. Under the interpreter (CPU CI) ``None`` stays exact, so the tests comparing the
+    Triton backend with the torch reference bit for bit keep doing so."""
+    if exact is not None:
+        return not exact
+    return device.type == "cuda" and isinstance(_quantize_dot_kernel, triton.runtime.JITFunction)
 
 
 def _outputs(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
@@ -256,10 +281,25 @@ def dot_padding(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def fast_block_m(m: int, n1p: int, n2p: int) -> int:
-    """Tokens per program on the fast path: up to 8192 fp32 transformed values (a K = 5632 token padded to
-    64 x 128 is one), at most as many as there are tokens; at M = 1 one token per program."""
-    return max(1, min(triton.next_power_of_2(m), 8192 // (n1p * n2p)))
+class FastConfig(NamedTuple):
+    """Compile-time shape of the fast path for one (n1, n2): padded tiles, reduction chunks, warps."""
+
+    n1p: int
+    n2p: int
+    kp: int  # the quantized vector's padded length: n1p * n2p when it is already in K order, else next_pow2(K)
+    ci: int  # rows of X (= reduction of the second dot) per chunk
+    cj: int  # columns of X (= reduction of the first dot) per chunk
+    num_warps: int
+
+
+def fast_config(n1: int, n2: int) -> FastConfig:
+    """One token per program, both reductions in chunks of 32 (16 for a factor padded to 16), 8 warps for a
+    64 x 128 output tile (K = 5632; 32 fp32 accumulators per thread), 4 below. Ahead of time (``ptxas -v``,
+    ``tests/kernels/gpu_compile.py``) this holds Ouro's widths without spills: 122 / 170 registers at K = 5632 and
+    72 / 78 at K = 2048 on sm_90 / sm_80; the unchunked dots spilled 50 KB per thread at K = 5632."""
+    n1p, n2p = dot_padding(n1), dot_padding(n2)
+    kp = n1p * n2p if n2p == n2 else triton.next_power_of_2(n1 * n2)
+    return FastConfig(n1p, n2p, kp, min(32, n1p), min(32, n2p), 8 if n1p * n2p >= 8192 else 4)
 
 
 def _quantize_fast(x: Tensor, left: Tensor, right: Tensor, clip: float, bits: int) -> tuple[Tensor, Tensor]:
@@ -269,11 +309,10 @@ def _quantize_fast(x: Tensor, left: Tensor, right: Tensor, clip: float, bits: in
         return codes, scales
     x = x.contiguous()
     n1, n2 = left.shape[0], right.shape[0]
-    n1p, n2p = dot_padding(n1), dot_padding(n2)
-    scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if n2p != n2 else x
-    block_m = fast_block_m(m, n1p, n2p)
+    cfg = fast_config(n1, n2)
+    scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if cfg.n2p != n2 else x
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    _quantize_dot_kernel[(triton.cdiv(m, block_m),)](
+    _quantize_dot_kernel[(m,)](
         x,
         left.float().contiguous(),
         right.float().contiguous(),
@@ -283,16 +322,17 @@ def _quantize_fast(x: Tensor, left: Tensor, right: Tensor, clip: float, bits: in
         m,
         _clip32(clip),
         K=k,
-        KP=triton.next_power_of_2(k),
+        KP=cfg.kp,
         N1=n1,
         N2=n2,
-        N1P=n1p,
-        N2P=n2p,
+        N1P=cfg.n1p,
+        N2P=cfg.n2p,
+        CI=cfg.ci,
+        CJ=cfg.cj,
         BITS=bits,
         QMIN=float(qmin),
         QMAX=float(qmax),
-        BLOCK_M=block_m,
-        num_warps=8,
+        num_warps=cfg.num_warps,
         enable_fp_fusion=False,  # the quantization steps round like the reference
     )
     return codes, scales
@@ -305,8 +345,10 @@ def transform_error_bound(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
     ``Y = fl(X R)``, ``|fl(L^T Y) - L^T Y| <= gamma_{n1} |L|^T |Y|`` with ``|Y| <= (1 + gamma_{n2}) |X| |R|``
     (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5, with or without FMA); hence
     ``|Z_fast - Z64| <= (gamma_{n1} + gamma_{n2} + gamma_{n1} gamma_{n2}) |L|^T |X| |R|``, ``gamma_n =
-    n u / (1 - n u)``, ``u = 2^-24``, n the padded sizes (padding adds exact zeros). Float64's own error on
-    ``Z64`` (``gamma_{n1 + n2}`` with ``u = 2^-53``) is added so the bound also covers the oracle."""
+    n u / (1 - n u)``, ``u = 2^-24``, n the padded sizes (padding adds exact zeros; the chunked sums of
+    :func:`_transform_dot` are still one sum each of at most the padded number of products, in another order).
+    Float64's own error on ``Z64`` (``gamma_{n1 + n2}`` with ``u = 2^-53``) is added so the bound also covers the
+    oracle."""
     n1, n2 = left.shape[0], right.shape[0]
 
     def gamma(n: int, u: float = 2.0**-24) -> float:

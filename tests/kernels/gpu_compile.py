@@ -1,10 +1,11 @@
 """Compile the Triton kernels ahead of time for an NVIDIA target, without a GPU (``ptxas`` ships with triton).
 
 Run as ``python -m tests.kernels.gpu_compile [arch]`` with TRITON_INTERPRET unset; prints one line per kernel
-configuration with PTX facts the bit-exactness relies on; for the prefill GEMM (every tile of its config table, W4A4
-and W4A8) the tensor-core instruction its dots lower to (``warp_group_dot`` in TTGIR and ``wgmma`` in PTX on sm_90,
-``mma.sync`` on sm_80), its pipelined ``cp.async`` loads, registers and spills; for the decode GEMM the facts its
-speed relies on:
+configuration with PTX facts the bit-exactness relies on; for the quantizer's fast ``tl.dot`` path at Ouro's
+widths, its fp32 ``fma`` (the dots: IEEE fp32 products and sums) and tf32 instructions, registers and spills; for
+the prefill GEMM (every tile of its config table, W4A4 and W4A8) the tensor-core instruction its dots lower to
+(``warp_group_dot`` in TTGIR and ``wgmma`` in PTX on sm_90, ``mma.sync`` on sm_80), its pipelined ``cp.async``
+loads, registers and spills; for the decode GEMM the facts its speed relies on:
 the weight's loads by width (``ld.global`` / ``cp.async`` with the evict-first cache hint only the weight carries),
 registers and spills as ``ptxas -v`` reports them, and its grid at M = 1 on Ouro-1.4B's shapes.
 """
@@ -23,6 +24,8 @@ from loopq.commands.gpu_check.kernel_bench import SHAPES
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
 
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
+#: the fast quantizer at Ouro-1.4B's input widths (``kron_factors``: 2048 = 32 x 64, 5632 = 64 x 88), int4 and int8
+FAST_QUANT_CONFIGS = tuple((k, n1, n2, bits) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)) for bits in (4, 8))
 #: the decode configs ``decode_config`` picks at M = 1 (CUDA cores), 4 (CUDA cores, 4 rows) and 16 (tensor cores)
 DECODE_CONFIGS = tuple(decode_kernel.decode_config(m, *SHAPES[0]) for m in (1, 4, 16))
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -38,15 +41,15 @@ def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bo
     return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
 
 
-def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int, block_m: int):
-    """The ``tl.dot`` transform path (``exact=False``) at the padding and tokens per program the launcher uses."""
+def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int):
+    """The ``tl.dot`` transform path (``exact=False``) with the chunks, padding and warps its launcher uses."""
     sig = {"x_ptr": "*bf16", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
-    n1p, n2p = quantize_kernel.dot_padding(n1), quantize_kernel.dot_padding(n2)
-    const = dict(K=k, KP=triton.next_power_of_2(k), N1=n1, N2=n2, N1P=n1p, N2P=n2p, BITS=bits)
-    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), BLOCK_M=block_m)
+    cfg = quantize_kernel.fast_config(n1, n2)
+    const = dict(K=k, KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj, BITS=bits)
+    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1))
     src = ASTSource(quantize_kernel._quantize_dot_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
-    return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
+    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
 
 
 def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig):
@@ -115,12 +118,11 @@ def main(arch: int) -> None:
             "div.approx",
             ptx.count("div.approx") + ptx.count("div.full"),
         )
-    for k, n1, n2, bits in ((5632, 64, 88, 4), (2048, 32, 64, 8)):
-        block_m = quantize_kernel.fast_block_m(4096, quantize_kernel.dot_padding(n1), quantize_kernel.dot_padding(n2))
-        compiled = compile_fast_quantizer(target, k, n1, n2, bits, block_m)
-        ptx = compiled.asm["ptx"]
+    for k, n1, n2, bits in FAST_QUANT_CONFIGS:
+        ptx = compile_fast_quantizer(target, k, n1, n2, bits).asm["ptx"]
         regs, spills = ptxas_usage(ptx, arch)
-        print(f"fastquant K={k} a{bits} m{block_m} tf32", ptx.count(".tf32"), "regs", regs, "spills", spills)
+        print(f"fastquant K={k} {n1}x{n2} a{bits} fma", ptx.count("fma.rn.f32"), "tf32", ptx.count(".tf32"), end=" ")
+        print("regs", regs, "spills", spills)
     for cfg in gemm_kernel.CANDIDATES:
         for a_int4 in (True, False):
             compiled = compile_gemm(target, a_int4, cfg)

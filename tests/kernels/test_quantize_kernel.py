@@ -1,18 +1,19 @@
 """Triton quantizer (CPU interpreter; CUDA with TRITON_INTERPRET=0) against the torch backend: the exact path
-bit-identical (the default), the ``tl.dot`` transform (``exact=False``) within its bound."""
+(``exact=True``; the default in the interpreter) bit-identical, the ``tl.dot`` transform (``exact=False``; the
+default on CUDA) within its bound."""
 
 import pytest
 import torch
 
-from loopq.kernels import quantize_activation, unpack_int4
-from loopq.kernels.quantize_kernel import dot_padding, fast_block_m, transform_error_bound
+from loopq.kernels import quantize_activation, quantize_kernel, triton_interpreted, unpack_int4
+from loopq.kernels.quantize_kernel import FastConfig, dot_padding, fast_config, transform_error_bound, uses_fast_path
 from loopq.qspec import qrange, quantize_codes
 from loopq.quant.transforms import kron_apply, kron_factors
-from tests.kernels.cases import cuda_only, random_transform, scaled_permutation, tie_tokens
+from tests.kernels.cases import ON_CUDA, cuda_only, random_transform, scaled_permutation, tie_tokens
 
 
 def _both(x, left, right, clip, bits):
-    tri = quantize_activation(x, left, right, clip, bits, backend="triton")
+    tri = quantize_activation(x, left, right, clip, bits, backend="triton", exact=True)
     ref = quantize_activation(x, left, right, clip, bits, backend="torch")
     return tri, ref
 
@@ -79,7 +80,7 @@ def _codes_of(v: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize(("m", "k"), [(33, 96), (3, 160), (2, 2048), (2, 5632)])
+@pytest.mark.parametrize(("m", "k"), [(33, 96), (5, 128), (3, 160), (2, 2048), (2, 5632)])
 def test_fast_transform_within_its_bound(m, k, bits, device):
     """The ``tl.dot`` transform (``exact=False``) against a float64 oracle, with ``B = transform_error_bound``
     (``|Z_fast - Z64| <= B``, derived there). Per group, with ``s64 = max(clip absmax(Z64) / q_max, 1e-8)``:
@@ -119,10 +120,52 @@ def test_fast_transform_within_its_bound(m, k, bits, device):
         assert torch.equal(got[clear], expected.reshape(m, k)[clear])
 
 
-def test_fast_path_grid():
-    """Tokens per program on the fast path: one at M = 1 (as many programs as tokens), a K = 5632 token (64 x 88
-    padded to 64 x 128) alone per program, several K = 2048 tokens (32 x 64) per program at large M."""
-    assert fast_block_m(1, 32, 64) == 1
-    assert fast_block_m(4096, 64, 128) == 1
-    assert fast_block_m(4096, 32, 64) == 4
+def test_fast_path_config():
+    """Tiles, chunks and warps of the fast path: Ouro's widths padded 32 x 64 (already in K order: the quantized
+    vector is the tile) and 64 x 128 (88 columns: compacted to next_pow2(5632) = 8192), both reductions in chunks of
+    32 (so K = 5632 takes two row chunks and three column chunks, the last one part padding), 8 warps only for the
+    8192-value tile; a 16-padded factor (the dot's minimum) chunked by 16, and an 8 x 16 factor pair whose tile
+    (16 x 16 = 256) is longer than next_pow2(128)."""
+    assert fast_config(32, 64) == FastConfig(32, 64, 2048, 32, 32, 4)
+    assert fast_config(64, 88) == FastConfig(64, 128, 8192, 32, 32, 8)
+    assert fast_config(8, 12) == FastConfig(16, 16, 128, 16, 16, 4)
+    assert fast_config(8, 16) == FastConfig(16, 16, 256, 16, 16, 4)
     assert dot_padding(88) == 128 and dot_padding(8) == 16
+
+
+def test_exact_flag_and_default_rule():
+    """``exact`` given wins on any device; ``None`` is the fast path only for compiled kernels on CUDA."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert uses_fast_path(False, cpu) and uses_fast_path(False, cuda)
+    assert not uses_fast_path(True, cpu) and not uses_fast_path(True, cuda)
+    assert not uses_fast_path(None, cpu)
+    assert uses_fast_path(None, cuda) is not triton_interpreted()
+
+
+def _refuse(*args):
+    raise AssertionError("the other quantizer path was dispatched")
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the interpreter's default")
+def test_default_is_exact_in_the_interpreter(monkeypatch):
+    """A transformed call without ``exact`` takes the exact kernel on CPU: bit-identical with the torch backend."""
+    gen = torch.Generator().manual_seed(7)
+    x = 3 * torch.randn(5, 160, generator=gen)
+    left, right = random_transform(160, gen)
+    monkeypatch.setattr(quantize_kernel, "_quantize_fast", _refuse)
+    codes, scales = quantize_activation(x, left, right, 0.8, 4, backend="triton")
+    ref_codes, ref_scales = quantize_activation(x, left, right, 0.8, 4, backend="torch")
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+
+
+@cuda_only
+def test_default_is_fast_on_cuda(monkeypatch):
+    """On CUDA a transformed call without ``exact`` (and without a backend: triton) is the ``tl.dot`` path: the
+    same codes and scales as ``exact=False``, the exact kernel never launched."""
+    gen = torch.Generator().manual_seed(8)
+    x = (3 * torch.randn(300, 5632, generator=gen)).to("cuda", torch.bfloat16)
+    left, right = (f.to("cuda") for f in random_transform(5632, gen))
+    fast = quantize_activation(x, left, right, 0.8, 4, exact=False)
+    monkeypatch.setattr(quantize_kernel, "_quantize_exact", _refuse)
+    default = quantize_activation(x, left, right, 0.8, 4)
+    assert all(torch.equal(d, f) for d, f in zip(default, fast, strict=True))
