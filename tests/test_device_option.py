@@ -39,7 +39,7 @@ def test_a_device_the_machine_lacks_is_one_line(monkeypatch, name, match):
 
 def test_evaluate_loads_on_the_resolved_device_and_records_it(monkeypatch, tmp_path):
     seen = []
-    real = __import__("loopq.evaluate", fromlist=["load_artifact"]).load_artifact
+    real = __import__("loopq.commands.evaluate", fromlist=["load_artifact"]).load_artifact
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("device"))
