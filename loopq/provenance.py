@@ -119,7 +119,9 @@ ENVIRONMENT_PACKAGES = ("torch", "lightning", "transformers", "tokenizers", "jso
 
 def environment() -> dict[str, str]:
     """Python, the :data:`ENVIRONMENT_PACKAGES` versions (``absent`` when not installed) and the CPU."""
-    env = {"python": platform.python_version(), "machine": platform.machine(), "cpu": _cpu_model()}
+    info = _cpuinfo()
+    env = {"python": platform.python_version(), "machine": platform.machine(), "cpu": _cpu_model(info)}
+    env["cpu_isa"] = widest_isa(_cpu_flags(info))
     env["cpu_paths"] = cpu_paths()
     for name in ENVIRONMENT_PACKAGES:
         try:
@@ -139,13 +141,36 @@ def cpu_paths() -> str:
     return ", ".join(parts)
 
 
-def _cpu_model() -> str:
+def widest_isa(flags: set[str]) -> str:
+    """The widest x86 vector instruction set among a CPU's ``/proc/cpuinfo`` flags: ``AVX512`` (``avx512f``),
+    ``AVX2`` or ``default``; ``unknown`` without flags (not Linux, or not x86). Recorded beside
+    :func:`cpu_paths` so a result says whether the pin of ``loopq/__init__.py`` was what kept an AVX-512 machine on
+    the AVX2 paths (docs/results.md, "What moves a calibration between machines")."""
+    if not flags:
+        return "unknown"
+    if "avx512f" in flags:
+        return "AVX512"
+    return "AVX2" if "avx2" in flags else "default"
+
+
+def _cpuinfo() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return ""
+
+
+def _cpu_flags(info: str) -> set[str]:
+    for line in info.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cpu_model(info: str) -> str:
+    for line in info.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
 
 

@@ -25,6 +25,7 @@ from loopq.provenance import (
     json_digest,
     record,
     teacher_fingerprint,
+    widest_isa,
 )
 from loopq.quant.packed import ExportError
 from tests.helpers import run_fit
@@ -115,6 +116,15 @@ def test_student_and_checkpoint_record_teacher_hash_and_config(calibrated):
     env = prov["environment"]
     assert env["torch"] == torch.__version__ and env["python"] == sys.version.split()[0]
     assert env["lightning"] == lightning.__version__ and env["cpu"]
+
+
+def test_the_widest_isa_is_read_from_the_cpu_flags():
+    """Hand cases: an AVX-512 CPU (also AVX2) reports AVX512, an AVX2-only one AVX2, an SSE-only one default."""
+    assert widest_isa({"sse4_2", "avx", "avx2", "avx512f", "avx512bw"}) == "AVX512"
+    assert widest_isa({"sse4_2", "avx", "avx2", "fma"}) == "AVX2"
+    assert widest_isa({"sse4_2", "avx"}) == "default"
+    assert widest_isa(set()) == "unknown"
+    assert record("a" * 64)["environment"]["cpu_isa"] in ("AVX512", "AVX2", "default", "unknown")
 
 
 def test_the_environment_is_recorded_but_never_compared():
