@@ -311,31 +311,34 @@ def _quantize_fast(x: Tensor, left: Tensor, right: Tensor, clip: float, bits: in
     n1, n2 = left.shape[0], right.shape[0]
     cfg = fast_config(n1, n2)
     scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if cfg.n2p != n2 else x
-    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    _quantize_dot_kernel[(m,)](
-        x,
-        left.float().contiguous(),
-        right.float().contiguous(),
-        scratch,
-        codes,
-        scales,
-        m,
-        _clip32(clip),
-        K=k,
-        KP=cfg.kp,
-        N1=n1,
-        N2=n2,
-        N1P=cfg.n1p,
-        N2P=cfg.n2p,
-        CI=cfg.ci,
-        CJ=cfg.cj,
-        BITS=bits,
-        QMIN=float(qmin),
-        QMAX=float(qmax),
-        num_warps=cfg.num_warps,
-        enable_fp_fusion=False,  # the quantization steps round like the reference
-    )
+    left, right = left.float().contiguous(), right.float().contiguous()
+    _launch(_quantize_dot_kernel, (m,), x, left, right, scratch, codes, scales, clip, bits, cfg.num_warps,
+            KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj)  # fmt: skip
     return codes, scales
+
+
+def _launch(
+    kernel: triton.runtime.JITFunction,
+    grid: tuple[int],
+    x: Tensor,
+    left: Tensor,
+    right: Tensor,
+    scratch: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    clip: float,
+    bits: int,
+    num_warps: int,
+    **shape: int | bool,
+) -> None:
+    """Launch either quantizer with the arguments they share; ``shape`` holds each kernel's own constexprs."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    kernel[grid](
+        x, left, right, scratch, codes, scales, x.shape[0], _clip32(clip),
+        K=x.shape[1], BITS=bits, QMIN=float(qmin), QMAX=float(qmax), **shape,
+        num_warps=num_warps,
+        enable_fp_fusion=False,  # the quantization steps round like the reference
+    )  # fmt: skip
 
 
 def transform_error_bound(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
@@ -378,30 +381,9 @@ def _quantize_exact(
     scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if has_transform and n2p != n2 else x
     tile = n1p * n2p if has_transform else kp
     block_m = max(1, min(triton.next_power_of_2(m), _tile_budget(x) // tile))
-    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    _quantize_kernel[(triton.cdiv(m, block_m),)](
-        x,
-        left,
-        right,
-        scratch,
-        codes,
-        scales,
-        m,
-        _clip32(clip),
-        K=k,
-        KP=kp,
-        N1=n1,
-        N2=n2,
-        N1P=n1p,
-        N2P=n2p,
-        HAS_TRANSFORM=has_transform,
-        BITS=bits,
-        QMIN=float(qmin),
-        QMAX=float(qmax),
-        BLOCK_M=block_m,
-        num_warps=8 if tile * block_m >= 4096 else 4,
-        enable_fp_fusion=False,
-    )
+    _launch(_quantize_kernel, (triton.cdiv(m, block_m),), x, left, right, scratch, codes, scales, clip, bits,
+            8 if tile * block_m >= 4096 else 4,
+            KP=kp, N1=n1, N2=n2, N1P=n1p, N2P=n2p, HAS_TRANSFORM=has_transform, BLOCK_M=block_m)  # fmt: skip
     return codes, scales
 
 
