@@ -224,7 +224,7 @@ def test_a_calibration_stopped_midway_resumes_from_its_last_checkpoint(monkeypat
 
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED = sorted(p.parent.relative_to(REPO) for p in (REPO / "results").glob("*/summary.md"))
+COMMITTED = sorted(p.parent.relative_to(REPO) for p in (REPO / "results").glob("**/summary.md"))
 
 
 @pytest.mark.parametrize("results_dir", COMMITTED, ids=str)
