@@ -160,18 +160,20 @@ def _cpuinfo() -> str:
         return ""
 
 
-def _cpu_flags(info: str) -> set[str]:
+def _cpu_field(info: str, name: str) -> str | None:
+    """The value of the first ``name : value`` line of ``/proc/cpuinfo`` text, None when absent."""
     for line in info.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.split(":", 1)[0].strip() == name:
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _cpu_flags(info: str) -> set[str]:
+    return set((_cpu_field(info, "flags") or "").split())
 
 
 def _cpu_model(info: str) -> str:
-    for line in info.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+    return _cpu_field(info, "model name") or platform.processor() or "unknown"
 
 
 def record(teacher_sha256: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
