@@ -31,6 +31,8 @@ from typing import NoReturn
 
 from safetensors import SafetensorError
 
+from loopq.numerics import reproducible_cpu
+
 DEBUG_FLAG = "--debug"
 CONFIG_FLAG = "--config"
 DEBUG_ENV = "LOOPQ_DEBUG"
@@ -165,7 +167,9 @@ def check_config_files(argv: list[str]) -> None:
 def run_cli(main: Callable[[], object]) -> None:
     """Run a command's ``main()`` (which reads ``sys.argv``, with ``--debug`` removed from it): a user error exits
     with one ``error:`` line and status 2, Ctrl-C with one line and status 130, unless debugging was asked for.
-    ``--config`` files are checked first (:func:`check_config_files`)."""
+    ``--config`` files are checked first (:func:`check_config_files`). The command owns its process, so the CPU
+    code paths are pinned first (:func:`loopq.numerics.reproducible_cpu`; provenance records them)."""
+    reproducible_cpu()
     debug = debug_requested(sys.argv[1:])
     sys.argv = [arg for arg in sys.argv if arg != DEBUG_FLAG]
     if debug:

@@ -10,7 +10,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+from loopq import reproducible_cpu
 from loopq.paths import data_dir, fixtures_dir
+
+reproducible_cpu()  # the suite owns its process: the CPU paths the commands take (loopq/numerics.py)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
