@@ -46,7 +46,6 @@ from loopq.quant import QuantConfig
 from loopq.quant.config import FP_LABEL, METHODS, Bits, method_of_label
 from loopq.quant.prepare import prepare_static
 
-#: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
 #: the ``--method`` labels of a ``--model`` (case does not matter): FP, or a training-free baseline built from it
 MODEL_METHODS = (FP_LABEL, *(m.label for m in METHODS.values() if not m.trained), "RTN")
 

@@ -119,7 +119,6 @@ def check_exportable(group: QuantLinearGroup, name: str) -> None:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def pack_weight(group: QuantLinearGroup, slot: int) -> tuple[Tensor, Tensor]:
     """Slot ``slot``'s folded weight as packed int4 codes ``[N, K/2]`` and fp16 scales ``[N, K/32]``."""
     weight = fold_weight(torch.cat(group.weights()), group.transform_for(slot))
