@@ -60,12 +60,14 @@ def test_print_plan_of_a_paper_config_runs_offline_in_seconds_without_the_teache
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
-def test_readme_plan_table_is_what_print_plan_predicts():
-    """Every row of the README's memory table (training step, SLT probe step, target cache) is the plan of its config
-    and launch overrides, so the README cannot drift from ``--print_plan``."""
-    rows = [line for line in (REPO_ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
+@pytest.mark.parametrize(("doc", "count"), [("README.md", 2), ("docs/usage.md", 6)])
+def test_documented_plan_tables_are_what_print_plan_predicts(doc, count):
+    """Every row of the memory tables (README: the two one-GPU rows; docs/usage.md: every launch) - training step, SLT
+    probe step, target cache - is the plan of its config and launch overrides, so the docs cannot drift from
+    ``--print_plan``."""
+    rows = [line for line in (REPO_ROOT / doc).read_text().splitlines() if line.startswith("| `")]
     rows = [r for r in rows if r.split("|")[1].strip().strip("`") in PAPER_CONFIGS]
-    assert len(rows) == 6
+    assert len(rows) == count
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:-1]]
         launch = ["--trainer.devices", "4", "--data.batch_size", "1"] if "... 4" in cells[1] else []
