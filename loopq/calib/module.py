@@ -56,6 +56,7 @@ from loopq.artifacts.student import student_meta, write_student
 from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
 from loopq.calib.losses import STATE_REDUCTIONS, layerwise_loss, loopq_loss
 from loopq.calib.targets import TeacherTargets, load_or_compute
+from loopq.calib.validation import VAL_SETS, ValidationMetrics, measure
 from loopq.data.text import DataError
 from loopq.errors import UsageError
 from loopq.models import LoopLM, load_looplm
@@ -151,6 +152,8 @@ class LoopQCalibration(L.LightningModule):
         #: the last training batch's teacher and (detached) student loop states; what the mu_t update reads
         self.last_trajectory: Trajectory | None = None
         self._data_initialised = False
+        #: held-out validation metrics per set (loopq.calib.validation); their states are not checkpointed
+        self.val_metrics = nn.ModuleDict({name: ValidationMetrics(self.num_loops) for name in VAL_SETS})
 
     # ------------------------------------------------------------------ teacher is frozen, never trained/saved twice
     def train(self, mode: bool = True) -> LoopQCalibration:
@@ -298,6 +301,24 @@ class LoopQCalibration(L.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in logged.items()}, prog_bar=False)
         self.log("loss", logged["loss"], prog_bar=True, logger=False)
         return terms["loss"]
+
+    # ------------------------------------------------------------------ held-out validation (loopq.calib.validation)
+    def validation_step(self, batch: list[Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        ids, real = batch
+        ids = ids[real]  # masked rows only keep the ranks' batch counts equal
+        if ids.shape[0] == 0:
+            return
+        hp = {**self.hparams, "state_reduction": self.hparams.get("state_reduction", "mean")}
+        found = measure(self.teacher, self.student, ids, self.mu, hp, self.num_loops)
+        self.val_metrics[VAL_SETS[dataloader_idx]].update(*found, ids)
+
+    def on_validation_epoch_end(self) -> None:
+        """Compute (torchmetrics reduces across processes), log ``val/<set>/<metric>``, reset."""
+        names = VAL_SETS[: len(self.trainer.datamodule.val_sets)] if self._trainer is not None else ()
+        for name in names:
+            values = self.val_metrics[name].values()
+            self.log_dict({f"val/{name}/{k}": v for k, v in values.items()}, sync_dist=False)
+            self.val_metrics[name].reset()
 
     # ------------------------------------------------------------------ SLT promotion (called by the callback)
     def promote(self, name: str) -> list[nn.Parameter]:

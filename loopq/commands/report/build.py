@@ -15,6 +15,7 @@ from loopq.commands.report.figures import (
     plot_mu,
     plot_slt,
     plot_sweep,
+    plot_validation,
     series_points,
     slt_matrix,
 )
@@ -28,8 +29,17 @@ from loopq.commands.report.tables import (
     subset_table,
     table1,
     table_results,
+    validation_table,
 )
 from loopq.files import atomic_write
+
+#: how to read the held-out validation (loopq.calib.validation)
+VALIDATION_HELP = (
+    "KL: the student's full-vocabulary KL to the teacher per token on windows no calibration step saw (`heldout`: "
+    "the calibration sources; `extra`: `data.val_sources`). Falling KL means the calibration generalises; a lowest "
+    "KL well before the last step, with the training loss still falling, means it fits its calibration text. ppl: "
+    "the student's perplexity after the last loop, FP's in parentheses."
+)
 
 
 def build_report(
@@ -93,6 +103,9 @@ def build_report(
     for run in runs:
         if run.mu:
             figures.append((f"mu_t over calibration, `{run.name}`", plot_mu(run, out)))
+    for run in runs:
+        if run.val_steps:
+            figures.append((f"held-out validation, `{run.name}`", plot_validation(run, out)))
 
     figures.sort(key=lambda fig: int(m.group(1)) if (m := re.match(r"Fig\. (\d+)", fig[0])) else 99)
     md = ["# LoopQ report", ""]
@@ -119,6 +132,9 @@ def build_report(
     md += subset_table([*results, *sweeps])
     if runs:
         md += ["", "## Calibration runs", "", *runs_table(runs)]
+    if any(run.val_steps for run in runs):
+        validated = [r for r in runs if r.val_steps]
+        md += ["", "## Held-out validation", "", VALIDATION_HELP, "", *validation_table(validated)]
     md += ["", "## Figures", ""]
     md += [f"- [{title}]({path.name})" for title, path in figures] or ["_No figures._"]
     for title, path in figures:

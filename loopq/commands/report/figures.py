@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from loopq.commands.report.inputs import Result, Run, slug
+from loopq.commands.report.inputs import Result, Run, last_loop_column, slug, val_sets
 from loopq.files import atomic_write
 
 #: SLT candidate groups per shared layer, in model order (Ouro); other architectures use the names found
@@ -111,6 +111,26 @@ def plot_mu(run: Run, out: Path) -> Path:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return save(fig, out / f"mu_{slug(run.name)}.png")
+
+
+def plot_validation(run: Run, out: Path) -> Path:
+    """Held-out curves over calibration: the student's full-vocabulary KL to the teacher (left) and its last-loop
+    perplexity against FP's (right), per held-out set. KL rising while the training loss falls is overfitting."""
+    fig = Figure(figsize=(9.0, 3.2))
+    kl_ax, ppl_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for name in val_sets(run):
+        kl_ax.plot(run.val_steps, run.val[f"val/{name}/kl_full"], marker="o", markersize=3, label=name)
+        line = ppl_ax.plot(run.val_steps, run.val[last_loop_column(run, name)], marker="o", markersize=3, label=name)
+        fp = run.val[last_loop_column(run, name, "fp_ppl_loop")]
+        ppl_ax.plot(run.val_steps, fp, linestyle="--", color=line[0].get_color(), label=f"{name} FP")
+    for ax, label in ((kl_ax, "KL(teacher || student) per token"), (ppl_ax, "last-loop perplexity")):
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{run.name}: held-out validation", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out / f"validation_{slug(run.name)}.png")
 
 
 def series_points(
