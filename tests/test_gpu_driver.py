@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loopq.commands.gpu_check import checks, driver
+from loopq.commands.gpu_check import checks, driver, registry
 from loopq.commands.gpu_check.driver import Limits, selection, stage_limit
 from loopq.commands.gpu_check.table import CUT, FAIL, OK, RUNNING, SKIPPED
 from loopq.paths import REPO_ROOT
@@ -61,10 +61,10 @@ def test_selection_by_only_and_skip():
 
 def test_the_real_stages_are_in_the_issues_order_with_limits_that_fit_a_call():
     """The fakes mirror the real stages; the quick caps of the stages that must run fit the default budget."""
-    assert tuple(checks.STAGES) == gpu_fakes.NAMES == tuple(checks.LIMITS)
+    assert tuple(checks.STAGES) == gpu_fakes.NAMES == tuple(registry.LIMITS) == tuple(registry.STAGES)
     first = ("environment", "calibration", "kernel-tests", "kernel-bench")
-    assert sum(checks.LIMITS[n].cap_s for n in first) <= driver.DEFAULT_BUDGET_S
-    assert all(lim.need_s <= lim.cap_s <= lim.full_cap_s for lim in checks.LIMITS.values())
+    assert sum(registry.LIMITS[n].cap_s for n in first) <= driver.DEFAULT_BUDGET_S
+    assert all(lim.need_s <= lim.cap_s <= lim.full_cap_s for lim in registry.LIMITS.values())
 
 
 # ------------------------------------------------------------------------------------------- the driver, faked

@@ -1,6 +1,6 @@
 """The stages of the GPU check, each returning one :class:`~loopq.commands.gpu_check.table.StageResult`, in the order
-they run (:data:`STAGES`, most important first) with their time limits (:data:`LIMITS`; the driver,
-:mod:`loopq.commands.gpu_check.driver`, runs each in its own process and keeps what it recorded if it is cut).
+they run (:data:`STAGES`, most important first; their time limits: :mod:`loopq.commands.gpu_check.registry`). The
+driver, :mod:`loopq.commands.gpu_check.driver`, runs each in its own process and keeps what it recorded if cut.
 
 1. ``environment``: torch / triton / CUDA versions, the GPU, its compute capability and memory, its known peaks.
 2. ``calibration``: ``python -m loopq.fit --config configs/tiny.yaml`` on cuda (fp32, as the config calibrates) for a
@@ -44,7 +44,6 @@ import triton
 
 from loopq.artifacts.student import check_student_dir, read_student_meta
 from loopq.commands.gpu_check import flow, kernel_bench
-from loopq.commands.gpu_check.driver import Limits
 from loopq.commands.gpu_check.peaks import peaks_for
 from loopq.commands.gpu_check.proc import run_watched
 from loopq.commands.gpu_check.stage import Context
@@ -431,7 +430,8 @@ def e2e_result(payload: dict[str, Any]) -> StageResult:
     return StageResult("e2e", BELOW_GOAL if missed else OK, "; ".join([*parts, goals]), details=payload)
 
 
-#: the stages in the order they run (``--only`` / ``--skip`` take these names)
+#: the stage functions, in the order they run (their limits and the order the driver reads:
+#: :data:`loopq.commands.gpu_check.registry.LIMITS`)
 STAGES: dict[str, Callable[[Context], StageResult]] = {
     "environment": environment,
     "calibration": calibration,
@@ -441,18 +441,4 @@ STAGES: dict[str, Callable[[Context], StageResult]] = {
     "pipeline": pipeline_stage,
     "paper-shape": paper_shape_stage,
     "profile": step,
-}
-
-#: seconds per stage: quick cap, full cap, least worth starting with (:class:`~loopq.commands.gpu_check.driver.Limits`).
-#: Estimates for one H100 (the first run measured kernel-tests and the step; the rest to be confirmed): with the
-#: default 480 s budget the quick check fits when every stage ends well inside its cap, and stops in time otherwise.
-LIMITS: dict[str, Limits] = {
-    "environment": Limits(30, 30, 5),
-    "calibration": Limits(120, 240, 40),
-    "kernel-tests": Limits(150, 300, 60),
-    "kernel-bench": Limits(120, 300, 30),
-    "e2e": Limits(90, 300, 30),
-    "pipeline": Limits(120, 240, 60),
-    "paper-shape": Limits(180, 600, 90),
-    "profile": Limits(60, 180, 20),
 }

@@ -35,7 +35,6 @@ from loopq.quant.transforms import kron_factors
 #: (N, K) of Ouro-1.4B's linears: fused q/k/v, o_proj, fused gate/up, down_proj
 SHAPES: tuple[tuple[int, int], ...] = ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
 TOKENS: tuple[int, ...] = (1, 16, 256, 4096)
-QUICK_TOKENS: tuple[int, ...] = (1, 256)
 CLIP = 0.9
 INT4_WEIGHT_BYTES = 0.5 + 2 / 32  # a packed int4 code + its share of one fp16 scale per 32 weights
 BF16_WEIGHT_BYTES = 2.0

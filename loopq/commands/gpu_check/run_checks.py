@@ -28,15 +28,14 @@ from pathlib import Path
 
 import torch
 
-from loopq.commands.gpu_check import driver, kernel_bench
+from loopq.commands.gpu_check import driver
 from loopq.commands.gpu_check.carry import commit
 from loopq.commands.gpu_check.peaks import peaks_for
 from loopq.commands.gpu_check.table import exit_status, format_table, markdown
 from loopq.errors import OneLineParser, UsageError
-from loopq.kernels import triton_interpreted
 
 NO_GPU = "no CUDA GPU: nothing to check (torch.cuda.is_available() is False)"
-STAGES_MODULE = "loopq.commands.gpu_check.checks"
+STAGES_MODULE = "loopq.commands.gpu_check.registry"
 
 
 def parse_args(argv: list[str] | None, stages: list[str]) -> argparse.Namespace:
@@ -59,6 +58,8 @@ def parse_args(argv: list[str] | None, stages: list[str]) -> argparse.Namespace:
 
 def kernel_section(details: dict[str, object]) -> str:
     """The kernel bench's rows in Markdown (``gpu_check.md``), when it recorded any."""
+    from loopq.commands.gpu_check import kernel_bench  # torch and the kernels: only once there are rows
+
     rows = [row for row in details.get("rows") or [] if isinstance(row, dict)]
     if not rows:
         return ""
@@ -76,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--stages_from", default=STAGES_MODULE)
     module = importlib.import_module(pre.parse_known_args(argv)[0].stages_from)
-    args = parse_args(argv, list(module.STAGES))
+    args = parse_args(argv, list(module.LIMITS))
     if getattr(module, "NEEDS_CUDA", True):
         if not torch.cuda.is_available():
             print(NO_GPU, flush=True)
             return 0
+        from loopq.kernels import triton_interpreted
+
         if triton_interpreted():
             raise UsageError(
                 "TRITON_INTERPRET=1 is set, so the Triton kernels would run in the CPU interpreter; run with "
