@@ -35,6 +35,7 @@ STAGE_IMPORTS = (
     "deepspeed",
     "lightning.pytorch.cli",
     "pytest",
+    "tests.conftest",
     *(f"tests.kernels.{p.stem}" for p in sorted((REPO_ROOT / "tests" / "kernels").glob("*.py"))),
 )
 #: imported here from packages this venv has that the image does not, by packages the image has in its own
