@@ -4,6 +4,7 @@ single-process numbers."""
 
 import csv
 import itertools
+import json
 import math
 
 import lightning as L
@@ -148,7 +149,10 @@ def test_validation_changes_no_bit_and_a_checkpoint_reproduces_the_logged_values
     stays); ``trainer.validate(ckpt_path=...)`` restores a checkpoint (promoted SLT groups, mu_t included) and
     measures what the calibration logged at that step."""
     run_fit(tmp_path / "plain", "--trainer.max_steps", "6")
-    run_fit(tmp_path, "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", *VALIDATE)
+    best = {"monitor": "val/heldout/kl_full", "mode": "min", "save_top_k": 1, "filename": "best"}
+    chooser = json.dumps({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": best})
+    run_fit(tmp_path, "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", *VALIDATE,
+            "--trainer.callbacks+", chooser)  # fmt: skip
     (plain, meta_plain), (validated, meta) = read_student(tmp_path / "plain"), read_student(tmp_path)
     assert_same_tensors(plain, validated, atol=0)
     assert meta_plain["promoted"] == meta["promoted"] and meta_plain["mu"] == meta["mu"]
@@ -166,3 +170,7 @@ def test_validation_changes_no_bit_and_a_checkpoint_reproduces_the_logged_values
     assert module.promoted  # the checkpoint's SLT selection was replayed
     for key, value in logged[step].items():
         assert got[key] == pytest.approx(value, rel=1e-5), key
+    # ModelCheckpoint(monitor=...) chooses by the held-out KL: its checkpoint is the step of the lowest logged KL
+    states = torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=True)["callbacks"]
+    chosen = next(v for k, v in states.items() if "val/heldout/kl_full" in k)
+    assert float(chosen["best_model_score"]) == pytest.approx(min(r["val/heldout/kl_full"] for r in logged.values()))
