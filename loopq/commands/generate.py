@@ -88,12 +88,25 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
             raise UsageError("--prompt is empty; give some text to continue")
         return [prompt]
     assert prompts_file is not None
-    lines = prompts_file.read_text().splitlines()
+    lines = read_text(prompts_file, "--prompts_file").splitlines()
     empty = [i + 1 for i, line in enumerate(lines) if not line.strip()]
     if not lines or empty:
         where = f"line {empty[0]} is empty" if empty else "it has no lines"
         raise UsageError(f"--prompts_file {prompts_file}: {where}; write one non-empty prompt per line")
     return lines
+
+
+def read_text(path: Path, key: str) -> str:
+    """The UTF-8 text of the file an option names; a missing, unreadable or non-UTF-8 file is one line naming both."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"{key} {path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); save it as "
+            "UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    except OSError as err:
+        raise UsageError(f"{key} {path}: cannot be read ({err.strerror or err}); pass a text file") from None
 
 
 def streamer(tokenizer: Tokenizer, out: Callable[[str], object]) -> Callable[[torch.Tensor], None]:

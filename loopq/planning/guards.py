@@ -35,7 +35,7 @@ from torch import nn
 
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
 from loopq.data.calibration import calibration_stream, check_enough_tokens
-from loopq.errors import GuardError, UsageError
+from loopq.errors import GuardError, UsageError, article
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.loading import architecture_for, read_config
 
@@ -68,7 +68,7 @@ def check_run_root(
                 )
     kind = model_kind(root)
     if kind is not None:
-        raise GuardError(f"{key} {root}: is a {kind} directory; pass a separate run directory")
+        raise GuardError(f"{key} {root}: is {article(kind)} directory; pass a separate run directory")
     return root
 
 
@@ -110,7 +110,7 @@ def check_output_file(
             raise GuardError(f"{key} {out}: lies inside {read}, which this command reads; pass another path")
     kind = model_kind(out.parent)
     if kind is not None:
-        raise GuardError(f"{key} {out}: {out.parent} is a {kind} directory; write results elsewhere")
+        raise GuardError(f"{key} {out}: {out.parent} is {article(kind)} directory; write results elsewhere")
     if out.exists() and not is_result(out):
         raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
     check_writable(out.parent, key, named=out)
