@@ -43,7 +43,7 @@ def seal_problem(path: Path, fmt: str) -> str | None:
     if SEAL not in data:
         return f"it has no {SEAL} seal"
     if data[SEAL] != seal(data)[SEAL]:
-        return f"its content does not match its {SEAL} seal (edited after it was written)"
+        return f"its content does not match its {SEAL} seal: it was edited after it was written"
     return None
 
 

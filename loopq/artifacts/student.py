@@ -138,14 +138,19 @@ def weights_format(path: Path) -> str | None:
         return None
 
 
-def check_exportable(meta: dict[str, Any], where: str | Path = "the student") -> None:
+def check_exportable(meta: dict[str, Any], directory: Path | None = None) -> None:
     """An export seals what it is made from, so it is made only from a verified student: a description of a legacy
-    format (``meta`` without a format is a caller's own, not read from a directory) is refused."""
-    if meta.get("format") in STUDENT_LEGACY_FORMATS:
-        raise StudentFormatError(
-            f"{where}: format {meta.get('format')!r} is not content-verified, and an export "
-            f"would seal its unverified bits and provenance as {STUDENT_FORMAT}'s; {RECALIBRATE}, then export"
-        )
+    format is refused (``directory``: where it was read, checked for relabelling first - :func:`check_legacy_labels`;
+    a ``meta`` without a format is a caller's own, not read from a directory)."""
+    if meta.get("format") not in STUDENT_LEGACY_FORMATS:
+        return
+    if directory is not None:
+        check_legacy_labels(directory, meta)
+    where = "the student" if directory is None else directory / STUDENT_META
+    raise StudentFormatError(
+        f"{where}: format {meta['format']!r} is not content-verified, and an export would seal its unverified bits "
+        f"and provenance as {STUDENT_FORMAT}'s; {RECALIBRATE}, then export"
+    )
 
 
 def warn_legacy(path: Path, fmt: str) -> None:

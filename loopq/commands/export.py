@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from loopq.artifacts import check_student_dir, export_student, load_quantized, load_student
-from loopq.artifacts.layout import RUN_LOCK, STUDENT_META
+from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
 from loopq.artifacts.quantized import check_export_dir
 from loopq.artifacts.student import check_exportable, read_student_meta
 from loopq.errors import OneLineParser, run_cli
@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     args = parser.parse_args(argv)
     check_student_dir(args.ckpt)
-    described = read_student_meta(args.ckpt)
-    check_exportable(described, args.ckpt / STUDENT_META)
-    check_export_dir(args.out, described.get("teacher"), reads=(args.ckpt,))
+    check_exportable(json_object(args.ckpt / STUDENT_META), args.ckpt)  # before a legacy one's warning is printed
+    teacher = read_student_meta(args.ckpt).get("teacher")
+    check_export_dir(args.out, teacher, reads=(args.ckpt,))
     with DirectoryLock(args.out, RUN_LOCK, "loopq.export", "--out"):  # one writer at a time
         student, meta = load_student(args.ckpt)
         export_student(student, meta, args.out)

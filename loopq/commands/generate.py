@@ -133,6 +133,7 @@ def write(text: str) -> None:
 
 def main(argv: list[str] | None = None) -> list[str]:
     args, kind, path = parse_args(argv)
+    prompts = read_prompts(args.prompt, args.prompts_file)  # before the model loads: a bad file fails at once
     artifact = load_artifact(path, kind=kind, device=args.device)  # type: ignore[arg-type]
     model: LoopLM = artifact.model.eval()
     tokenizer = load_tokenizer(tokenizer_dir(path, artifact) / "tokenizer.json")
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         check_exit_model(model)
     stats = ExitStats()
     texts = []
-    for prompt in read_prompts(args.prompt, args.prompts_file):
+    for prompt in prompts:
         ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], device=args.device)
 
         check_prompt(model, ids, None, args.max_new_tokens)  # before anything is printed

@@ -20,7 +20,15 @@ from loopq.commands.report.figures import (
     slt_matrix,
 )
 from loopq.commands.report.inputs import Result, Run
-from loopq.commands.report.output import KIND, REPORT, check_report_dir, report_files, write_manifest
+from loopq.commands.report.output import (
+    KIND,
+    REPORT,
+    check_report_dir,
+    owned_files,
+    remove_stale,
+    report_files,
+    write_manifest,
+)
 from loopq.commands.report.tables import (
     DASH,
     DEFAULT_BLOCKS,
@@ -46,6 +54,7 @@ def build_report(
     checked first (:func:`~loopq.commands.report.output.check_report_dir`): only an earlier report's files are
     replaced."""
     check_report_dir(out, [run.name for run in runs])
+    previous = owned_files(out)
     begin(out, KIND, report_files([run.name for run in runs]))
     notes = [n for run in runs for n in run.notes]
     figures: list[tuple[str, Path]] = []
@@ -132,6 +141,8 @@ def build_report(
         md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
     report = out / REPORT
     atomic_write(report, lambda tmp: tmp.write_text("\n".join(md) + "\n"))  # after the figures it links
-    write_manifest(out, [REPORT, *(path.name for _, path in figures)])
+    written = [REPORT, *(path.name for _, path in figures)]
+    write_manifest(out, written)
+    remove_stale(out, previous, written)
     finish(out)
     return report

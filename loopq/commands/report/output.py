@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from loopq.artifacts.layout import check_owned, model_kind
-from loopq.artifacts.ownership import journal_files, listed_files
+from loopq.artifacts.ownership import is_bookkeeping, journal_files, listed_files
 from loopq.artifacts.seal import FILES, manifest, seal
 from loopq.commands.report.figures import figure_files
 from loopq.errors import GuardError, article
@@ -46,9 +46,21 @@ def check_report_dir(out: str | Path, run_names: Sequence[str], key: str = "--ou
             raise GuardError(
                 f"{key} {out}: {where} {article(kind)} directory ({directory}); write the report elsewhere"
             )
-    owned = [*listed_files(out / REPORT_META, REPORT_FORMAT), *journal_files(out, KIND)]
-    check_owned(out, report_files(run_names), owned, key)
+    check_owned(out, report_files(run_names), owned_files(out), key)
     return out
+
+
+def owned_files(out: Path) -> list[str]:
+    """The files of ``out`` an earlier report there proves it wrote (its sealed manifest, or its journal)."""
+    return [*listed_files(out / REPORT_META, REPORT_FORMAT), *journal_files(out, KIND)]
+
+
+def remove_stale(out: Path, previous: Iterable[str], written: Iterable[str]) -> None:
+    """Remove the files an earlier report wrote that this one did not (a figure of a sweep no longer reported):
+    they would sit beside the new report, listed by no manifest, and block the next report that writes them."""
+    for name in set(previous) - {*written, REPORT_META}:
+        if not (is_bookkeeping(name) or name.endswith(".tmp")):  # the journal and its leftovers: finish() removes them
+            (out / name).unlink(missing_ok=True)
 
 
 def write_manifest(out: Path, written: Iterable[str]) -> None:
