@@ -186,8 +186,11 @@ export.main(sys.argv[2:])
 """
 
 
-@pytest.mark.parametrize("where", ["new", "earlier-export"])
-@pytest.mark.parametrize("at", [1, 2, -1], ids=["weights", "config", "description"])
+@pytest.mark.parametrize(
+    ("where", "at"),
+    [("new", 1), ("new", 2), ("earlier-export", -1)],  # a subprocess each (~10 s): three points, not all six
+    ids=["weights-new", "config-new", "description-over-earlier-export"],
+)
 def test_export_killed_mid_write_is_rerun_over_its_own_leftovers(copies, where, at):
     """SIGKILL of loopq.export while writing its weights, config.json or description (a stale lock, a ``.tmp``
     leftover and, past the first, some of its files are left): the rerun recognises them as its own, succeeds, and
