@@ -332,6 +332,8 @@ def check_calibration(config: Any) -> None:
     if config.model.output_dir:
         check_output_dir(config.model.output_dir, [teacher], "--model.output_dir", replaces=("student",))
         check_writable(config.model.output_dir, "--model.output_dir")
+    else:  # the run's own student folder: replaced only when a sealed student (or its write journal) is there
+        check_output_dir(root / "student", [teacher], "--trainer.default_root_dir", replaces=("student",))
     cache = config.model.target_cache_dir
     for read in local_dirs([teacher] if cache else []):  # a cache file there would change the teacher's fingerprint
         how = relation(Path(cache), read)

@@ -96,6 +96,22 @@ def test_an_unsealed_student_description_does_not_make_a_folder_a_students(copie
     assert layout.check_output_dir(copies / "student", [TEACHER], replaces=("student",)) == copies / "student"
 
 
+def test_fit_does_not_replace_an_unsealed_student_in_its_run_directory(copies, capsys):
+    """Without --model.output_dir the student goes to <run>/student: the same proof is asked there."""
+    from tests.bad_inputs.test_one_writer import parse_main
+
+    run = copies / "run"
+    (run / "student").mkdir(parents=True)
+    (run / "student" / STUDENT_META).write_text(json.dumps({"format": "loopq-student-v2", "provenance": {}}))
+    before = snapshot(copies)
+    status, line = command(parse_main, [str(run)], capsys)
+    assert status == 2 and line.startswith(
+        f"error: --trainer.default_root_dir {run / 'student'}: {run / 'student' / STUDENT_META} is not a "
+        "description LoopQ sealed (it has no meta_sha256 seal)"
+    )
+    assert snapshot(copies) == before
+
+
 def test_a_sealed_earlier_export_is_replaced_and_the_users_other_files_are_kept(copies):
     """The guard is not over-broad: an export LoopQ sealed is LoopQ's to replace; a file it never listed stays."""
     notes = copies / "exported" / "NOTES.md"
