@@ -19,7 +19,9 @@
 * the teacher's ``config.json`` and tokenizer files.
 
 The description is written last: a directory whose export was interrupted has no (or the previous) description,
-whose manifest then does not match, and is refused on load.
+whose manifest then does not match, and is refused on load. A sealed write journal
+(:mod:`loopq.artifacts.ownership`) lists the files while they are written, so the rerun of an interrupted export
+recognises them as its own.
 
 :func:`load_quantized` follows gpt-fast: build the architecture from ``config.json`` on the meta device, swap the
 listed groups for packed ones, install the adapters, then ``load_state_dict(assign=True)``.
