@@ -94,6 +94,11 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+def article(word: str) -> str:
+    """``word`` with its indefinite article, for messages (``an export``, ``a student``, ``an int``)."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
 def one_line(err: BaseException) -> str:
     """The message of ``err`` on one line."""
     if isinstance(err, subprocess.CalledProcessError):
@@ -159,7 +164,7 @@ def check_config_files(argv: list[str]) -> None:
             )
         if not isinstance(data, dict):
             raise UsageError(
-                f"{CONFIG_FLAG} {path}: holds a {type(data).__name__}, not settings (`key: value` lines, as in "
+                f"{CONFIG_FLAG} {path}: holds {article(type(data).__name__)}, not settings (`key: value` lines, as in "
                 "configs/tiny.yaml)"
             )
 

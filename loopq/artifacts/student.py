@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_LEGACY_FORMATS, STUDENT_META, STUDENT_WEIGHTS
-from loopq.artifacts.seal import FILES, check_quant_agrees, manifest, seal, unseal, verify_file
+from loopq.artifacts.ownership import begin, finish
+from loopq.artifacts.seal import FILES, SEAL, check_quant_agrees, manifest, seal, unseal, verify_file
 from loopq.errors import LoopQError
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models import LoopLM, load_looplm
@@ -73,9 +75,11 @@ def write_student(student: torch.nn.Module, meta: dict[str, Any], directory: str
     description is written last, in the current format, with the weights' size and sha256, sealed."""
     directory = Path(directory)
     state = quant_state(student)
+    begin(directory, "student", [STUDENT_WEIGHTS, STUDENT_META])
     atomic_write(directory / STUDENT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": STUDENT_FORMAT}))
     sealed = seal({**meta, "format": STUDENT_FORMAT, FILES: manifest(directory, [STUDENT_WEIGHTS])})
     atomic_write(directory / STUDENT_META, lambda p: p.write_text(json.dumps(sealed, indent=2) + "\n"))
+    finish(directory)
     return directory
 
 
@@ -99,6 +103,7 @@ def read_student_meta(directory: str | Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise StudentFormatError(f"{path}: not a JSON object; {RECALIBRATE}")
     if meta.get("format") in STUDENT_LEGACY_FORMATS:
+        check_legacy_labels(Path(directory), meta)
         warn_legacy(path, meta["format"])
     elif meta.get("format") != STUDENT_FORMAT:
         raise StudentFormatError(f"{path}: format {meta.get('format')!r} is not {STUDENT_FORMAT!r}; {RECALIBRATE}")
@@ -106,6 +111,46 @@ def read_student_meta(directory: str | Path) -> dict[str, Any]:
         meta = unseal(meta, path, StudentFormatError, RECALIBRATE)
     check_quant_agrees(meta, path, StudentFormatError, RECALIBRATE)
     return meta
+
+
+def check_legacy_labels(directory: Path, meta: dict[str, Any]) -> None:
+    """A description labelled with a legacy format must be one: no seal or manifest (which legacy formats never
+    wrote), and a weights file whose own header names the same format. A current student relabelled legacy - to
+    dodge the seal after an edit - is refused, since nothing of it could then be verified."""
+    path, fmt = directory / STUDENT_META, meta["format"]
+    extra = [key for key in (SEAL, FILES) if key in meta]
+    weights = directory / STUDENT_WEIGHTS
+    header = weights_format(weights) if weights.is_file() else fmt
+    if extra or header != fmt:
+        found = f"carries {' and '.join(extra)}" if extra else f"its weights file says format {header!r}"
+        raise StudentFormatError(
+            f"{path}: labelled {fmt!r} but {found}, which a {fmt} student never has: the description was relabelled "
+            f"after it was written, so nothing in it can be verified; {RECALIBRATE}"
+        )
+
+
+def weights_format(path: Path) -> str | None:
+    """The ``format`` a safetensors file's header records (None when it records none or is not readable)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format")
+    except (SafetensorError, OSError):
+        return None
+
+
+def check_exportable(meta: dict[str, Any], directory: Path | None = None) -> None:
+    """An export seals what it is made from, so it is made only from a verified student: a description of a legacy
+    format is refused (``directory``: where it was read, checked for relabelling first - :func:`check_legacy_labels`;
+    a ``meta`` without a format is a caller's own, not read from a directory)."""
+    if meta.get("format") not in STUDENT_LEGACY_FORMATS:
+        return
+    if directory is not None:
+        check_legacy_labels(directory, meta)
+    where = "the student" if directory is None else directory / STUDENT_META
+    raise StudentFormatError(
+        f"{where}: format {meta['format']!r} is not content-verified, and an export would seal its unverified bits "
+        f"and provenance as {STUDENT_FORMAT}'s; {RECALIBRATE}, then export"
+    )
 
 
 def warn_legacy(path: Path, fmt: str) -> None:

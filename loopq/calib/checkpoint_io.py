@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loopq.artifacts.layout import model_kind
-from loopq.errors import LoopQError
+from loopq.errors import LoopQError, article
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -132,7 +132,7 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         )
     kind = model_kind(path)
     if kind is not None:
-        what = "a calibrated student" if kind == "student" else f"a {kind} directory"
+        what = "a calibrated student" if kind == "student" else f"{article(kind)} directory"
         raise CheckpointError(f"--ckpt_path {path}: is {what}, not a calibration checkpoint; {CKPT_PATH_TAKES}")
     problem = _directory_problem(path) if path.is_dir() else _file_problem(path)
     if problem is not None:

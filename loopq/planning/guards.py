@@ -35,7 +35,7 @@ from torch import nn
 
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
 from loopq.data.calibration import calibration_stream, check_enough_tokens
-from loopq.errors import GuardError, UsageError
+from loopq.errors import GuardError, UsageError, article
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.loading import architecture_for, read_config
 
@@ -68,7 +68,7 @@ def check_run_root(
                 )
     kind = model_kind(root)
     if kind is not None:
-        raise GuardError(f"{key} {root}: is a {kind} directory; pass a separate run directory")
+        raise GuardError(f"{key} {root}: is {article(kind)} directory; pass a separate run directory")
     return root
 
 
@@ -110,7 +110,7 @@ def check_output_file(
             raise GuardError(f"{key} {out}: lies inside {read}, which this command reads; pass another path")
     kind = model_kind(out.parent)
     if kind is not None:
-        raise GuardError(f"{key} {out}: {out.parent} is a {kind} directory; write results elsewhere")
+        raise GuardError(f"{key} {out}: {out.parent} is {article(kind)} directory; write results elsewhere")
     if out.exists() and not is_result(out):
         raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
     check_writable(out.parent, key, named=out)
@@ -332,6 +332,8 @@ def check_calibration(config: Any) -> None:
     if config.model.output_dir:
         check_output_dir(config.model.output_dir, [teacher], "--model.output_dir", replaces=("student",))
         check_writable(config.model.output_dir, "--model.output_dir")
+    else:  # the run's own student folder: replaced only when a sealed student (or its write journal) is there
+        check_output_dir(root / "student", [teacher], "--trainer.default_root_dir", replaces=("student",))
     cache = config.model.target_cache_dir
     for read in local_dirs([teacher] if cache else []):  # a cache file there would change the teacher's fingerprint
         how = relation(Path(cache), read)

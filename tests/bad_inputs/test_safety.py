@@ -95,7 +95,7 @@ def test_export_into_a_directory_it_reads_is_refused(teacher, student, tmp_path,
 def test_export_may_replace_an_earlier_export_but_no_other_model(tmp_path):
     earlier = tmp_path / "exported"
     earlier.mkdir()
-    (earlier / layout.EXPORT_META).write_text("{}")
+    (earlier / layout.EXPORT_META).write_text(json.dumps(seal({"format": layout.EXPORT_FORMAT, "files": {}})))
     (earlier / "model.safetensors").write_bytes(b"packed")
     assert layout.check_output_dir(earlier, [TINY], replaces=("export",)) == earlier
     with pytest.raises(GuardError, match=r"--out .*stress: holds a stress variant that this command would overwrite"):

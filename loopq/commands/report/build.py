@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loopq.artifacts.ownership import begin, finish
 from loopq.commands.report.figures import (
     SWEEP_FIELDS,
     plot_loop_errors,
@@ -20,6 +21,15 @@ from loopq.commands.report.figures import (
     slt_matrix,
 )
 from loopq.commands.report.inputs import Result, Run
+from loopq.commands.report.output import (
+    KIND,
+    REPORT,
+    check_report_dir,
+    owned_files,
+    remove_stale,
+    report_files,
+    write_manifest,
+)
 from loopq.commands.report.tables import (
     DASH,
     DEFAULT_BLOCKS,
@@ -50,8 +60,12 @@ def build_report(
     blocks: Sequence[str] = DEFAULT_BLOCKS,
     loops_override: int | None = None,
 ) -> Path:
-    """Write ``out/report.md`` and the figures; returns the markdown path."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write ``out/report.md`` and the figures, then their sealed manifest; returns the markdown path. ``out`` is
+    checked first (:func:`~loopq.commands.report.output.check_report_dir`): only an earlier report's files are
+    replaced."""
+    check_report_dir(out, [run.name for run in runs])
+    previous = owned_files(out)
+    begin(out, KIND, report_files([run.name for run in runs]))
     notes = [n for run in runs for n in run.notes]
     figures: list[tuple[str, Path]] = []
 
@@ -141,6 +155,10 @@ def build_report(
         md += ["", f"### {title}", "", f"![{title}]({path.name})"]
     if notes:
         md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
-    report = out / "report.md"
-    atomic_write(report, lambda tmp: tmp.write_text("\n".join(md) + "\n"))  # last: figures exist when it does
+    report = out / REPORT
+    atomic_write(report, lambda tmp: tmp.write_text("\n".join(md) + "\n"))  # after the figures it links
+    written = [REPORT, *(path.name for _, path in figures)]
+    write_manifest(out, written)
+    remove_stale(out, previous, written)
+    finish(out)
     return report

@@ -24,6 +24,25 @@ OURO_KINDS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_gate", "mlp.down
 SWEEP_FIELDS = {"slt_budget": ("fig4_ppl_vs_slt_budget.png", 4), "num_samples": ("fig6_ppl_vs_num_samples.png", 6)}
 
 
+#: figures of every report (the sweeps' are in SWEEP_FIELDS); :func:`run_figures` names those of one run
+LOOP_SWEEP_FIGURE = "fig5_ppl_vs_loops.png"
+
+
+def run_figures(name: str) -> dict[str, str]:
+    """The file names of one run's figures, by figure: loop errors (Fig. 2), SLT selection (Fig. 3) and mu_t."""
+    return {
+        "errors": f"fig2_loop_errors_{slug(name)}.png",
+        "slt": f"fig3_slt_selection_{slug(name)}.png",
+        "mu": f"mu_{slug(name)}.png",
+    }
+
+
+def figure_files(run_names: Sequence[str]) -> list[str]:
+    """Every figure a report of runs named ``run_names`` may write."""
+    fixed = [LOOP_SWEEP_FIGURE, *(name for name, _ in SWEEP_FIELDS.values())]
+    return fixed + [file for name in run_names for file in run_figures(name).values()]
+
+
 def save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
@@ -60,7 +79,7 @@ def plot_loop_errors(run: Run, out: Path) -> Path:
     ax.set_ylabel("loop")
     ax.set_title(f"{run.name}: layer x loop error (step {run.errors_step})", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / f"fig2_loop_errors_{slug(run.name)}.png")
+    return save(fig, out / run_figures(run.name)["errors"])
 
 
 def slt_matrix(run: Run) -> tuple[np.ndarray, list[str], list[str]]:
@@ -94,7 +113,7 @@ def plot_slt(run: Run, out: Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title(f"{run.name}: SLT selection ({len(run.promoted)} groups)", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / f"fig3_slt_selection_{slug(run.name)}.png")
+    return save(fig, out / run_figures(run.name)["slt"])
 
 
 def plot_mu(run: Run, out: Path) -> Path:
@@ -110,7 +129,7 @@ def plot_mu(run: Run, out: Path) -> Path:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return save(fig, out / f"mu_{slug(run.name)}.png")
+    return save(fig, out / run_figures(run.name)["mu"])
 
 
 def plot_validation(run: Run, out: Path) -> Path:
@@ -180,7 +199,7 @@ def plot_loop_sweep(
         ax.set_xlabel("loops at inference")
         ax.set_title(model, fontsize=9)
     fig.tight_layout()
-    return save(fig, out / "fig5_ppl_vs_loops.png")
+    return save(fig, out / LOOP_SWEEP_FIGURE)
 
 
 def plot_sweep(series: dict[tuple[Any, ...], list[tuple[float, float]]], key: str, other: str, out: Path) -> Path:
