@@ -86,7 +86,7 @@ class Options:
     eval_batch_size: int = 8
     eval_exported: bool = False
     force: bool = False
-    device: str = "auto"  # where export checks and evaluations run (loopq.devices); calibration: trainer.accelerator
+    device: str = "auto"  # where export checks and evaluations run, resolved once (parse_args); calibration: trainer
 
 
 class DeferredCLI(fit.LoopQCLI):
@@ -156,7 +156,7 @@ class Pipeline(StageRunner):
             "limit": self.options.limit,
             "ppl_windows": self.options.ppl_windows,
             "batch_size": self.options.eval_batch_size,
-            "device": str(resolve_device(self.options.device)),  # resolved: a result says where it was computed
+            "device": self.options.device,  # resolved: a result says where it was computed
         }
         out = self.result_paths()[model["method"]]
         inputs = {**settings, "teacher_sha256": self.teacher_sha256}  # a rebuilt teacher re-runs the evaluation
@@ -227,7 +227,7 @@ class Pipeline(StageRunner):
     def export(self) -> dict[str, Any]:
         student, meta = load_student(self.student_dir)
         export_student(student, meta, self.exported_dir)
-        device = resolve_device(self.options.device)
+        device = torch.device(self.options.device)
         exported = load_quantized(self.exported_dir, device=device)
         check = export_check(student.to(device), exported, meta["teacher"])
         size = footprint(load_quantized(self.exported_dir, dtype=torch.bfloat16))
@@ -388,8 +388,8 @@ def parse_args(argv: list[str] | None) -> tuple[Options, list[str]]:
         help="where to export-check and evaluate: auto (cuda when available), cpu, cuda, cuda:N",
     )
     args, fit_args = parser.parse_known_args(argv)
-    resolve_device(args.device)  # a bad --device is refused before calibrating
-    return Options(**{**vars(args), "tasks": tuple(args.tasks)}), fit_args
+    device = str(resolve_device(args.device))  # decided once for the command; a bad one refused before calibrating
+    return Options(**{**vars(args), "tasks": tuple(args.tasks), "device": device}), fit_args
 
 
 def main(argv: list[str] | None = None) -> Path:
