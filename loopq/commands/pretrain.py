@@ -374,10 +374,15 @@ def requested_architecture(args: Sequence[str]) -> str:
     return chosen
 
 
+def pretrainer_class(args: Sequence[str]) -> type[LoopedPretrainer]:
+    """The pretrainer of the architecture the command line asks for (:func:`requested_architecture`)."""
+    module, _, name = ARCHITECTURES[requested_architecture(args)].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 def main(args: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
-    module, _, name = ARCHITECTURES[requested_architecture(argv)].rpartition(".")
-    fit_resumable(PretrainCLI, getattr(importlib.import_module(module), name), args, command="loopq.pretrain")
+    fit_resumable(PretrainCLI, pretrainer_class(argv), args, command="loopq.pretrain")
 
 
 if __name__ == "__main__":
