@@ -151,7 +151,10 @@ def test_figures_and_empty_sweep_notes(results, run_dir, tmp_path):
         assert f"]({name})" in md
     assert not (out / "fig4_ppl_vs_slt_budget.png").exists()
     assert "Fig. 4 skipped: no sweep results" in md and "Fig. 6 skipped: no sweep results" in md
-    assert "| `tiny` | tiny-ouro | 4 | 1. `model.layers.1.mlp.down_proj`, 2. `model.layers.0.self_attn.qkv_proj`" in md
+    assert (
+        "| `tiny` | tiny-ouro | ouro | 4 | 1. `model.layers.1.mlp.down_proj`, 2. `model.layers.0.self_attn.qkv_proj`"
+        in md
+    )
 
 
 def test_sweep_figures(results, tmp_path):

@@ -162,12 +162,14 @@ def subset_table(results: Sequence[Result]) -> list[str]:
 
 
 def runs_table(runs: Sequence[Run]) -> list[str]:
-    lines = ["| Run | Teacher | T | SLT promoted (in order) | final mu_t |", "|---|---|---:|---|---|"]
+    header = "| Run | Teacher | Architecture | T | SLT promoted (in order) | final mu_t |"
+    lines = [header, "|---|---|---|---:|---|---|"]
     for run in runs:
         promoted = ", ".join(f"{i}. `{n}`" for i, n in enumerate(run.promoted, start=1)) or DASH
         mu = ", ".join(f"{v:.3f}" for v in run.mu[-1]) if run.mu else DASH
         loops = DASH if run.calibrated_loops is None else run.calibrated_loops
-        lines.append(f"| `{run.name}` | {run.teacher or DASH} | {loops} | {promoted} | {mu} |")
+        arch = (run.meta or {}).get("arch") or DASH
+        lines.append(f"| `{run.name}` | {run.teacher or DASH} | {arch} | {loops} | {promoted} | {mu} |")
     return lines
 
 
