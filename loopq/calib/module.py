@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from loopq.artifacts.student import student_meta, write_student
-from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
+from loopq.calib.deepspeed import gathered, is_zero3
 from loopq.calib.losses import STATE_REDUCTIONS, layerwise_loss, loopq_loss
 from loopq.calib.targets import TeacherTargets, load_or_compute
 from loopq.data.text import DataError
@@ -74,6 +74,8 @@ from loopq.quant.accounting import parameter_report
 from loopq.quant.config import METHODS, QuantConfigError
 
 OBJECTIVES = ("trajectory", "layerwise")
+#: what the names of the SLT state's buffers contain (``slt_anchor.*``, ``slt_promoted``)
+SLT_STATE = "slt_"
 #: ``model.teacher_dtype`` -> the dtype of the frozen teacher (and of the student's frozen weights, which it shares)
 TEACHER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -119,7 +121,6 @@ class LoopQCalibration(L.LightningModule):
         slt_every_n_steps: int = 50,
         slt_per_round: int = 1,
         slt_probe_batches: int = 2,
-        slt_probe_groups: int = 0,
     ) -> None:
         super().__init__()
         quant = quant or QuantConfig()
@@ -146,7 +147,6 @@ class LoopQCalibration(L.LightningModule):
         self.student.checkpoint_loops = checkpoint_loops
         self.num_loops = self.student.calibrated_loops
         self.register_buffer("mu", torch.zeros(self.num_loops), persistent=False)
-        self.promoted: list[str] = []
         self.targets: TeacherTargets | None = None
         #: the last training batch's teacher and (detached) student loop states; what the mu_t update reads
         self.last_trajectory: Trajectory | None = None
@@ -181,18 +181,10 @@ class LoopQCalibration(L.LightningModule):
         return self.targets
 
     def setup(self, stage: str) -> None:
-        """Fresh runs initialise the diagonals and LAS clipping from data (resumed runs load them instead).
-
-        Resuming from a DeepSpeed checkpoint directory re-promotes its SLT groups here, before the engine and its
-        optimizer are built (DeepSpeed restores checkpoints only after that; other strategies restore earlier and
-        re-promote in :meth:`on_load_checkpoint`).
-        """
+        """Fresh runs initialise the diagonals and LAS clipping from data (resumed runs load them instead; the SLT
+        promotions are part of the loaded state, :mod:`loopq.quant.modules`)."""
         if stage != "fit":
             return
-        state = read_sidecar(self.trainer.ckpt_path)
-        for name in (state or {}).get("promoted", []):
-            if name not in self.promoted:
-                self.promote(name)
         self.initialise_from_data()
 
     # ------------------------------------------------------------------ placement: the one place that decides devices
@@ -299,23 +291,19 @@ class LoopQCalibration(L.LightningModule):
         self.log("loss", logged["loss"], prog_bar=True, logger=False)
         return terms["loss"]
 
-    # ------------------------------------------------------------------ SLT promotion (called by the callback)
-    def promote(self, name: str) -> list[nn.Parameter]:
-        """Promote group ``name`` to loop-dependent and register its new parameters with the optimizer."""
-        group = quant_groups(self.student)[name]
-        shared_clip = group.act_clip
-        params = group.promote()
-        self.promoted.append(name)
-        if self._trainer is not None and self.trainer.optimizers:
-            if group.act_clip is not shared_clip:  # LAS off: per-loop clips replaced the shared one
-                drop_param(self.trainer.optimizers[0], shared_clip)
-            add_param_group(self.trainer, params, self.hparams.lr)
-        return params
+    @property
+    def promoted(self) -> list[str]:
+        """The SLT-promoted groups (their flag is part of the student's state)."""
+        return [name for name, g in quant_groups(self.student).items() if g.promoted]
 
     # ------------------------------------------------------------------ optimizer
     def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: [transforms+adapters @ lr, clips @ clip_lr_mult*lr] + one group per promoted group."""
-        promoted_ids = {id(p) for name in self.promoted for p in promoted_params(self.student, name)}
+        """AdamW groups: transforms+adapters @ lr, clips @ clip_lr_mult*lr, every SLT per-loop slot @ lr.
+
+        Fixed for the whole run (:mod:`loopq.quant.modules`): the per-loop slots of a group take part from its
+        promotion on (no gradient before, so AdamW leaves them and their state untouched until then)."""
+        slt = [p for g in quant_groups(self.student).values() for p in g.promotion_parameters() if p.requires_grad]
+        promoted_ids = {id(p) for p in slt}
         main, clips = [], []
         for name, p in self.student.named_parameters():
             if not p.requires_grad or id(p) in promoted_ids:
@@ -326,8 +314,7 @@ class LoopQCalibration(L.LightningModule):
             {"params": main, "lr": lr, "name": "transforms"},
             {"params": clips, "lr": lr * self.hparams.clip_lr_mult, "name": "clips"},
         ]
-        for name in self.promoted:
-            groups.append({"params": promoted_params(self.student, name), "lr": lr, "name": f"slt:{name}"})
+        groups.append({"params": slt, "lr": lr, "name": "slt"})
         return [g for g in groups if g["params"]]
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -346,6 +333,11 @@ class LoopQCalibration(L.LightningModule):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
         missing = [k for k in ("student." + k for k in student_keys(self.student)) if k not in state_dict]
+        if strict and missing and all(SLT_STATE in k for k in missing):
+            raise UsageError(
+                f"checkpoint lacks the SLT slots {missing[:3]}: written before the fixed SLT layout; start the "
+                "calibration again (without --ckpt_path)"
+            )
         if strict and missing:
             raise KeyError(f"checkpoint lacks student parameters {missing[:5]}; is it a LoopQ calibration checkpoint?")
         return super().load_state_dict(state_dict, strict=False, assign=assign)
@@ -362,9 +354,6 @@ class LoopQCalibration(L.LightningModule):
         state = checkpoint.get("loopq")
         if state is None:
             raise KeyError("checkpoint has no 'loopq' section: not written by loopq.fit")
-        for name in state["promoted"]:
-            if name not in self.promoted:
-                self.promote(name)
         self.mu.copy_(torch.tensor(state["mu"], device=self.mu.device))
 
     def on_fit_end(self) -> None:
@@ -398,7 +387,6 @@ def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> 
                 every_n_steps=hp.slt_every_n_steps,
                 per_round=hp.slt_per_round,
                 probe_batches=hp.slt_probe_batches,
-                probe_groups=hp.get("slt_probe_groups", 0),
             )
         )
     return wanted
@@ -429,33 +417,10 @@ def student_parameters(student: nn.Module) -> list[nn.Parameter]:
 
 
 def student_keys(student: nn.Module) -> set[str]:
-    """State keys of the quantization parameters (transforms, clips, adapters)."""
-    return {name for name, p in student.named_parameters() if p.requires_grad}
-
-
-def promoted_params(student: nn.Module, name: str) -> list[nn.Parameter]:
-    """The loop-dependent parameters a promotion created (SLT transforms, weight clips, act clips w/o LAS)."""
-    return quant_groups(student)[name].promotion_parameters()
-
-
-def drop_param(opt: torch.optim.Optimizer, param: nn.Parameter) -> None:
-    """Take ``param`` (no longer part of the model) out of ``opt`` and its state, so that the optimizer's layout is
-    the one :meth:`LoopQCalibration.param_groups` rebuilds on resume; a left-over entry made the resumed run's
-    ``load_state_dict`` fail with a group-size mismatch."""
-    for group in opt.param_groups:
-        group["params"] = [p for p in group["params"] if p is not param]
-    opt.state.pop(param, None)
-
-
-def add_param_group(trainer: L.Trainer, params: list[nn.Parameter], lr: float) -> None:
-    """Add freshly promoted parameters to the running optimizer and extend its LambdaLR schedule to them."""
-    opt = trainer.optimizers[0]
-    opt.add_param_group({"params": params, "lr": lr, "initial_lr": lr, "name": "slt"})
-    for config in trainer.lr_scheduler_configs:
-        sched = config.scheduler
-        sched.base_lrs.append(lr)
-        sched.lr_lambdas.append(sched.lr_lambdas[0])
-        opt.param_groups[-1]["lr"] = lr * sched.lr_lambdas[0](sched.last_epoch)
+    """State keys of the quantization parameters (transforms, clips, adapters) and of the SLT state (anchors and
+    promotion flags: buffers, :mod:`loopq.quant.modules`)."""
+    keys = {name for name, p in student.named_parameters() if p.requires_grad}
+    return keys | {name for name, _ in student.named_buffers() if SLT_STATE in name}
 
 
 def cosine(step: int, warmup: int, total: int) -> float:
