@@ -8,7 +8,8 @@ teacher's content hash and the resolved calibration config), sealed with the siz
 quant config that disagrees with the recorded calibration config are refused with one line naming the file.
 :func:`load_student` rebuilds the structure with ``prepare`` (every promotable group has its per-loop SLT slots from
 the start) and loads the tensors strictly, the promotion flags included - no pickle anywhere. A student written
-before that fixed layout (per-loop slots only in promoted groups) is refused with one line. The teacher it loads (the recorded path, the same path relative to the student directory when the
+before that fixed layout (per-loop slots only in promoted groups) is refused with one line.
+The teacher it loads (the recorded path, the same path relative to the student directory when the
 run directory was moved, or one the caller passes) must have the recorded content hash: a student is never put on
 top of another teacher (a rebuilt one included) unless the caller says ``check_teacher=False``.
 """
