@@ -23,12 +23,12 @@ The training-free baselines (``quant.method`` rtn, smoothquant, quarot) are reje
 Optimisation follows FlatQuant / paper Table 5: AdamW, transforms and adapters at ``lr``, clipping ratios at
 ``clip_lr_mult * lr``, cosine schedule, gradient clipping 1.0 (set on the Trainer).
 
-Speed and memory switches: ``checkpoint_loops`` recomputes each loop in the backward pass (memory flat in the loop
-count); ``checkpoint_weights`` recomputes each group's weight transform + fake-quant chain in the backward pass
-(autograd keeps one fp32 quantized weight per group instead of ~8 fp32 copies: the term that dominates a real-size
-model's memory, ``docs/benchmarks.md``; same numbers, one more chain per group and step); ``compile_quantizers``
-runs the per-call transform + fake-quant chains as ``torch.compile``-d functions
-(:mod:`loopq.quant.fused`: ~4x faster chains, ~20-45 s of compilation per shape, so for real calibrations).
+Speed and memory switches: ``checkpoint_loops`` checkpoints every (loop, layer) call: only each layer's input is
+kept and the backward recomputes one layer at a time (memory nearly flat in the loop count and the depth);
+``compile_quantizers`` runs the per-call transform + fake-quant chains as ``torch.compile``-d functions
+(:mod:`loopq.quant.fused`: ~4x faster chains, ~20-45 s of compilation per shape, so for real calibrations). The
+weight side needs no switch: every quantized use sends its weight gradient through its chain at once and keeps
+nothing weight-sized for backward (the per-use backward, :mod:`loopq.quant.modules`).
 
 Precision policy (``teacher_dtype``, README "Calibrating a real looped model"): the frozen teacher is held in
 ``teacher_dtype`` - ``bf16``, ``fp32``, or ``auto`` = bf16 when ``trainer.precision`` is a bf16 one (``loopq.fit``
@@ -109,7 +109,6 @@ class LoopQCalibration(L.LightningModule):
         warmup_steps: int = 0,
         init_clipping: bool = True,
         checkpoint_loops: bool = False,
-        checkpoint_weights: bool = False,
         compile_quantizers: bool = False,
         teacher_dtype: str = "auto",
         target_cache_dir: str | None = None,
@@ -142,7 +141,7 @@ class LoopQCalibration(L.LightningModule):
         self.teacher_sha256 = teacher_fingerprint(self.teacher_dir)
         #: teacher fingerprint + resolved config (loopq.fit sets the config), stored in checkpoints and the student
         self.provenance: dict[str, Any] = record(self.teacher_sha256)
-        options = GroupOptions(compiled=compile_quantizers, checkpoint_weights=checkpoint_weights)
+        options = GroupOptions(compiled=compile_quantizers)
         self.student = prepare(self.teacher, quant, options=options)
         self.student.checkpoint_loops = checkpoint_loops
         self.num_loops = self.student.calibrated_loops

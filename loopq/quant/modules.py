@@ -50,7 +50,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from loopq.models.base import LinearGroup
 from loopq.qspec import at_least_fp32, quantize_codes
@@ -81,11 +80,10 @@ class GroupOptions:
 
     ``compiled``: run the per-call quantizer chains as torch.compile-d functions (``model.compile_quantizers``);
     ``per_use_backward``: the per-use weight backward (module docstring); off, plain autograd keeps each slot's
-    quantized weight (and, unless ``checkpoint_weights``, its chain's intermediates) and the weight gradient summed
-    over loops; ``checkpoint_weights``: with plain autograd, recompute the weight chain in the backward pass."""
+    quantized weight with its chain's intermediates and the weight gradient summed over loops (the reference the
+    tests compare the per-use backward against)."""
 
     compiled: bool = False
-    checkpoint_weights: bool = False
     per_use_backward: bool = True
 
 
@@ -235,6 +233,9 @@ class QuantLinearGroup(nn.Module):
         self.options = options or GroupOptions()
         #: set by SLT scoring: per-loop gradients of the shared transform's matrices are added to it
         self.recorder: LoopRecorder | None = None
+        #: keep each slot's quantized weight for the forward (False: recompute it per call, e.g. while the setup's
+        #: gradient-free forward streams through the groups; :func:`loopq.quant.prepare.init_clipping_from_data`)
+        self.cache_weights = True
         #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`); a mode, like ``training``
         self.kernel_numerics = False
         self._cache: dict[int, SlotTensors] = {}
@@ -362,8 +363,9 @@ class QuantLinearGroup(nn.Module):
         if self.options.per_use_backward and torch.is_grad_enabled():
             with torch.no_grad():
                 weight = self._chain(*chain)
-        elif self.options.checkpoint_weights and torch.is_grad_enabled():
-            weight = checkpoint(self._chain, *chain, use_reentrant=False)
+            device = weight.device.type
+            if torch.is_autocast_enabled(device):  # the matmul reads it in this dtype: keep only that (same values)
+                weight = weight.to(torch.get_autocast_dtype(device))
         else:
             weight = self._chain(*chain)
         return SlotTensors(mats, chain, weight, inv_d, clip_ratio(self.act_clip_logits()))
@@ -375,7 +377,7 @@ class QuantLinearGroup(nn.Module):
     def begin_forward(self) -> None:
         """Compute every distinct slot's transform matrices and quantized weight for the coming model forward."""
         self._cache, self._cache_state = {}, None
-        if self.kernel_numerics or self._cacheable():
+        if self.kernel_numerics or self._cacheable() or not self.cache_weights:
             return  # the eval cache fills lazily and survives forwards
         if any(hasattr(p, "ds_id") for p in self.parameters()):
             return  # DeepSpeed ZeRO-3 gathers a module's parameters only inside its own forward: compute per call
@@ -384,7 +386,7 @@ class QuantLinearGroup(nn.Module):
         self._cache_state = self._state_key()
 
     def _cacheable(self) -> bool:
-        return not self.training and not torch.is_grad_enabled()
+        return not self.training and not torch.is_grad_enabled() and self.cache_weights
 
     def train(self, mode: bool = True) -> QuantLinearGroup:
         self._cache, self._cache_state = {}, None

@@ -80,8 +80,10 @@ def test_promotion_leaves_output_unchanged(teacher):
     name = next(iter(looped_quant_groups(student)))
     group = quant_groups(student)[name]
     before = run(student, ids).logits
-    new = group.promote()
-    assert new and all(p.requires_grad for p in new)
+    params = [id(p) for p in student.parameters()]
+    group.promote()
+    assert group.promoted and [id(p) for p in student.parameters()] == params  # the layout is fixed
+    assert all(p.requires_grad for p in group.promotion_parameters())
     torch.testing.assert_close(run(student, ids).logits, before, atol=0, rtol=0)
     with torch.no_grad():  # the per-loop copies are now independent
         group.loop_transforms[0].left.log_s.add_(0.1)
