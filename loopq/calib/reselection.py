@@ -90,8 +90,8 @@ class SharingGapReselection(L.Callback):
 
     # ------------------------------------------------------------------ the steps
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self.records(trainer.global_step, pl_module):
-            return
+        if self._recording or not self.records(trainer.global_step, pl_module):
+            return  # recording already (the next micro-batch of an accumulated step), or not a scored step
         groups = scored_groups(pl_module.student)
         with gathered(trainer.strategy, [p for g in groups.values() for p in g.transform.parameters()]):
             inverses = {n: shared_inverses(g) for n, g in groups.items()}
