@@ -50,6 +50,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor, nn
 
 from loopq.artifacts.student import student_meta, write_student
@@ -315,6 +316,18 @@ class LoopQCalibration(L.LightningModule):
         ]
         groups.append({"params": slt, "lr": lr, "name": "slt"})
         return [g for g in groups if g["params"]]
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Every trainable quantization parameter steps with a gradient, zero where this step did not use it (the SLT
+        offsets before their promotion, a promoted group's shared parameters after it): DeepSpeed's ZeRO optimizers
+        step them so, over one flat partition, and AdamW here does the same, so every strategy computes the same
+        run (an offset's AdamW state then counts its steps from the start of the run). DeepSpeed keeps its
+        gradients in its own buffers and is left alone."""
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            return
+        for p in self.student.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def configure_optimizers(self) -> dict[str, Any]:
         opt = torch.optim.AdamW(self.param_groups(), weight_decay=self.hparams.weight_decay)

@@ -18,8 +18,8 @@ then computes with ``anchor + offset_t`` - the same function of the offsets as a
 shared parameters, with the same gradients - and the shared parameters stop being used. Nothing is ever added to or
 removed from the parameter set: the optimizer, the LR schedule, DDP and DeepSpeed see one layout for the whole run,
 and a resume is a plain ``load_state_dict`` (the anchors and flags are buffers in the state). Before promotion the
-offsets receive no gradient (``grad`` stays None: AdamW leaves them and their state untouched, so a promoted group's
-optimizer state starts fresh at its promotion, as a new parameter would).
+offsets receive a zero gradient (the calibration fills unused gradients with zeros, as DeepSpeed's ZeRO does), so with
+no weight decay AdamW leaves them exactly at zero until the promotion.
 
 **Per-use weight backward** (``GroupOptions.per_use_backward``, the default). Each use of a group (one per loop)
 multiplies by the quantized weight inside :class:`_QuantizedUse`, which keeps nothing weight-sized for backward: its
@@ -404,6 +404,14 @@ class QuantLinearGroup(nn.Module):
         state["_cache"], state["_cache_state"], state["recorder"] = {}, None, None
         return state
 
+    def quantized_input(self, x: Tensor, slot: int, mats: tuple[Tensor, ...] | None = None) -> Tensor:
+        """x P_t quantized with the loop's activation clipping (``mats``: the slot's matrices, e.g. tapped)."""
+        cached = self._slot_tensors(slot)
+        mats = cached.mats if mats is None else mats
+        p1, p2 = mats[:2] if mats is not None else (None, None)
+        clip = cached.act_clip[loop_slot(slot, cached.act_clip.numel())]
+        return quantizers(self.options.compiled)[0](x, p1, p2, cached.inv_d, clip, self.a_bits, self.group_size)
+
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)
         if self.kernel_numerics:
@@ -413,9 +421,7 @@ class QuantLinearGroup(nn.Module):
         if mats is not None and self.recorder is not None and not self._promoted and torch.is_grad_enabled():
             mats = _LoopTap.apply(self.recorder, slot, *mats)
             chain = (mats[2], mats[3], *chain[2:])
-        p1, p2 = mats[:2] if mats is not None else (None, None)
-        clip = cached.act_clip[loop_slot(slot, cached.act_clip.numel())]
-        xq = quantizers(self.options.compiled)[0](x, p1, p2, cached.inv_d, clip, self.a_bits, self.group_size)
+        xq = self.quantized_input(x, slot, mats)
         if self.options.per_use_backward and torch.is_grad_enabled():
             y = _QuantizedUse.apply(xq, cached.weight, self._bias(x), self._chain, *chain)
         else:
