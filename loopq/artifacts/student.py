@@ -6,8 +6,10 @@ QuantConfig, teacher directory, promoted groups, calibrated loop count, final mu
 teacher's content hash and the resolved calibration config), sealed with the size and sha256 of the weights
 (:mod:`loopq.artifacts.seal`): an edited description, weights changed or copied in from another student, or a
 quant config that disagrees with the recorded calibration config are refused with one line naming the file.
-:func:`load_student` rebuilds structure first (prepare + re-promotion) and then loads the tensors strictly - no
-pickle anywhere. The teacher it loads (the recorded path, the same path relative to the student directory when the
+:func:`load_student` rebuilds the structure with ``prepare`` (every promotable group has its per-loop SLT slots from
+the start) and loads the tensors strictly, the promotion flags included - no pickle anywhere. A student written
+before that fixed layout (per-loop slots only in promoted groups) is refused with one line.
+The teacher it loads (the recorded path, the same path relative to the student directory when the
 run directory was moved, or one the caller passes) must have the recorded content hash: a student is never put on
 top of another teacher (a rebuilt one included) unless the caller says ``check_teacher=False``.
 """
@@ -42,8 +44,18 @@ class StudentFormatError(LoopQError):
     """Not a LoopQ student directory (or a damaged one); the message names the file."""
 
 
+#: what the names of a student's SLT state buffers contain (anchors and promotion flags, :mod:`loopq.quant.modules`)
+SLT_STATE = "slt_"
+
+
+def stored_tensors(student: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a student directory stores: the trainable quantization parameters and the SLT state buffers."""
+    tensors = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    return tensors | {n: b for n, b in student.named_buffers() if SLT_STATE in n}
+
+
 def quant_state(student: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if p.requires_grad}
+    return {n: t.detach().cpu().contiguous() for n, t in stored_tensors(student).items()}
 
 
 def student_meta(
@@ -216,19 +228,29 @@ def load_student(
             raise StudentFormatError(
                 f"{directory / STUDENT_META}: promoted group {name!r} does not exist in the teacher"
             )
-        groups[name].promote()
     if meta["format"] == STUDENT_FORMAT:
         verify_file(directory, STUDENT_WEIGHTS, meta, STUDENT_META, StudentFormatError, RECALIBRATE)
     state = read_safetensors(directory / STUDENT_WEIGHTS, StudentFormatError, RECALIBRATE)
     check_student_state(directory / STUDENT_WEIGHTS, state, student)
     student.load_state_dict(state, strict=False)
+    flagged = sorted(n for n, g in groups.items() if g.promoted)
+    if flagged != sorted(meta["promoted"]):
+        raise StudentFormatError(
+            f"{directory / STUDENT_META}: promoted {sorted(meta['promoted'])} but its weights flag {flagged}; "
+            f"{RECALIBRATE}"
+        )
     return student.eval(), meta
 
 
 def check_student_state(path: Path, state: dict[str, torch.Tensor], student: torch.nn.Module) -> None:
     """The weights file holds exactly the student's trainable parameters, each of its shape and of a float dtype
     (``load_state_dict`` would cast an int32 tensor silently, or fail with a traceback on a wrong shape)."""
-    params = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    params = stored_tensors(student)
+    if set(params) - set(state) and all(SLT_STATE in n for n in set(params) - set(state)):
+        raise StudentFormatError(
+            f"{path}: written before the fixed SLT layout (no per-loop slots {sorted(set(params) - set(state))[:2]}); "
+            f"{RECALIBRATE}"
+        )
     if set(state) != set(params):
         missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
         raise StudentFormatError(f"{path}: parameters do not match (missing {missing[:5]}, extra {extra[:5]})")

@@ -12,13 +12,11 @@ processes over gloo (what the tests do) and on GPUs over NCCL (what real runs do
 
 What is specific to LoopQ:
 
-* **SLT selection up front.** Promoting groups mid-run would need new optimizer parameters, which DeepSpeed
-  cannot add to its flattened/partitioned optimizer: ``SharingGapReselection`` runs all its rounds before
-  training under DeepSpeed (``upfront=True``; switched on with a warning when a config asks for progressive).
-* **Resume.** DeepSpeed restores a checkpoint *after* building its engine, but the promoted groups' parameters
-  must exist *before* it. Every checkpoint directory therefore also gets a small ``loopq.json`` (promoted groups,
-  mu_t) that :class:`~loopq.calib.module.LoopQCalibration` reads in ``setup`` to re-promote them first.
-  DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``); ``--ckpt_path last`` finds them like files.
+* **SLT.** The student's parameter layout is fixed from ``prepare`` on (:mod:`loopq.quant.modules`), so the
+  progressive schedule runs as under DDP: a promotion writes buffers only and DeepSpeed's optimizer never changes.
+* **Resume.** Every checkpoint directory also gets a small ``loopq.json`` (mu_t, provenance) that ``loopq.fit``
+  reads to check a resume. DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``); ``--ckpt_path last``
+  finds them like files.
 * **ZeRO-3** partitions parameters: :func:`gathered` collects the student's for writing it at the end.
 * **bf16-mixed** runs DeepSpeed's fp32 engine under torch autocast (its ``torch_autocast`` section) instead of its
   ``bf16`` mode, which would cast every parameter to bf16: the quantization parameters and their optimizer states

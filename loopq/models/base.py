@@ -330,9 +330,13 @@ class LoopLM(nn.Module):
         return n
 
     def _run_loop(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:
+        """One loop; with ``checkpoint_loops`` (training) every (loop, layer) call is checkpointed on its own: only
+        each layer's input is kept, and the backward recomputes one layer at a time."""
         if self.checkpoint_loops and torch.is_grad_enabled() and not keep:
-            fn: Callable[[Tensor], Tensor] = lambda x: self.loop_body(x, t, ctx, False)[0]  # noqa: E731
-            return checkpoint(fn, h, use_reentrant=False), []
+            h = self.begin_loop(h, t, ctx)
+            for layer in self.loop_layers:
+                h = checkpoint(layer, h, t, ctx, use_reentrant=False)
+            return self.end_loop(h, t, ctx), []
         return self.loop_body(h, t, ctx, keep)
 
     def loop_body(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:

@@ -211,13 +211,13 @@ def write_random_teacher(directory: Path, layers: int | None = None, shard_gb: f
 
 PLAN_LINES = {
     "step": re.compile(r"^\s+total\s+([\d.]+) (GiB|MiB)"),
-    "setup": re.compile(r"setup \(teacher as loaded, LAS clip initialisation\): ([\d.]+) (GiB|MiB)"),
+    "setup": re.compile(r"setup \(teacher as loaded, (?:streamed )?LAS clip initialisation\): ([\d.]+) (GiB|MiB)"),
 }
 
 
 def plan_peaks(text: str) -> dict[str, float]:
-    """GiB of ``--print_plan``'s output: ``step`` (training step), ``probe`` (SLT probe step, when planned), ``setup``
-    and ``peak``."""
+    """GiB of ``--print_plan``'s output: ``step`` (training step), ``setup`` and ``peak`` (``probe``: the SLT probe
+    step of plans printed before the per-use backward, when present)."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         total = PLAN_LINES["step"].match(line)
