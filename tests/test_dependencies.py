@@ -5,6 +5,7 @@ import is declared (``dependencies`` or the ``dev`` extra)."""
 import ast
 import re
 import sys
+
 import tomllib
 
 from loopq.paths import REPO_ROOT
