@@ -82,6 +82,8 @@ _FRAME = re.compile(
     r"Expected a <class 'NoneType'>|Not a valid subclass|Import path)"
 )
 _KEY = re.compile(r'^Parser key "[^"]+":\s*')
+#: jsonargparse's refusal of ``nan`` / ``inf`` for a float option, which does not say why
+_NOT_FINITE = re.compile(r"Expected a <class 'float'>\. Got value: ([+-]?(nan|inf|infinity))$", re.IGNORECASE)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -113,6 +115,9 @@ def _argument_error(text: str) -> str:
     detail = next((line for line in details if line and not _FRAME.match(line)), None)
     if not keys or detail is None:
         return text
+    not_finite = _NOT_FINITE.search(detail)
+    if not_finite:
+        detail = f"{not_finite.group(1)} is not a finite number; pass a finite value"
     return f"--{'.'.join(keys)}: {detail}"
 
 

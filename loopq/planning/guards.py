@@ -311,6 +311,81 @@ def check_schedule(max_steps: int | None, warmup_steps: int) -> None:
         )
 
 
+def check_optimiser(model: Any) -> None:
+    """Learning rates must be finite and positive (a negative one calibrates by gradient ascent: the loss rises
+    while the run reports success), weight decay and the loss weight ``lam`` finite and non-negative, the
+    distillation temperature finite and positive."""
+    rules = (
+        ("lr", "a finite number > 0 (configs/tiny.yaml uses 0.005)", lambda v: v > 0),
+        ("clip_lr_mult", "a finite number > 0 (the clipping ratios' lr is clip_lr_mult x lr)", lambda v: v > 0),
+        ("weight_decay", "a finite number >= 0", lambda v: v >= 0),
+        ("lam", "a finite number >= 0 (the weight of Eq. 8's state terms)", lambda v: v >= 0),
+        ("temperature", "a finite number > 0", lambda v: v > 0),
+    )
+    for key, must, ok in rules:
+        value = getattr(model, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            reason = "not finite" if isinstance(value, float) and not math.isfinite(value) else "out of range"
+            raise UsageError(f"--model.{key} {value}: {reason}; it must be {must}")
+
+
+def zero_duration(value: Any) -> bool:
+    """Whether a ``trainer.max_time`` (``"DD:HH:MM:SS"``, a dict of timedelta fields, a timedelta) is no time."""
+    if isinstance(value, str):
+        try:
+            return all(float(part) == 0 for part in value.split(":"))
+        except ValueError:
+            return False
+    if isinstance(value, dict):
+        return all(not v for v in value.values())
+    return hasattr(value, "total_seconds") and value.total_seconds() <= 0
+
+
+def check_steps(trainer: Any) -> None:
+    """Refuse, before any work, every trainer setting under which not one optimizer step would run (the run would
+    otherwise report a calibrated student that is the untrained initialisation): ``max_epochs 0``,
+    ``limit_train_batches`` 0 (or a fraction of the ``max_steps`` batches that rounds to none), ``max_time`` 0."""
+    epochs = getattr(trainer, "max_epochs", None)
+    if epochs == 0:
+        raise UsageError(
+            "--trainer.max_epochs 0: no optimizer step would run; leave it unset (the calibration runs "
+            "for --trainer.max_steps) or pass 1 or more"
+        )
+    limit = getattr(trainer, "limit_train_batches", None)
+    steps = getattr(trainer, "max_steps", None) or 0
+    if limit is not None and not isinstance(limit, bool) and isinstance(limit, (int, float)):
+        batches = int(limit * steps) if isinstance(limit, float) and limit <= 1 else int(limit)
+        if batches < 1:
+            raise UsageError(
+                f"--trainer.limit_train_batches {limit}: no training batch would run (of "
+                f"--trainer.max_steps {steps}); leave it unset or pass 1.0"
+            )
+    if getattr(trainer, "max_time", None) is not None and zero_duration(trainer.max_time):
+        raise UsageError(f"--trainer.max_time {trainer.max_time}: no time to train; leave it unset or give a duration")
+
+
+def check_strategy(trainer: Any) -> None:
+    """A ``trainer.strategy`` given by name must be one Lightning knows (a misspelt one, ``dpp``, ended in
+    Lightning's traceback after the teacher loaded); the closest names are suggested."""
+    import difflib
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = getattr(trainer, "strategy", None)
+    if not isinstance(strategy, str):
+        return
+    known = ["auto", *StrategyRegistry.available_strategies()]
+    if strategy not in known:
+        close = difflib.get_close_matches(strategy, known, n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise UsageError(
+            f"--trainer.strategy {strategy}: not a strategy Lightning knows; {hint}(names: auto, ddp, ddp_spawn, "
+            "deepspeed_stage_2, ... or a class_path such as loopq.calib.deepspeed.LoopQDeepSpeedStrategy)"
+        )
+
+
 def check_calibration_text(data: Any) -> None:
     """The calibration text holds enough tokens for the requested windows (:func:`~loopq.data.calibration.
     check_enough_tokens`), checked before the teacher loads when every source is a local file (an ``hf:`` source
@@ -323,8 +398,12 @@ def check_calibration_text(data: Any) -> None:
 
 def check_calibration(config: Any) -> None:
     """Everything :mod:`loopq.fit` (and :mod:`loopq.run`) checks on its parsed config before building anything:
-    the run, student and target-cache directories against the teacher, then :func:`check_against_teacher`."""
+    the schedule, the step count, the optimiser settings and the strategy name, the run, student and target-cache
+    directories against the teacher, then :func:`check_against_teacher`."""
     check_schedule(config.trainer.max_steps, config.model.warmup_steps)
+    check_steps(config.trainer)
+    check_optimiser(config.model)
+    check_strategy(config.trainer)
     teacher = str(config.model.teacher)
     root = Path(config.trainer.default_root_dir or os.getcwd())
     check_run_root(root, teacher)
