@@ -148,12 +148,19 @@ def config_files(argv: list[str]) -> list[Path]:
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists holds a mapping of settings. jsonargparse refuses an empty one (or a list,
     a bare word) with ``Unexpected config:`` and its content, naming neither the file nor the fix; a missing file or
-    a YAML syntax error it reports itself, with the file or the line."""
+    a YAML syntax error it reports itself, with the file or the line. Alias bombs and duplicate keys are refused
+    naming the file (:func:`loopq.config_yaml.check_yaml`)."""
     import yaml
+
+    from loopq.config_yaml import ConfigYAMLError, check_yaml
 
     for path in config_files(argv):
         try:
-            data = yaml.safe_load(path.read_text()) if path.is_file() else {}
+            text = path.read_text() if path.is_file() else "{}"
+            check_yaml(text, f"{CONFIG_FLAG} {path}")
+            data = yaml.safe_load(text)
+        except ConfigYAMLError as err:
+            raise UsageError(str(err)) from None
         except (yaml.YAMLError, UnicodeDecodeError):
             continue
         if data is None:

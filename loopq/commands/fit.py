@@ -40,6 +40,7 @@ from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
 from loopq.locks import DirectoryLock
@@ -212,7 +213,9 @@ def close_process_group() -> None:
 
 
 def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCLI) -> LoopQCLI:
-    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass."""
+    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass. YAML is
+    read through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused)."""
+    install_checked_yaml()
     return cli_class(
         LoopQCalibration,
         CalibrationDataModule,

@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
@@ -299,7 +300,9 @@ class PretrainCLI(LightningCLI):
 
 def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningModule], args: list[str] | None) -> None:
     """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data), fit from ``--ckpt_path`` when given,
-    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130."""
+    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130. YAML is read
+    through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused)."""
+    install_checked_yaml()
     cli = cli_class(
         model_class,
         PretrainDataModule,
