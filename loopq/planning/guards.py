@@ -37,6 +37,7 @@ from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, mo
 from loopq.data.calibration import calibration_stream, check_enough_tokens
 from loopq.errors import GuardError, UsageError
 from loopq.models.base import LoopLM, RMSNorm
+from loopq.models.checks import check_against_header
 from loopq.models.loading import architecture_for, read_config
 
 #: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
@@ -268,21 +269,64 @@ def device_memory(accelerator: str | None) -> int | None:
 
 
 def meta_teacher(teacher: str | os.PathLike[str]) -> LoopLM | None:
-    """A local teacher directory's model built on the meta device from its config.json alone (nothing allocated,
-    no weights read); None for a hub id or a path that is not a model: the loader reports those."""
+    """A local teacher directory's model built on the meta device (nothing allocated, no weight read), after its
+    config.json values are type-checked and the config is checked against the weight files' headers - layer count
+    first, so that a config claiming a million layers is refused before any is built
+    (:mod:`loopq.models.checks`); None for a hub id or a path that is not a model: the loader reports those."""
     directory = Path(teacher)
     if not (directory / "config.json").is_file():
         return None
     config = read_config(directory)
     cls = architecture_for(config, str(directory / "config.json"))
+    config_obj = cls.config_from_dict(config)
+    check_against_header(cls, config_obj, directory)
     with torch.device("meta"):
-        return cls(cls.config_from_dict(config))
+        return cls(config_obj)
 
 
 def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
     """:func:`loop_shape` of a local teacher directory (:func:`meta_teacher`), or None."""
     model = meta_teacher(teacher)
     return None if model is None else loop_shape(model)
+
+
+#: a decode loop count beyond this multiple of the trained count is refused: each token runs every loop (time and KV
+#: cache grow linearly) far past anything the model was trained or calibrated for
+MAX_DECODE_LOOP_FACTOR = 16
+
+
+def check_decode_loops(model: LoopLM, loops: int | None, tokens: int, key: str = "--num_loops") -> None:
+    """Before decoding: a loop count more than :data:`MAX_DECODE_LOOP_FACTOR` x the trained one, or whose KV cache
+    (loops x layers x tokens x 2 x hidden x 4 bytes, an upper bound) does not fit the free memory, is refused
+    unless ``LOOPQ_ALLOW_LOW_MEMORY=1``."""
+    if loops is None or os.environ.get(ALLOW_LOW_MEMORY) == "1":
+        return
+    trained = model.default_num_loops
+    layers = len(model.loop_layers) if hasattr(model.loop_layers, "__len__") else 1
+    cache = loops * layers * tokens * 2 * model.state_dim * 4
+    free = available_memory()
+    if loops > MAX_DECODE_LOOP_FACTOR * trained or (free is not None and cache > free):
+        raise GuardError(
+            f"{key} {loops}: {loops / trained:.0f}x the model's trained {trained} loops - every token would run "
+            f"{loops} loops (a KV cache of up to {gib(cache)}, and {loops / trained:.0f}x the time); pass at most "
+            f"{MAX_DECODE_LOOP_FACTOR * trained}, or set {ALLOW_LOW_MEMORY}=1 to run it anyway"
+        )
+
+
+def check_tokenizer_vocab(tokenizer: str | os.PathLike[str], model: LoopLM, key: str = "data.tokenizer") -> None:
+    """A tokenizer may not produce ids the model has no embedding row for (an ``IndexError`` deep in calibration
+    setup otherwise); a smaller tokenizer vocabulary (padded embedding tables) is fine."""
+    from loopq.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    ids = tok.get_vocab_size(with_added_tokens=True)
+    rows = int(model.lm_head.weight.shape[0])  # the logits' rows: every id the tokenizer produces needs one
+    if ids > rows:
+        where = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+        raise GuardError(
+            f"{where}: produces ids up to {ids - 1} but the model's vocabulary has {rows} rows ({key}); pass the "
+            "tokenizer the model was trained with"
+        )
 
 
 def check_positions(model: LoopLM, length: int, key: str, what: str = "the model") -> None:
@@ -425,6 +469,7 @@ def check_against_teacher(config: Any, model: LoopLM) -> None:
     """For a local teacher (``model``: built on the meta device): ``data.seq_len`` against its positions, the loop
     count against the memory, and the calibration text against the windows asked for."""
     check_positions(model, config.data.seq_len, "--data.seq_len", f"the teacher {config.model.teacher}")
+    check_tokenizer_vocab(config.data.tokenizer or config.model.teacher, model)
     quant = config.model.quant
     precision = str(getattr(config.trainer, "precision", None) or "32")
     plan = loop_plan(
