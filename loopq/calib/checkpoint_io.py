@@ -241,19 +241,20 @@ def newest_intact(candidates: Iterable[Path], option: str = "--ckpt_path last", 
     """The newest (modification time) whole checkpoint among ``candidates``; prints one line per newer one it skips
     (unless ``quiet``). None when there are no candidates; :class:`CheckpointError` when none of them is whole."""
     ordered = sorted(candidates, key=lambda p: p.stat().st_mtime_ns, reverse=True)
-    skipped: list[str] = []
+    skipped: list[tuple[Path, str]] = []
     for path in ordered:
         problem = checkpoint_problem(path)
         if problem is None:
-            for line in [] if quiet else skipped:
-                print(f"[loopq] {option}: skipped {line}", file=sys.stderr, flush=True)
+            for bad, why in [] if quiet else skipped:
+                print(f"[loopq] {option}: skipped {bad}: {why}", file=sys.stderr, flush=True)
             if skipped and not quiet:
                 print(f"[loopq] {option}: resuming from {path}", file=sys.stderr, flush=True)
             return path
-        skipped.append(f"{path.name} ({problem})")
+        skipped.append((path, problem))
     if ordered:
         raise CheckpointError(
-            f"{option}: no readable checkpoint in {ordered[0].parent} ({'; '.join(skipped)}); move them away to start "
+            f"{option}: no readable checkpoint in {ordered[0].parent} "
+            f"({'; '.join(f'{bad.name} ({why})' for bad, why in skipped)}); move them away to start "
             "fresh, or pass --ckpt_path <file>"
         )
     return None

@@ -16,7 +16,14 @@ the backward pass, and the teacher targets keep every loop's state of every cali
 
 ``factor`` (:func:`activation_factor`) counts the hidden-sized tensors autograd keeps per token per loop, read off
 the model's looped linear groups and norms. A loop count above twice the trained one gets a warning with the
-estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW_LOW_MEMORY=1``.
+estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW_LOW_MEMORY=1``. Decoding
+(:func:`check_decode_loops`) refuses more than :data:`MAX_DECODE_LOOP_FACTOR` x the trained loops, or a KV cache
+beyond the free memory. The model these estimates read is built on the meta device only after its config passed
+:mod:`loopq.models.checks` (types, layer count and shapes against the weight files' headers).
+
+**Zero or negative work** (:func:`check_steps`, :func:`check_optimiser`, :func:`check_strategy`): trainer settings
+under which no optimizer step runs, non-positive or non-finite learning rates, and unknown strategy names are refused
+before the teacher loads; so is a tokenizer producing ids the model has no row for (:func:`check_tokenizer_vocab`).
 """
 
 from __future__ import annotations
