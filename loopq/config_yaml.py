@@ -1,10 +1,11 @@
 """YAML configs read safely: bounded alias expansion, duplicate keys refused.
 
 Every YAML a LoopQ command reads as settings - ``--config`` files and the YAML/JSON values of options, parsed by
-jsonargparse for ``loopq.fit``, ``loopq.run`` and ``loopq.pretrain`` - goes through :func:`check_yaml` first
-(:func:`install` puts it in front of jsonargparse's own loader; :func:`loopq.errors.check_config_files` applies it
-to each ``--config`` file by name). Two things plain YAML allows are refused, with one line naming the file (or
-``option value``), the key and its line:
+jsonargparse for ``loopq.fit``, ``loopq.run`` and ``loopq.pretrain`` - goes through :func:`check_yaml` first:
+:func:`loopq.errors.check_config_files` applies it to each ``--config`` file by name, :func:`check_arguments` to each
+structured command-line value by option (jsonargparse reads those through several internal paths), and
+:func:`install` puts it in front of jsonargparse's registered YAML loader (config files a config names). Two things
+plain YAML allows are refused, with one line naming the file (or ``option value``), the key and its line:
 
 * **Alias bombs.** An alias (``*a``) reuses an anchored node (``&a``) without copying it, so a kilobyte of nested
   aliases describes 10^9 nodes; jsonargparse then copies and walks the expanded tree (52 s and 4.2 GB before a
@@ -103,6 +104,23 @@ def check_yaml(text: str, source: str) -> None:
         )
 
 
+def check_arguments(argv: list[str]) -> None:
+    """:func:`check_yaml` on every command-line value that holds YAML structure (a flow collection, an anchor or
+    alias, a line break), named by its option; a refusal is a :class:`~loopq.errors.UsageError`."""
+    from loopq.errors import UsageError
+
+    option = "a command-line value"
+    for arg in argv:
+        name, eq, inline = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        value = inline if eq or not arg.startswith("--") else ""
+        if value and (value.lstrip()[:1] in ("{", "[") or any(mark in value for mark in ("&", "*", "\n"))):
+            try:
+                check_yaml(value, f"{name or option} value")
+            except ConfigYAMLError as err:
+                raise UsageError(str(err)) from None
+        option = arg if arg.startswith("--") and not eq else "a command-line value"
+
+
 def checked_yaml_load(stream: str) -> Any:
     """jsonargparse's YAML loader behind :func:`check_yaml`."""
     from jsonargparse._loaders_dumpers import yaml_load
@@ -112,8 +130,12 @@ def checked_yaml_load(stream: str) -> Any:
     return yaml_load(stream)
 
 
-def install() -> None:
-    """Make jsonargparse read every YAML config and option value through :func:`checked_yaml_load`."""
+def install(argv: list[str] | None = None) -> None:
+    """Check the command line's values (:func:`check_arguments`; ``argv`` default ``sys.argv[1:]``) and make
+    jsonargparse's registered YAML loader :func:`checked_yaml_load`."""
+    import sys
+
+    check_arguments(sys.argv[1:] if argv is None else argv)
     from jsonargparse import set_loader
 
     set_loader("yaml", checked_yaml_load, exceptions=(yaml.YAMLError,))

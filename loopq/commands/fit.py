@@ -215,7 +215,7 @@ def close_process_group() -> None:
 def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCLI) -> LoopQCLI:
     """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass. YAML is
     read through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused)."""
-    install_checked_yaml()
+    install_checked_yaml(args)
     return cli_class(
         LoopQCalibration,
         CalibrationDataModule,

@@ -302,7 +302,7 @@ def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningMo
     """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data), fit from ``--ckpt_path`` when given,
     and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130. YAML is read
     through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused)."""
-    install_checked_yaml()
+    install_checked_yaml(args)
     cli = cli_class(
         model_class,
         PretrainDataModule,
