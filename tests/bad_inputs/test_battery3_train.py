@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from loopq.calib.checkpoint_io import SIDECAR, CheckpointError, check_sealed, load_weights_only, write_sidecar
 from loopq.calib.stop_on_signal import LIGHTNING_SIGNAL_LOGGER, install
 from loopq.config_yaml import MAX_NODES, expanded_size
+from loopq.data.tokenizer import TokenizerError, load_tokenizer
 from loopq.models import LoopLMError, load_looplm
 from loopq.paths import REPO_ROOT
 from tests.bad_inputs.test_artifact_integrity import write_tiny_student
@@ -249,16 +250,14 @@ def test_a_non_finite_teacher_weight_is_refused_naming_the_tensor(teacher: Path,
     assert hashes(tmp_path) == before
 
 
-def test_a_teacher_without_tokenizer_json_is_not_looked_up_on_the_hub(tmp_path: Path, capsys):
-    local = tmp_path / "t"
-    shutil.copytree(TEACHER, local / "teacher")
-    (local / "teacher" / "tokenizer.json").unlink()
-    os.chdir(tmp_path)  # a relative org/name-looking path: "t/teacher"
-    try:
-        line = refused_fit(tmp_path, capsys, "--model.teacher", "t/teacher")
-    finally:
-        os.chdir(REPO_ROOT)
-    assert "hub" not in line and "no tokenizer.json" in line, line
+def test_a_teacher_without_tokenizer_json_is_not_looked_up_on_the_hub(tmp_path, capsys, monkeypatch, teacher):
+    (teacher / "tokenizer.json").unlink()
+    line = refused_fit(tmp_path, capsys, "--model.teacher", str(teacher))
+    assert re.search(r"teacher: no tokenizer\.json", line) and "hub" not in line, line
+    monkeypatch.chdir(tmp_path)  # "teacher/tokenizer.json" looks like a hub id (org/name) but is a local path
+    with pytest.raises(TokenizerError, match=r"^teacher/tokenizer\.json: no such file or directory") as err:
+        load_tokenizer("teacher/tokenizer.json")
+    assert "hub" not in str(err.value)
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused_up_front(tmp_path, capsys, teacher):
