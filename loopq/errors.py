@@ -84,6 +84,8 @@ _FRAME = re.compile(
     r"Expected a <class 'NoneType'>|Not a valid subclass|Import path)"
 )
 _KEY = re.compile(r'^Parser key "[^"]+":\s*')
+#: jsonargparse's refusal of ``nan`` / ``inf`` for a float option, which does not say why
+_NOT_FINITE = re.compile(r"Expected a <class 'float'>\. Got value: ([+-]?(nan|inf|infinity))$", re.IGNORECASE)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -120,6 +122,9 @@ def _argument_error(text: str) -> str:
     detail = next((line for line in details if line and not _FRAME.match(line)), None)
     if not keys or detail is None:
         return text
+    not_finite = _NOT_FINITE.search(detail)
+    if not_finite:
+        detail = f"{not_finite.group(1)} is not a finite number; pass a finite value"
     return f"--{'.'.join(keys)}: {detail}"
 
 
@@ -150,12 +155,19 @@ def config_files(argv: list[str]) -> list[Path]:
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists holds a mapping of settings. jsonargparse refuses an empty one (or a list,
     a bare word) with ``Unexpected config:`` and its content, naming neither the file nor the fix; a missing file or
-    a YAML syntax error it reports itself, with the file or the line."""
+    a YAML syntax error it reports itself, with the file or the line. Alias bombs and duplicate keys are refused
+    naming the file (:func:`loopq.config_yaml.check_yaml`)."""
     import yaml
+
+    from loopq.config_yaml import ConfigYAMLError, check_yaml
 
     for path in config_files(argv):
         try:
-            data = yaml.safe_load(path.read_text()) if path.is_file() else {}
+            text = path.read_text() if path.is_file() else "{}"
+            check_yaml(text, f"{CONFIG_FLAG} {path}")
+            data = yaml.safe_load(text)
+        except ConfigYAMLError as err:
+            raise UsageError(str(err)) from None
         except (yaml.YAMLError, UnicodeDecodeError):
             continue
         if data is None:

@@ -30,6 +30,7 @@ from loopq.models import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold
 from loopq.models.generation import check_prompt, check_sampling, generate
 from loopq.models.kv_quant import check_kv_bits
+from loopq.planning.guards import check_decode_loops
 
 __all__ = ["generate", "main"]
 
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     prompts = read_prompts(args.prompt, args.prompts_file)  # before the model loads: a bad file fails at once
     artifact = load_artifact(path, kind=kind, device=args.device)  # type: ignore[arg-type]
     model: LoopLM = artifact.model.eval()
+    check_decode_loops(model, args.num_loops, args.max_new_tokens + 1)  # before any prompt is encoded or decoded
     tokenizer = load_tokenizer(tokenizer_dir(path, artifact) / "tokenizer.json")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     if args.exit_threshold is not None:

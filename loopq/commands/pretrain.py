@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
@@ -322,8 +323,10 @@ def fit_resumable(
     command: str | None = None,
 ) -> None:
     """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data), fit from ``--ckpt_path`` when given,
-    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130.
+    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130. YAML is read
+    through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused).
     ``command``: the name the run lock records (default: ``loopq.<model_class's module>``)."""
+    install_checked_yaml(args)
     cli = cli_class(
         model_class,
         PretrainDataModule,

@@ -105,6 +105,7 @@ class DeferredCLI(fit.LoopQCLI):
     pipeline's own rule decides whether a student may be replaced (:meth:`Pipeline.check_calibration`)."""
 
     check_student = False
+    refuse_finished = False  # a finished calibration whose student was lost writes it again
     command = "loopq.run"
 
     def instantiate_classes(self) -> None:

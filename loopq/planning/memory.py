@@ -63,6 +63,7 @@ from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
 from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.models.base import LoopLM, RMSNorm
+from loopq.models.checks import check_against_header
 from loopq.models.loading import architecture_for
 from loopq.planning.guards import LoopShape, activation_bytes, activation_factor, loop_shape, trajectory_bytes
 from loopq.quant import QuantConfig, prepare
@@ -204,13 +205,17 @@ def published_config(teacher: str) -> tuple[str, dict[str, Any]] | None:
 
 
 def teacher_config(teacher: str, plan_config: str | None = None) -> tuple[str, dict[str, Any]]:
-    """(where it came from, native config) of the teacher: ``plan_config``, the teacher directory's ``config.json``,
-    or :data:`PUBLISHED`; never its weights, never the hub."""
+    """(where it came from, native config) of the teacher: ``plan_config``, the teacher directory's ``config.json``
+    (checked against its weight files' headers first: :func:`~loopq.models.checks.check_against_header`), or
+    :data:`PUBLISHED`; never its weights' values, never the hub."""
     if plan_config:
         return plan_config, read_json(Path(plan_config), PlanError, "pass the teacher's config.json")
     local = Path(teacher) / "config.json"
     if local.is_file():
-        return str(local), read_json(local, PlanError, "fix the teacher's config.json")
+        native = read_json(local, PlanError, "fix the teacher's config.json")
+        cls = architecture_for(native, str(local))
+        check_against_header(cls, cls.config_from_dict(native), Path(teacher))
+        return str(local), native
     found = published_config(teacher)
     if found is None:
         raise PlanError(
