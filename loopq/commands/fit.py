@@ -44,6 +44,7 @@ from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
 from loopq.locks import DirectoryLock
 from loopq.models.loading import resolve_model_dir
+from loopq.paths import run_root
 from loopq.planning.guards import check_calibration
 from loopq.planning.memory import format_plan, plan_from_config
 from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record, teacher_fingerprint
@@ -110,7 +111,10 @@ class LoopQCLI(LightningCLI):
         """Before the teacher loads: ``--print_plan`` (then exit), a ``--ckpt_path`` that is no checkpoint, the
         checks of :func:`~loopq.planning.guards.check_calibration`, a student of another config in the output directory;
         ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies. Then the run directory is
-        locked (one writer at a time)."""
+        locked (one writer at a time). A relative run directory is first placed under ``$LOOPQ_RUNS_DIR`` when set
+        (:func:`loopq.paths.run_root`)."""
+        trainer = self.config.trainer
+        trainer.default_root_dir = run_root(trainer.default_root_dir)
         if self.config.get("print_plan"):
             print_plan(self.config)
             raise SystemExit(0)
