@@ -22,7 +22,11 @@ from loopq.paths import RUNS_DIR_ENV, data_dir, fixtures_dir
 
 pytest_plugins = ("tests.tree_guard", "tests.shuffle")
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+#: two cores: two threads in one process, one per process under ``pytest -n 2`` (no oversubscription)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // WORKERS))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # and one for the commands the tests start
 
 
 @pytest.fixture(scope="session")

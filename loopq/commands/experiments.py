@@ -93,7 +93,7 @@ def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[s
         "--model.quant.a_bits",
         str(a_bits),
         "--trainer.default_root_dir",
-        str(run_dir),
+        str(run_dir.absolute()),  # this process's path: not moved by LOOPQ_RUNS_DIR, not relative to the child's cwd
         "--trainer.enable_progress_bar",
         "false",
         *extra,
