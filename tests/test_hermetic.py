@@ -164,7 +164,7 @@ def test_tree_guard_fails_the_tests_that_touch_the_tree_and_the_session(guarded_
     assert re.search(r"ERROR test_polluter.py::test_changes_a_doc - .*changed docs/a\.md", out), out
     assert re.search(r"ERROR test_polluter.py::test_removes_a_result - .*removed results/r\.json", out), out
     assert "test_clean" not in re.findall(r"ERROR (\S+)", out)
-    session = re.search(r"tree guard: the tests changed the repository .*", out)
+    session = re.search(r"the tests changed the repository .*", out)
     assert session and all(p in session.group() for p in ("runs/tiny/pipeline.json", "docs/a.md", "results/r.json"))
     assert "build" not in session.group()
 
@@ -174,6 +174,29 @@ def test_tree_guard_passes_a_clean_suite_and_can_be_turned_off(guarded_suite):
     assert clean.returncode == 0 and "1 passed" in clean.stdout, clean.stdout + clean.stderr
     off = child_pytest(guarded_suite, env={"LOOPQ_TREE_GUARD": "0"})
     assert off.returncode == 0 and "4 passed" in off.stdout, off.stdout + off.stderr
+
+
+LATE = """
+import pytest
+from pathlib import Path
+
+@pytest.fixture(scope="session")
+def late():
+    yield
+    (Path(__file__).parent / "results" / "late.json").write_text("{}")
+
+def test_uses_late(late):
+    pass
+"""
+
+
+def test_tree_guard_session_check_catches_a_write_after_the_last_test(guarded_suite):
+    """A session fixture's teardown runs after every per-test check: only the session comparison sees it."""
+    (guarded_suite / "test_polluter.py").write_text(LATE)
+    proc = child_pytest(guarded_suite)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 passed" in out and "error" not in out.lower(), out
+    assert re.search(r"=+ tree guard =+\nthe tests changed the repository .*: added results/late\.json\n", out), out
 
 
 ORDERED = """

@@ -87,21 +87,26 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Compare with the snapshot of :func:`pytest_sessionstart`; a difference fails the run (exit status 1)."""
     config = session.config
     before = config.stash.get(SESSION_KEY, None)
     if before is None:
         return
     lines = differences(before, snapshot(config.rootpath))
-    if not lines:
-        return
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    message = f"tree guard: the tests changed the repository {config.rootpath}: {describe(lines, 50)}"
-    if reporter is not None:
-        reporter.write_line(message, red=True, bold=True)
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if lines:
+        config.stash[CHANGED_KEY] = lines
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    lines = config.stash.get(CHANGED_KEY, None)
+    if lines:
+        terminalreporter.section("tree guard", red=True, bold=True)
+        terminalreporter.write_line(f"the tests changed the repository {config.rootpath}: {describe(lines, 50)}")
 
 
 SESSION_KEY = pytest.StashKey[Snapshot]()
+CHANGED_KEY = pytest.StashKey[list[str]]()
 LAST_KEY = pytest.StashKey[Snapshot]()
 
 
