@@ -45,7 +45,7 @@ from loopq.errors import run_cli
 from loopq.locks import DirectoryLock
 from loopq.models.loading import resolve_model_dir
 from loopq.paths import run_root
-from loopq.planning.guards import check_calibration
+from loopq.planning.guards import check_calibration, check_local_teacher
 from loopq.planning.memory import format_plan, plan_from_config
 from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record, teacher_fingerprint
 
@@ -119,6 +119,7 @@ class LoopQCLI(LightningCLI):
             print_plan(self.config)
             raise SystemExit(0)
         check_ckpt_path(self.config.get("ckpt_path"))
+        self.check_teacher(str(self.config.model.teacher))  # first: a run left in the run directory is read below
         check_calibration(self.config)
         model = self.config.model
         model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
@@ -129,6 +130,11 @@ class LoopQCLI(LightningCLI):
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 holds it for the whole run
             root = self.config.trainer.default_root_dir or os.getcwd()
             self.lock = DirectoryLock(root, RUN_LOCK, self.command, "--trainer.default_root_dir").acquire()
+
+    def check_teacher(self, teacher: str) -> None:
+        """``model.teacher`` is a model directory (:func:`~loopq.planning.guards.check_local_teacher`), checked
+        before the run directory is: a student an earlier run left there is compared against the teacher."""
+        check_local_teacher(teacher)
 
     def instantiate_classes(self) -> None:
         try:

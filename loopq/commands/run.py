@@ -97,6 +97,10 @@ class DeferredCLI(fit.LoopQCLI):
     check_student = False
     command = "loopq.run"
 
+    def check_teacher(self, teacher: str) -> None:
+        """loopq.run's own teacher check (its message names ``--model.teacher``)."""
+        check_teacher(teacher)
+
     def instantiate_classes(self) -> None:
         """Deferred to :meth:`build`."""
 

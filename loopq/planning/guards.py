@@ -344,7 +344,6 @@ def check_calibration(config: Any) -> None:
     the run, student and target-cache directories against the teacher, then :func:`check_against_teacher`."""
     check_schedule(config.trainer.max_steps, config.model.warmup_steps)
     teacher = str(config.model.teacher)
-    check_local_teacher(teacher)  # first: the checks below would report a symptom of a missing teacher instead
     root = Path(config.trainer.default_root_dir or os.getcwd())
     check_run_root(root, teacher)
     check_writable(root, "--trainer.default_root_dir")
