@@ -106,7 +106,8 @@ class Calibration:
     def args(self) -> list[str]:
         """Its ``loopq.fit`` options."""
         teacher = ["--model.teacher", self.model, "--model.quant.a_bits", str(self.a_bits)]
-        where = ["--trainer.default_root_dir", str(self.run), "--trainer.enable_progress_bar", "false"]
+        run = str(self.run.absolute())  # this process's path: not moved by LOOPQ_RUNS_DIR (loopq.paths.run_root)
+        where = ["--trainer.default_root_dir", run, "--trainer.enable_progress_bar", "false"]
         return ["--config", self.config, *teacher, *where, *self.extra]
 
 

@@ -45,7 +45,8 @@ from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
 from loopq.locks import DirectoryLock
 from loopq.models.loading import resolve_model_dir
-from loopq.planning.guards import check_calibration
+from loopq.paths import run_root
+from loopq.planning.guards import check_calibration, check_local_teacher
 from loopq.planning.memory import format_plan, plan_from_config
 from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record, teacher_fingerprint
 
@@ -113,11 +114,15 @@ class LoopQCLI(LightningCLI):
         """Before the teacher loads: ``--print_plan`` (then exit), a ``--ckpt_path`` that is no checkpoint, the
         checks of :func:`~loopq.planning.guards.check_calibration`, a student of another config in the output directory;
         ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies. Then the run directory is
-        locked (one writer at a time)."""
+        locked (one writer at a time). A relative run directory is first placed under ``$LOOPQ_RUNS_DIR`` when set
+        (:func:`loopq.paths.run_root`)."""
+        trainer = self.config.trainer
+        trainer.default_root_dir = run_root(trainer.default_root_dir)
         if self.config.get("print_plan"):
             print_plan(self.config)
             raise SystemExit(0)
         check_ckpt_path(self.config.get("ckpt_path"))
+        self.check_teacher(str(self.config.model.teacher))  # first: a run left in the run directory is read below
         if self.refuse_finished:
             check_resumable(self.config)
         check_calibration(self.config)
@@ -130,6 +135,11 @@ class LoopQCLI(LightningCLI):
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 holds it for the whole run
             root = self.config.trainer.default_root_dir or os.getcwd()
             self.lock = DirectoryLock(root, RUN_LOCK, self.command, "--trainer.default_root_dir").acquire()
+
+    def check_teacher(self, teacher: str) -> None:
+        """``model.teacher`` is a model directory (:func:`~loopq.planning.guards.check_local_teacher`), checked
+        before the run directory is: a student an earlier run left there is compared against the teacher."""
+        check_local_teacher(teacher)
 
     def instantiate_classes(self) -> None:
         try:

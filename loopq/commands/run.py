@@ -108,6 +108,10 @@ class DeferredCLI(fit.LoopQCLI):
     refuse_finished = False  # a finished calibration whose student was lost writes it again
     command = "loopq.run"
 
+    def check_teacher(self, teacher: str) -> None:
+        """loopq.run's own teacher check (its message names ``--model.teacher``)."""
+        check_teacher(teacher)
+
     def instantiate_classes(self) -> None:
         """Deferred to :meth:`build`."""
 

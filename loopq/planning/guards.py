@@ -42,7 +42,7 @@ from torch import nn
 
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
 from loopq.data.calibration import calibration_stream, check_enough_tokens
-from loopq.errors import GuardError, UsageError, article
+from loopq.errors import GuardError, LoopLMError, UsageError, article
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.checks import check_against_header
 from loopq.models.loading import architecture_for, read_config
@@ -445,6 +445,24 @@ def check_calibration_text(data: Any) -> None:
         return
     stream = calibration_stream(data.tokenizer, data.sources, data.root)
     check_enough_tokens(stream.numel(), data.num_samples, data.holdout_samples, data.seq_len)
+
+
+def is_hub_id(teacher: str) -> bool:
+    """``org/name`` that is not a local path: the loader fetches it from the hub
+    (:func:`loopq.models.loading.resolve_model_dir`'s rule)."""
+    return not Path(teacher).exists() and teacher.count("/") == 1 and not teacher.startswith((".", "/"))
+
+
+def check_local_teacher(teacher: str) -> None:
+    """A local ``model.teacher`` is a model directory (a folder with ``config.json``), checked before anything reads
+    the run directory: a student left there by an earlier run would otherwise be compared against the missing
+    teacher and the message would name the run directory, not the teacher. A hub id is left to the loader."""
+    if is_hub_id(teacher):
+        return
+    directory = Path(teacher)
+    if not directory.is_dir():
+        raise LoopLMError(f"{directory}: not a directory; pass the folder holding config.json and the weights")
+    read_config(directory)  # no (or unreadable) config.json: one line naming it
 
 
 def check_calibration(config: Any) -> None:

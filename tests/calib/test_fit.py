@@ -10,10 +10,9 @@ from tests.helpers import assert_same_tensors, read_student, run_fit
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("full")
-    run_fit(root)
-    return root
+def uninterrupted(tiny_calibration):
+    """The suite's shared tiny calibration (tests/conftest.py): the plain run_fit of FIT_CONFIGS, read-only."""
+    return tiny_calibration
 
 
 def test_fit_writes_student_logs_and_selections(uninterrupted):
