@@ -295,8 +295,14 @@ def check_resumable(config: Any) -> None:
     if ckpt_path == "last":
         found = newest_intact(checkpoints_in([root / "checkpoints"]), quiet=True)
         ckpt_path = None if found is None else str(found)
-    if ckpt_path is not None:
-        check_not_finished(ckpt_path, config.trainer.max_steps, student_dir(config))
+    if ckpt_path is None:
+        return
+    step = checkpoint_record(ckpt_path)[1]
+    if isinstance(step, int) and step >= config.trainer.max_steps and not config.get("allow_config_change"):
+        # another teacher or config is the more basic problem: say that first, as a resume that is not finished does
+        teacher = teacher_fingerprint(resolve_model_dir(config.model.teacher))
+        check_resume(ckpt_path, record(teacher, fit_settings(config)))
+    check_not_finished(ckpt_path, config.trainer.max_steps, student_dir(config))
 
 
 def check_not_finished(ckpt_path: str, max_steps: int, student: Path) -> None:
