@@ -123,11 +123,12 @@ class LoopQCLI(LightningCLI):
             raise SystemExit(0)
         check_ckpt_path(self.config.get("ckpt_path"))
         self.check_teacher(str(self.config.model.teacher))  # first: a run left in the run directory is read below
+        model = self.config.model
+        # resolved before the resume check compares this config with the checkpoint's (which records it resolved)
+        model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
         if self.refuse_finished:
             check_resumable(self.config)
         check_calibration(self.config)
-        model = self.config.model
-        model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
         # a resume is checked against its checkpoint's record instead (check_resume, with its own override)
         overridden = self.config.get("force") or self.config.get("allow_config_change") or self.config.get("ckpt_path")
         if self.check_student and not overridden:
