@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             module = LoopQCalibration(str(teacher_dir), quant, topk=1000, checkpoint_loops=True, **switches)
             init_clipping_from_data(module.student, ids)
             for name in list(looped_quant_groups(module.student))[: quant.slt_budget]:
-                module.promote(name)
+                module.student_group(name).promote()
             return module
 
         module = stage("prepare", prepare, rows)

@@ -4,12 +4,12 @@
 over the true recurrence (its own quantized states feed the next loop), and evaluate the pure loss of
 :mod:`loopq.calib.losses`.
 
-The method's schedules belong to the module, not to the config's callback list: :meth:`configure_callbacks`
-installs the adaptive mu_t update (:class:`loopq.calib.mu.AdaptiveMu`, every ``mu_every_n_steps``) unless
-``adaptive_mu`` is off, and the progressive sharing-gap reselection (:class:`loopq.calib.reselection.
-SharingGapReselection`, ``slt_*`` schedule) whenever ``quant.slt_budget > 0`` - so a YAML without a ``callbacks:``
-block still runs the whole method. A YAML that lists one of them explicitly overrides the module's (its schedule
-wins). Switching a component off is a config switch recorded with the student: ``quant.slt_budget: 0``,
+The method's schedules have one home, the callbacks' arguments: :meth:`configure_callbacks` makes sure the
+adaptive mu_t update (:class:`loopq.calib.mu.AdaptiveMu`) runs unless ``adaptive_mu`` is off, and the progressive
+sharing-gap reselection (:class:`loopq.calib.reselection.SharingGapReselection`) whenever ``quant.slt_budget > 0``
+- each with its own default schedule when the config's ``trainer.callbacks`` does not list it, so a YAML without a
+``callbacks:`` block still runs the whole method; a listed one (its ``init_args``) is used as it is. Switching a
+component off is a config switch recorded with the student: ``quant.slt_budget: 0``,
 ``quant.las: false``, ``quant.cta: false``, ``model.adaptive_mu: false``. Optional callbacks (per-loop
 diagnostics, progress lines, :mod:`loopq.calib.diagnostics`, :mod:`loopq.calib.line_progress`) stay in the trainer's
 list.
@@ -117,11 +117,6 @@ class LoopQCalibration(L.LightningModule):
         output_dir: str | None = None,
         objective: str = "trajectory",
         adaptive_mu: bool = True,
-        mu_every_n_steps: int = 100,
-        slt_start_step: int = 0,
-        slt_every_n_steps: int = 50,
-        slt_per_round: int = 1,
-        slt_probe_batches: int = 2,
     ) -> None:
         super().__init__()
         quant = quant or QuantConfig()
@@ -403,8 +398,9 @@ class LoopQCalibration(L.LightningModule):
 
 
 def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> list[L.Callback]:
-    """AdaptiveMu (unless ``adaptive_mu`` is off) and SharingGapReselection (when ``quant.slt_budget > 0``), each
-    only when ``configured`` has none of its kind: Lightning would otherwise replace the user's with ours."""
+    """AdaptiveMu (unless ``adaptive_mu`` is off) and SharingGapReselection (when ``quant.slt_budget > 0``), with
+    their default schedules, each only when ``configured`` has none of its kind (a listed one is the schedule; adding
+    ours would make Lightning replace it)."""
     from loopq.calib.mu import AdaptiveMu
     from loopq.calib.reselection import SharingGapReselection
 
@@ -412,16 +408,9 @@ def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> 
     have = {type(c) for c in configured}
     wanted: list[L.Callback] = []
     if hp.objective == "trajectory" and hp.adaptive_mu and not any(issubclass(t, AdaptiveMu) for t in have):
-        wanted.append(AdaptiveMu(every_n_steps=hp.mu_every_n_steps))
+        wanted.append(AdaptiveMu())
     if module.quant_config.slt_budget > 0 and not any(issubclass(t, SharingGapReselection) for t in have):
-        wanted.append(
-            SharingGapReselection(
-                start_step=hp.slt_start_step,
-                every_n_steps=hp.slt_every_n_steps,
-                per_round=hp.slt_per_round,
-                probe_batches=hp.slt_probe_batches,
-            )
-        )
+        wanted.append(SharingGapReselection())
     return wanted
 
 

@@ -1,7 +1,8 @@
 """Adaptive mu_t (paper appendix): how much each loop's state is pulled toward the final teacher state.
 
-Installed by :meth:`loopq.calib.module.LoopQCalibration.configure_callbacks` (``model.adaptive_mu``,
-``model.mu_every_n_steps``), or listed explicitly in a config's ``trainer.callbacks`` to override that schedule.
+Listed in a config's ``trainer.callbacks`` (its ``init_args`` are the schedule), or installed with its defaults by
+:meth:`loopq.calib.module.LoopQCalibration.configure_callbacks` when the list has none (unless ``model.adaptive_mu``
+is off).
 
 Every ``every_n_steps`` optimizer steps (default 100, as in the paper) mu_t is recomputed from the current
 global batch's teacher and student trajectories (the squared norms are summed over every process's samples

@@ -1,8 +1,8 @@
 """Progressive sharing-gap reselection (paper §4.2, SLT), from the training steps' own gradients.
 
-Installed by :meth:`loopq.calib.module.LoopQCalibration.configure_callbacks` whenever ``quant.slt_budget > 0``
-(schedule: ``model.slt_start_step``, ``slt_every_n_steps``, ``slt_per_round``, ``slt_probe_batches``), or listed
-explicitly in a config's ``trainer.callbacks`` to override that schedule.
+Listed in a config's ``trainer.callbacks`` (its ``init_args`` are the schedule), or installed with its defaults by
+:meth:`loopq.calib.module.LoopQCalibration.configure_callbacks` whenever ``quant.slt_budget > 0`` and the list has
+none.
 
 Rounds are due at ``start_step``, ``start_step + every_n_steps``, ... until the budget (``quant.slt_budget``) is spent.
 For the ``probe_batches`` training steps that end at a round (at most ``every_n_steps``), every still-shared looped

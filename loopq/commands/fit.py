@@ -23,11 +23,13 @@ fp32 otherwise) before the module is built, so the saved config and the provenan
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
@@ -42,7 +44,7 @@ from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.calibration import CalibrationDataModule
-from loopq.errors import run_cli
+from loopq.errors import UsageError, run_cli
 from loopq.locks import DirectoryLock
 from loopq.models.loading import resolve_model_dir
 from loopq.paths import run_root
@@ -77,7 +79,42 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 METHOD_CALLBACKS = ("loopq.calib.mu", "loopq.calib.reselection", "callbacks.adaptive_mu", "callbacks.sharing_gap")
 
 
+#: settings of earlier releases that moved (one home per setting): key -> where it is set now
+MOVED_KEYS = {
+    "model.mu_every_n_steps": "loopq.calib.mu.AdaptiveMu's every_n_steps",
+    "model.slt_start_step": "loopq.calib.reselection.SharingGapReselection's start_step",
+    "model.slt_every_n_steps": "loopq.calib.reselection.SharingGapReselection's every_n_steps",
+    "model.slt_per_round": "loopq.calib.reselection.SharingGapReselection's per_round",
+    "model.slt_probe_batches": "loopq.calib.reselection.SharingGapReselection's probe_batches",
+}
+
+
+def check_moved_keys(argv: list[str]) -> None:
+    """A moved key (:data:`MOVED_KEYS`), on the command line or in a ``--config`` file, is refused in one line naming
+    its new home; anything else is left to the parser."""
+    for i, token in enumerate(argv):
+        key, _, value = token.removeprefix("--").partition("=")
+        if token.startswith("--") and key in MOVED_KEYS:
+            raise UsageError(f"--{key}: moved to trainer.callbacks, set {MOVED_KEYS[key]} (docs/usage.md)")
+        path = value or (argv[i + 1] if i + 1 < len(argv) else "")
+        if token.startswith("--config") and key == "config" and Path(path).is_file():
+            try:
+                model = (yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}
+            except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+                continue  # the parser names what is wrong with the file
+            for name in model if isinstance(model, dict) else ():
+                if f"model.{name}" in MOVED_KEYS:
+                    raise UsageError(
+                        f"{path}: model.{name} moved to trainer.callbacks, set {MOVED_KEYS[f'model.{name}']} "
+                        "(docs/usage.md)"
+                    )
+
+
 class LoopQCLI(LightningCLI):
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        check_moved_keys(list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else [])
+        super().parse_arguments(parser, args)
+
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume: 'last' or a .ckpt path")
         parser.add_argument(

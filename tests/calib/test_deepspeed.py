@@ -68,7 +68,10 @@ def test_zero3_two_processes_checkpoint_loops_resume(tmp_path):
 def test_progressive_selection_under_deepspeed(tmp_path):
     """ZeRO-2 runs the progressive schedule (no up-front rounds): one promotion per round, after steps 0 and 1."""
     strategy = json.dumps({"class_path": "loopq.calib.deepspeed.LoopQDeepSpeedStrategy", "init_args": {"stage": 2}})
+    every_step = json.dumps(
+        [{"class_path": "loopq.calib.reselection.SharingGapReselection", "init_args": {"every_n_steps": 1}}]
+    )
     out = run(tmp_path, "--trainer.strategy", strategy, "--trainer.max_steps", "3", "--trainer.callbacks",
-              "[]", "--model.slt_every_n_steps", "1", configs=FIT_CONFIGS)  # fmt: skip
+              every_step, configs=FIT_CONFIGS)  # fmt: skip
     assert "step 0: SLT promoted" in out.stdout and "step 1: SLT promoted" in out.stdout
     assert len(read_student(tmp_path)[1]["promoted"]) == 2

@@ -1,5 +1,6 @@
 """The method cannot be switched off by accident: the calibration module installs LoopQ's schedules itself."""
 
+import inspect
 import json
 
 import pytest
@@ -8,6 +9,8 @@ from loopq.calib.diagnostics import PerLoopDiagnostics
 from loopq.calib.module import LoopQCalibration, method_callbacks
 from loopq.calib.mu import AdaptiveMu, mu_update_due
 from loopq.calib.reselection import SharingGapReselection, recording_due, round_due
+from loopq.commands.fit import MOVED_KEYS, check_moved_keys
+from loopq.errors import UsageError
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig
 from tests.helpers import read_student, run_fit
@@ -17,17 +20,34 @@ TEACHER = str(ASSETS / "tiny-ouro")
 
 @pytest.fixture(scope="module")
 def module():
-    return LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2), mu_every_n_steps=7, slt_every_n_steps=9)
+    return LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2))
 
 
 def kinds(callbacks):
     return [type(c) for c in callbacks]
 
 
-def test_an_empty_callback_list_gets_the_whole_method(module):
+def test_an_empty_callback_list_gets_the_whole_method_with_the_callbacks_own_schedules(module):
     mu, slt = method_callbacks(module, [PerLoopDiagnostics()])
-    assert isinstance(mu, AdaptiveMu) and mu.every_n_steps == 7
-    assert isinstance(slt, SharingGapReselection) and slt.every_n_steps == 9 and slt._budget(module) == 2
+    assert isinstance(mu, AdaptiveMu) and mu.every_n_steps == AdaptiveMu().every_n_steps == 100  # the paper's
+    assert isinstance(slt, SharingGapReselection) and slt._budget(module) == 2
+    assert (slt.start_step, slt.every_n_steps, slt.per_round) == (0, 50, 1)
+
+
+def test_the_schedules_have_one_home():
+    """Issue 40: the mu_t and SLT schedules are the callbacks' arguments only; the module has none of them."""
+    assert not [k for k in inspect.signature(LoopQCalibration).parameters if k.startswith(("slt_", "mu_"))]
+
+
+@pytest.mark.parametrize("key", sorted(MOVED_KEYS))
+def test_a_moved_schedule_key_is_refused_naming_its_callback(tmp_path, key):
+    config = tmp_path / "old.yaml"
+    config.write_text(f"model:\n  {key.removeprefix('model.')}: 5\n")
+    callback = MOVED_KEYS[key].split("'")[0].rsplit(".", 1)[1]
+    for argv in (["--config", str(config)], [f"--config={config}"], [f"--{key}", "5"], [f"--{key}=5"]):
+        with pytest.raises(UsageError, match=f"{key}.*moved to trainer.callbacks, set .*{callback}'s"):
+            check_moved_keys(["--config", "configs/tiny.yaml", *argv])
+    check_moved_keys(["--config", "configs/tiny.yaml", "--model.lam", "0.2"])  # anything else: the parser's
 
 
 def test_explicit_callbacks_override_the_modules_schedule(module):
@@ -56,9 +76,8 @@ def test_reselection_schedule_by_hand():
 def test_a_config_without_callbacks_still_runs_loopq(tmp_path):
     """Issue acceptance: `--trainer.callbacks '[]'` promotes the budgeted groups and ends with non-zero mu_t."""
     run_fit(
-        tmp_path, "--trainer.callbacks", "[]", "--trainer.max_steps", "60", "--model.slt_every_n_steps", "25",
-        "--model.mu_every_n_steps", "50",
-    )  # fmt: skip
+        tmp_path, "--trainer.callbacks", "[]", "--trainer.max_steps", "60"
+    )  # fmt: skip  # SharingGapReselection's default rounds at steps 0 and 50
     _, meta = read_student(tmp_path)
     assert len(meta["promoted"]) == 2  # quant.slt_budget of configs/tiny.yaml
     assert len(meta["mu"]) == 4 and all(0 < m < 1 for m in meta["mu"][:-1])  # mu_T = 0: H_T is the final state
