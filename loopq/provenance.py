@@ -189,7 +189,18 @@ def record(teacher_sha256: str, config: dict[str, Any] | None = None) -> dict[st
 #: options added after records were written, with the value every older record calibrated with: a record without
 #: the key is read as having that value (a student or checkpoint from before the option existed is not "another
 #: config" for it)
-LATER_OPTIONS = {"model.state_reduction": "mean"}
+LATER_OPTIONS = {"model.state_reduction": "mean", "model.student_from": "last"}
+
+#: options removed since records were written, with the value that means what the current code does (the
+#: schedules moved to the callbacks' arguments, whose defaults are these): a record holding that value is not
+#: "another config"; one holding another value is
+RETIRED_OPTIONS = {
+    "model.mu_every_n_steps": 100,
+    "model.slt_start_step": 0,
+    "model.slt_every_n_steps": 50,
+    "model.slt_per_round": 1,
+    "model.slt_probe_batches": 2,
+}
 
 
 def flat_record(block: dict[str, Any] | None) -> dict[str, Any]:
@@ -199,5 +210,6 @@ def flat_record(block: dict[str, Any] | None) -> dict[str, Any]:
     config = block.get("config") or {}
     if config:
         config = {**LATER_OPTIONS, **config}
+        config = {k: v for k, v in config.items() if k not in RETIRED_OPTIONS or RETIRED_OPTIONS[k] != v}
     flat.update({f"config.{k}": v for k, v in config.items()})
     return flat

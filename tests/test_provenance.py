@@ -112,6 +112,7 @@ def test_student_and_checkpoint_record_teacher_hash_and_config(calibrated):
     assert prov["config"]["model.quant.a_bits"] == 4 and prov["config"]["trainer.max_steps"] == 3
     assert "trainer.default_root_dir" not in prov["config"]
     ckpt = torch.load(calibrated / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert prov.pop("selected") == {"checkpoint": "last", "step": 3}  # the student's own: which state it is
     assert ckpt["loopq"]["provenance"] == prov
     env = prov["environment"]
     assert env["torch"] == torch.__version__ and env["python"] == sys.version.split()[0]
@@ -221,3 +222,23 @@ def test_a_record_from_before_an_option_existed_reads_as_its_default():
     summed = {"teacher_sha256": "t", "config": {"model.lam": 0.1, "model.state_reduction": "sum"}}
     with pytest.raises(ProvenanceError, match="state_reduction"):
         check_same(flat_record(old), flat_record(summed), "x", "fix")
+
+
+def test_a_record_of_a_retired_schedule_option_matches_when_it_meant_the_callbacks_default():
+    """``model.slt_every_n_steps`` etc. moved to the callbacks (issue 40). A record holding the value that equals the
+    callback's default (what a config without callbacks runs now) is the same config; another value is not."""
+    from loopq.calib.mu import AdaptiveMu
+    from loopq.calib.reselection import SharingGapReselection
+
+    slt, mu = SharingGapReselection(), AdaptiveMu()
+    defaults = {
+        "model.mu_every_n_steps": mu.every_n_steps, "model.slt_start_step": slt.start_step,
+        "model.slt_every_n_steps": slt.every_n_steps, "model.slt_per_round": slt.per_round,
+        "model.slt_probe_batches": slt.probe_batches,
+    }  # fmt: skip
+    now = {"teacher_sha256": "t", "config": {"model.lam": 0.1}}
+    old = {"teacher_sha256": "t", "config": {"model.lam": 0.1, **defaults}}
+    check_same(flat_record(old), flat_record(now), "x", "fix")
+    other = {"teacher_sha256": "t", "config": {"model.lam": 0.1, **defaults, "model.slt_every_n_steps": 25}}
+    with pytest.raises(ProvenanceError, match="slt_every_n_steps"):
+        check_same(flat_record(other), flat_record(now), "x", "fix")

@@ -46,14 +46,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from loopq.artifacts.student import student_meta, write_student
+from loopq.calib.checkpoint_io import load_weights_only
 from loopq.calib.deepspeed import gathered, is_zero3
 from loopq.calib.losses import STATE_REDUCTIONS, layerwise_loss, loopq_loss
 from loopq.calib.targets import TeacherTargets, load_or_compute
@@ -117,6 +119,7 @@ class LoopQCalibration(L.LightningModule):
         output_dir: str | None = None,
         objective: str = "trajectory",
         adaptive_mu: bool = True,
+        student_from: Literal["last", "best"] = "last",
     ) -> None:
         super().__init__()
         quant = quant or QuantConfig()
@@ -386,6 +389,7 @@ class LoopQCalibration(L.LightningModule):
 
     def on_fit_end(self) -> None:
         out = self.hparams.output_dir or (Path(self.trainer.default_root_dir) / "student")
+        self.provenance["selected"] = self.select_student()
         # under ZeRO-3 the student's parameters are partitioned: every rank takes part in gathering them
         with gathered(self.trainer.strategy, student_parameters(self.student)):
             if self.trainer.is_global_zero:
@@ -395,6 +399,31 @@ class LoopQCalibration(L.LightningModule):
                 path = write_student(self.student, meta, out)
                 print(f"[loopq] calibrated student written to {path}")
         self.trainer.strategy.barrier("loopq_student_written")
+
+    def select_student(self) -> dict[str, Any]:
+        """Which calibration state becomes the student (``student_from``): the last step's (the paper's), or the
+        checkpoint the monitoring :class:`ModelCheckpoint` scored best on held-out validation, loaded into the
+        student here (weights only). Returned for the provenance (recorded, not compared)."""
+        last = {"checkpoint": "last", "step": self.global_step}
+        if self.hparams.student_from != "best":
+            return last
+        monitored = [cb for cb in self.trainer.checkpoint_callbacks if getattr(cb, "monitor", None)]
+        best = monitored[0].best_model_path if monitored else ""
+        if not best:  # no validation ran (a run shorter than val_check_interval): nothing to choose from
+            rank_zero_warn("model.student_from best: no checkpoint was scored on validation; the student is the last")
+            return {**last, "why": "no scored checkpoint"}
+        state = load_weights_only(best)
+        self.load_state_dict(state["state_dict"])
+        self.mu.copy_(torch.tensor(state["loopq"]["mu"], device=self.mu.device))
+        score = monitored[0].best_model_score
+        print(f"[loopq] student from the best checkpoint: step {state['global_step']}, {monitored[0].monitor} {score}")
+        return {
+            "checkpoint": "best",
+            "step": int(state["global_step"]),
+            "monitor": monitored[0].monitor,
+            "score": None if score is None else float(score),
+            "last_step": self.global_step,
+        }
 
 
 def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> list[L.Callback]:

@@ -437,6 +437,31 @@ def check_strategy(trainer: Any) -> None:
         )
 
 
+def check_student_choice(config: Any) -> None:
+    """``model.student_from: best`` needs held-out validation, a ``ModelCheckpoint`` that monitors it, and a
+    checkpoint that is one file (not DeepSpeed's directory)."""
+    if getattr(config.model, "student_from", "last") != "best":
+        return
+    key = "--model.student_from best"
+    if not (config.data.val_samples or config.data.val_sources):
+        raise UsageError(f"{key}: nothing is validated; set --data.val_samples N (docs/usage.md, held-out validation)")
+    callbacks = config.trainer.callbacks or []
+    monitored = [
+        cb for cb in callbacks
+        if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")
+        and (getattr(cb, "init_args", None) or {}).get("monitor")
+    ]  # fmt: skip
+    if not monitored:
+        raise UsageError(
+            f"{key}: no ModelCheckpoint in trainer.callbacks monitors a validation metric; add one with "
+            "monitor: val/heldout/kl_full (docs/usage.md)"
+        )
+    strategy = config.trainer.strategy
+    name = str(getattr(strategy, "class_path", strategy)).lower()
+    if "deepspeed" in name:
+        raise UsageError(f"{key}: not under DeepSpeed (its checkpoints are directories); use --model.student_from last")
+
+
 def check_calibration_text(data: Any) -> None:
     """The calibration text holds enough tokens for the requested windows (:func:`~loopq.data.calibration.
     check_enough_tokens`), checked before the teacher loads when every source is a local file (an ``hf:`` source
@@ -473,6 +498,7 @@ def check_calibration(config: Any) -> None:
     check_steps(config.trainer)
     check_optimiser(config.model)
     check_strategy(config.trainer)
+    check_student_choice(config)
     teacher = str(config.model.teacher)
     root = Path(config.trainer.default_root_dir or os.getcwd())
     check_run_root(root, teacher)

@@ -174,3 +174,48 @@ def test_validation_changes_no_bit_and_a_checkpoint_reproduces_the_logged_values
     states = torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=True)["callbacks"]
     chosen = next(v for k, v in states.items() if "val/heldout/kl_full" in k)
     assert float(chosen["best_model_score"]) == pytest.approx(min(r["val/heldout/kl_full"] for r in logged.values()))
+
+
+def test_student_from_best_is_the_monitored_checkpoint_and_is_recorded(tmp_path):
+    """``model.student_from: best`` writes the checkpoint the monitoring ModelCheckpoint chose (mode ``max`` here, so
+    that it is an early one, not the last step) as the student, and records which in the provenance."""
+    worst = {"monitor": "val/heldout/kl_full", "mode": "max", "save_top_k": 1, "filename": "chosen"}
+    chooser = json.dumps({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": worst})
+    run_fit(tmp_path, "--trainer.max_steps", "6", "--trainer.val_check_interval", "2", *VALIDATE,
+            "--trainer.callbacks+", chooser, "--model.student_from", "best")  # fmt: skip
+    weights, meta = read_student(tmp_path)
+    chosen = torch.load(tmp_path / "checkpoints" / "chosen.ckpt", weights_only=True)
+    selected = meta["provenance"]["selected"]
+    assert selected["checkpoint"] == "best" and selected["monitor"] == "val/heldout/kl_full"
+    assert selected["step"] == chosen["global_step"] < selected["last_step"] == 6
+    logged = val_rows(tmp_path)
+    assert selected["score"] == pytest.approx(max(r["val/heldout/kl_full"] for r in logged.values()))
+    assert_same_tensors(weights, {k: chosen["state_dict"]["student." + k] for k in weights}, atol=0)
+    assert meta["mu"] == chosen["loopq"]["mu"]
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert any(not torch.equal(weights[k], last["student." + k]) for k in weights)  # not the last step's
+
+
+def test_student_from_best_is_refused_without_something_to_choose_by():
+    from types import SimpleNamespace as NS
+
+    from loopq.errors import UsageError
+    from loopq.planning.guards import check_student_choice
+
+    monitor = NS(class_path="lightning.pytorch.callbacks.ModelCheckpoint", init_args={"monitor": "val/heldout/kl_full"})
+    plain = NS(class_path="lightning.pytorch.callbacks.ModelCheckpoint", init_args={"save_last": True})
+
+    def config(val_samples=5, callbacks=(monitor,), strategy="auto"):
+        trainer = NS(callbacks=list(callbacks), strategy=strategy)
+        return NS(model=NS(student_from="best"), data=NS(val_samples=val_samples, val_sources=None), trainer=trainer)
+
+    check_student_choice(config())
+    with pytest.raises(UsageError, match=r"student_from best: nothing is validated; set --data\.val_samples"):
+        check_student_choice(config(val_samples=0))
+    with pytest.raises(UsageError, match=r"no ModelCheckpoint in trainer\.callbacks monitors"):
+        check_student_choice(config(callbacks=(plain,)))
+    with pytest.raises(UsageError, match="not under DeepSpeed"):
+        check_student_choice(config(strategy=NS(class_path="loopq.calib.deepspeed.LoopQDeepSpeedStrategy")))
+    last = config()
+    last.model.student_from = "last"
+    check_student_choice(last)  # the paper's default needs nothing
