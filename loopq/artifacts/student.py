@@ -55,7 +55,13 @@ def stored_tensors(student: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def quant_state(student: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().cpu().contiguous() for n, t in stored_tensors(student).items()}
+    """:func:`stored_tensors` on the CPU, a promoted group's unused shared parameters at the values it was promoted
+    with (:meth:`~loopq.quant.modules.QuantLinearGroup.stored_shared`)."""
+    tensors = stored_tensors(student)
+    for name, group in quant_groups(student).items():
+        stored = {f"{name}.{key}": value for key, value in group.stored_shared().items()}
+        tensors |= {key: value for key, value in stored.items() if key in tensors}  # the trainable ones
+    return {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
 
 
 def student_meta(

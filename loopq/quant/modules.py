@@ -481,6 +481,20 @@ class QuantLinearGroup(nn.Module):
         params += [p for p in (self.loop_weight_clip, self.loop_act_clip) if p is not None]
         return params
 
+    def stored_shared(self) -> dict[str, Tensor]:
+        """A promoted group's shared parameters as a student stores them (names relative to the group): the values
+        it was promoted with, its anchors. Unused after the promotion, they still take AdamW's zero-gradient momentum
+        steps, whose last digits differ between strategies and across a ZeRO-3 resume; stored so, the student does
+        not depend on them. Empty for an unpromoted group."""
+        if not self._promoted:
+            return {}
+        named = dict(self.transform.named_parameters(prefix="transform")) if self.transform is not None else {}
+        out = {name: getattr(self.slt_anchor, _anchor_name(name.removeprefix("transform."))) for name in named}
+        out["weight_clip"] = self.slt_anchor.weight_clip
+        if self.loop_act_clip is not None:
+            out["act_clip"] = self.slt_anchor.act_clip
+        return out
+
     def shared_parameters(self) -> list[nn.Parameter]:
         """The parameters every loop uses while the group is shared (unused once it is promoted)."""
         params = list(self.transform.parameters()) if self.transform is not None else []

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from loopq.artifacts.student import quant_state
 from loopq.calib.slt import loop_gradients, recording, shared_inverses
 from loopq.models import load_looplm
 from loopq.quant import (
@@ -88,6 +89,33 @@ def test_promotion_leaves_output_unchanged(teacher):
     with torch.no_grad():  # the per-loop copies are now independent
         group.loop_transforms[0].left.log_s.add_(0.1)
     assert not torch.equal(run(student, ids).logits, before)
+
+
+def test_a_promoted_groups_unused_shared_parameters_are_stored_at_their_promotion_values(teacher):
+    """The shared parameters of a promoted group drift under AdamW's zero-gradient momentum steps (differently per
+    strategy and across a ZeRO-3 resume); a student stores the values the group was promoted with, and computes the
+    same with them."""
+    ids = ids_for(teacher)
+    student = prepare(teacher, QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random"))
+    name = next(iter(looped_quant_groups(student)))
+    group = quant_groups(student)[name]
+    promoted_with = {
+        k: v.detach().clone() for k, v in group.named_parameters() if k.startswith(("transform.", "weight"))
+    }
+    group.promote()
+    with torch.no_grad():  # the drift: every shared parameter moves, the output does not
+        before = run(student, ids).logits
+        for p in group.shared_parameters():
+            p.add_(0.25)
+        torch.testing.assert_close(run(student, ids).logits, before, atol=0, rtol=0)
+    state = quant_state(student)
+    for key, value in promoted_with.items():
+        assert torch.equal(state[f"{name}.{key}"], value), key
+    other = list(looped_quant_groups(student))[1] + "."  # unpromoted: stored as trained
+    assert all(torch.equal(state[k], p.detach()) for k, p in student.named_parameters() if k.startswith(other))
+    fresh = prepare(teacher, QuantConfig(w_bits=4, a_bits=4, group_size=16, transform_init="random"))
+    fresh.load_state_dict(state, strict=False)
+    torch.testing.assert_close(run(fresh, ids).logits, before, atol=0, rtol=0)
 
 
 def test_non_looped_groups_cannot_be_promoted(fixtures):
