@@ -5,9 +5,9 @@ calibration steps of the tiny teacher."""
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +39,11 @@ class ParseOnly(fit.LoopQCLI):
         pass
 
 
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def parsed(args: list[str]):
     return fit.build_cli(args, ParseOnly).config
 
@@ -46,12 +51,12 @@ def parsed(args: list[str]):
 # ---------------------------------------------------------------------------------------------------- the command
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
 def test_print_plan_of_a_paper_config_runs_offline_in_seconds_without_the_teacher(name, tmp_path):
-    start = time.monotonic()
+    start = children_cpu_seconds()  # CPU time, not wall: a loaded machine (xdist, other jobs) stretches the wall
     cmd = [sys.executable, "-m", "loopq.fit", "--config", f"configs/{name}.yaml", "--print_plan",
            "--trainer.default_root_dir", str(tmp_path / "run")]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=ENV, timeout=120)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=ENV, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert time.monotonic() - start < 60
+    assert children_cpu_seconds() - start < 60  # imports ~10 s; building a 1.4B teacher alone would take longer
     text = out.stdout
     assert "shapes: embedded" in text and "nothing loaded" in text
     for row in ("frozen teacher weights (bf16", "AdamW", "fake-quant weights", "activations", "PEAK per GPU:",
