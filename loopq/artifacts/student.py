@@ -59,7 +59,7 @@ def quant_state(student: torch.nn.Module) -> dict[str, torch.Tensor]:
     with (:meth:`~loopq.quant.modules.QuantLinearGroup.stored_shared`)."""
     tensors = stored_tensors(student)
     for name, group in quant_groups(student).items():
-        stored = {f"{name}.{key}": value for key, value in group.stored_shared().items()}
+        stored = {f"{name}.{key}": value.clone() for key, value in group.stored_shared().items()}  # not the anchor
         tensors |= {key: value for key, value in stored.items() if key in tensors}  # the trainable ones
     return {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
 
