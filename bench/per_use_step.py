@@ -1,6 +1,10 @@
 """CPU step time of the per-use weight backward against plain autograd on the same student, in one run (ratio).
 
     OMP_NUM_THREADS=1 python bench/per_use_step.py --teacher loopq/assets/tiny-ouro --batch 4 --seq 256 --steps 5
+    OMP_NUM_THREADS=1 python bench/per_use_step.py --ouro_layers 2 --batch 1 --seq 256 --steps 2   # real shapes
+
+``--ouro_layers N`` replaces the teacher by a random fp32 Ouro of the published Ouro-1.4B shape (hidden 2048, MLP
+5632, vocab 49152, 4 loops; ``bench/real_shapes.py``) with N layers: the weight chains at their real size.
 
 Forward + backward of a fresh W4A4 LoopQ student (slt_budget 2, one group promoted, LAS and CTA on), the two
 backward modes interleaved step by step so that a shared CPU slows both alike; prints the median of each and the
@@ -11,11 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.real_shapes import OURO_1P4B
 from loopq.models import load_looplm
+from loopq.models.ouro import OuroLM
 from loopq.quant import QuantConfig, looped_quant_groups, prepare
 from loopq.quant.modules import GroupOptions
 
@@ -26,12 +36,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compiled", action="store_true", help="torch.compile-d quantizer chains (the paper configs)")
+    parser.add_argument("--ouro_layers", type=int, default=None, help="random Ouro-1.4B-shaped teacher, N layers")
     args = parser.parse_args()
-    teacher = load_looplm(args.teacher)
+    if args.ouro_layers:
+        teacher = OuroLM.from_config({**OURO_1P4B, "num_hidden_layers": args.ouro_layers}, seed=0).eval()
+    else:
+        teacher = load_looplm(args.teacher)
     ids = torch.randint(0, 100, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     students = {}
     for name, per_use in (("autograd", False), ("per-use", True)):
-        s = prepare(teacher, QuantConfig(slt_budget=2), options=GroupOptions(per_use_backward=per_use)).train()
+        s = prepare(
+            teacher, QuantConfig(slt_budget=2), options=GroupOptions(per_use_backward=per_use, compiled=args.compiled)
+        ).train()
         next(iter(looped_quant_groups(s).values())).promote()
         students[name] = s
     times: dict[str, list[float]] = {n: [] for n in students}

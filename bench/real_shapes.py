@@ -206,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
             teacher_dtype=str(switches.get("teacher_dtype", "fp32")),
         )  # fmt: skip
         print(format_step_plan(plan, next(peak for name, _, _, peak in rows if name == "step")))
-        setup, prepared = plan.phases["setup"] / 2**30, next(peak for name, _, _, peak in rows if name == "prepare")
-        print(f"  setup predicted {setup:.2f} GiB, prepare stage peak {prepared:.2f} GiB ({prepared / setup:.2f}x)")
+        prepared = next(peak for name, _, _, peak in rows if name == "prepare")  # the teacher loads inside it
+        setup = max(plan.phases["setup"], plan.teacher_load) / 2**30
+        print(
+            f"  setup predicted {setup:.2f} GiB (max of the teacher load {plan.teacher_load / 2**30:.2f} and the "
+            f"setup phase {plan.phases['setup'] / 2**30:.2f}), prepare stage peak {prepared:.2f} GiB "
+            f"({prepared / setup:.2f}x)"
+        )
         print("\n| stage | seconds | RSS after (GiB) | stage peak (GiB) |\n|---|---|---|---|")
         for name, seconds, now, peak in rows:
             print(f"| {name} | {seconds:.1f} | {now:.2f} | {peak:.2f} |")
