@@ -22,12 +22,13 @@ from triton.compiler import ASTSource
 
 from loopq.commands.gpu_check.kernel_bench import SHAPES
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
+from loopq.kernels.packing import TILE_ROWS
 
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
 #: the fast quantizer at Ouro-1.4B's input widths (``kron_factors``: 2048 = 32 x 64, 5632 = 64 x 88), int4 and int8
 FAST_QUANT_CONFIGS = tuple((k, n1, n2, bits) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)) for bits in (4, 8))
-#: the decode configs ``decode_config`` picks at M = 1 (CUDA cores), 4 (CUDA cores, 4 rows) and 16 (tensor cores)
-DECODE_CONFIGS = tuple(decode_kernel.decode_config(m, *SHAPES[0]) for m in (1, 4, 16))
+#: the decode kernel's launch shapes checked here (tokens per launch, the compiled BLOCK_M)
+DECODE_M = (1, 4, 16)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -63,17 +64,18 @@ def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig
     return triton.compile(src, target=target, options=options)
 
 
-def compile_decode(target: GPUTarget, a_int4: bool, cfg: decode_kernel.DecodeConfig):
-    sig = {"a_ptr": "*u8" if a_int4 else "*i8", "sa_ptr": "*fp32", "w_ptr": "*u8", "sw_ptr": "*fp16"}
-    sig |= {"part_ptr": "*fp32", "M": "i32", "N": "i32", "row_bytes": "i32", "groups": "i32"}
-    sig |= {"groups_per_split": "i32"}
-    const = dict(A_INT4=a_int4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_DOT=cfg.use_dot)
-    # what the launcher specializes: 16-byte aligned pointers, row_bytes = K / 2 a multiple of 16 (Ouro's K)
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7)}
+def compile_decode(target: GPUTarget, block_m: int):
+    """:func:`decode_kernel._decode_kernel` as ``gemm_tiled`` launches it for ``block_m`` tokens (bf16 output, a
+    bias, 16-byte aligned pointers as torch allocates them)."""
+    sig = {"a_ptr": "*i32", "sa_ptr": "*fp32", "w_ptr": "*i32", "sw_ptr": "*fp16", "bias_ptr": "*fp32"}
+    sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "G": "i32"}
+    const = {"HAS_BIAS": True, "BLOCK_M": block_m, "ASM": True}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     src = ASTSource(
         decode_kernel._decode_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned
     )
-    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
+    options = {"num_warps": decode_kernel.NUM_WARPS, "enable_fp_fusion": False}
+    return triton.compile(src, target=target, options=options)
 
 
 def weight_load_bytes(ptx: str) -> list[int]:
@@ -132,22 +134,15 @@ def main(arch: int) -> None:
             print(name, f"a{4 if a_int4 else 8}", "warp_group_dot", ttgir.count("ttng.warp_group_dot "), end=" ")
             print("wgmma", ptx.count("wgmma.mma_async"), "mma.sync", ptx.count("mma.sync.aligned"), end=" ")
             print("int8", ptx.count(".s32.s8.s8"), "cp.async", ptx.count("cp.async.c"), "regs", regs, "spills", spills)
-    for cfg in DECODE_CONFIGS:
-        for a_int4 in (True, False):
-            ptx = compile_decode(target, a_int4, cfg).asm["ptx"]
-            sizes = weight_load_bytes(ptx)
-            regs, spills = ptxas_usage(ptx, arch)
-            wide, narrow = sum(b >= 8 for b in sizes), sum(b < 8 for b in sizes)
-            name = f"decode m{cfg.block_m} n{cfg.block_n} g{cfg.block_g} w{cfg.num_warps} a{4 if a_int4 else 8}"
-            print(name, "weight loads", max(sizes, default=0), "B wide", wide, "narrow", narrow, end=" ")
-            print("int8 mma", ptx.count(".s32.s8.s8"), "regs", regs, "spills", spills)
-    sig = {"part_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"}
-    src = ASTSource(decode_kernel._reduce_kernel, sig, constexprs={"SPLITS": 22, "BLOCK": 1024})
-    ptx = triton.compile(src, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
-    print("reduce splits 22 fadd", len(re.findall(r"\badd(?:\.rn)?\.f32", ptx)))
+    for block_m in DECODE_M:
+        ptx = compile_decode(target, block_m).asm["ptx"]
+        sizes = weight_load_bytes(ptx)
+        regs, spills = ptxas_usage(ptx, arch)
+        wide, narrow = sum(b >= 8 for b in sizes), sum(b < 8 for b in sizes)
+        print(f"decode m{block_m} weight loads", max(sizes, default=0), "B wide", wide, "narrow", narrow, end=" ")
+        print("dp4a", ptx.count("dp4a.s32.s32"), "regs", regs, "spills", spills)
     for n, k in SHAPES:
-        blocks, splits = decode_kernel.decode_config(1, n, k).grid(n)
-        print(f"decode-grid N={n} K={k} M=1 programs {blocks * splits}")
+        print(f"decode-grid N={n} K={k} M=1 programs {triton.cdiv(n, TILE_ROWS)}")
 
 
 if __name__ == "__main__":
