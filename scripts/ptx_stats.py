@@ -93,11 +93,11 @@ def quantizer_row(arch: int, k: int, n1: int, n2: int) -> dict:
 KERNELS = ("decode", "prefill", "quantize")
 
 
-def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS) -> list[dict]:
+def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tuple[int, ...] = DECODE_M) -> list[dict]:
     rows = []
     for arch in archs:
         if "decode" in kernels:
-            rows += [decode_row(arch, m) for m in DECODE_M]
+            rows += [decode_row(arch, m) for m in decode_m]
         if "prefill" in kernels:
             rows += [prefill_row(arch, cfg) for cfg in gemm_kernel.CANDIDATES]
         if "quantize" in kernels:
@@ -136,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90, 80)")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS), help="which kernels")
+    parser.add_argument("--m", type=int, nargs="+", default=list(DECODE_M), help="decode tokens (1 2 4 8 16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line instead of tables")
     args = parser.parse_args(argv)
-    rows = collect(args.arch, tuple(args.kernels))
+    rows = collect(args.arch, tuple(args.kernels), tuple(args.m))
     print(f"triton {triton.__version__}")
     print("\n".join(json.dumps(r) for r in rows) if args.json else markdown(rows))
     return 0

@@ -184,7 +184,7 @@ def _checked_decode(gemm_tiled, calls: list):
 
 @pytest.mark.skipif(not triton_interpreted(), reason="needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
 def test_decode_forward_within_the_bound(exported, monkeypatch):
-    """Whole-model forwards of 16 tokens (2 x 8) and of 1 token on the Triton backend's decode GEMM (the export
+    """Whole-model forwards of 4 tokens and of 1 token on the Triton backend's decode GEMM (the export
     layout, int8 codes in the decode order): every GEMM the exported model issues is within ``gemm_fp64``'s fp32
     bound of its codes (the kernels' contract; the logits are not compared, since a rounding difference may move a
     later activation code). Ouro only."""
@@ -192,15 +192,15 @@ def test_decode_forward_within_the_bound(exported, monkeypatch):
         pytest.skip("one architecture suffices: the GEMM calls are the same kernels")
     calls = []
     monkeypatch.setattr(decode_kernel, "gemm_tiled", _checked_decode(decode_kernel.gemm_tiled, calls))
-    ids = exported.ids(length=8)
-    for tokens in (ids, ids[:1, :1]):
+    ids = exported.ids(length=4)
+    for tokens in (ids[:1], ids[:1, :1]):
         _set_backend(exported.model, "triton")
         try:
             with torch.no_grad():
                 assert torch.isfinite(exported.model(tokens).logits).all()
         finally:
             _set_backend(exported.model, None)
-    assert {m for m, _ in calls} == {16, 1} and all(ok for _, ok in calls)
+    assert {m for m, _ in calls} == {4, 1} and all(ok for _, ok in calls)
 
 
 def _set_backend(model: nn.Module, backend: str | None) -> None:
