@@ -89,10 +89,11 @@ def main_loop(ptx: str, marker: str) -> Loop:
 
 
 def waits_in_loops(ptx: str, instruction: str = "cp.async.wait_group") -> list[int]:
-    """The depths of every ``cp.async.wait_group N`` (or ``wgmma.wait_group``) inside a loop body."""
+    """The depths of every ``cp.async.wait_group N`` (or ``wgmma.wait_group.sync.aligned N``) inside a loop."""
     depths = []
     for loop in loops(ptx):
         for line in loop.body:
-            if line.startswith(instruction) or f" {instruction}" in line:
-                depths.append(int(re.search(instruction.replace(".", r"\.") + r"\s+(\d+)", line).group(1)))
+            match = re.search(re.escape(instruction) + r"(?:\.[a-z]+)*\s+(\d+)", line)
+            if match:
+                depths.append(int(match.group(1)))
     return depths

@@ -34,7 +34,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bool, bits: int, block_m: int):
     np2 = triton.next_power_of_2
-    sig = {"x_ptr": "*bf16", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
+    sig = {"x_ptr": "*bf16", "d_ptr": "*fp32", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
     const = dict(K=k, KP=np2(k), N1=n1, N2=n2, N1P=np2(n1), N2P=np2(n2), HAS_TRANSFORM=transform, BITS=bits)
     const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), BLOCK_M=block_m)
@@ -44,7 +44,7 @@ def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bo
 
 def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int):
     """The ``tl.dot`` transform path (``exact=False``) with the chunks, padding and warps its launcher uses."""
-    sig = {"x_ptr": "*bf16", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
+    sig = {"x_ptr": "*bf16", "d_ptr": "*fp32", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
     cfg = quantize_kernel.fast_config(n1, n2)
     const = dict(K=k, KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj, BITS=bits)

@@ -33,6 +33,7 @@ $L__BB0_1:                              // %loop
 	ld.global.b32 { %r10 }, [ %rd3 + 0 ];
 	dp4a.s32.s32 %r11, %r2, %r10, %r11;
 	cp.async.wait_group 2;
+	wgmma.wait_group.sync.aligned 1;
 	@%p2 bra 	$L__BB0_1;
 $L__BB0_2:
 	shfl.sync.bfly.b32 	%r12, %r11, 1, 31, -1;
@@ -45,11 +46,12 @@ $L__BB0_2:
 
 def test_loop_body_counts_by_hand():
     (loop,) = ptx.loops(SAMPLE)
-    assert loop.label == "$L__BB0_1" and len(loop.body) == 6  # 3 loads, dp4a, wait, branch
+    assert loop.label == "$L__BB0_1" and len(loop.body) == 7  # 3 loads, dp4a, 2 waits, branch
     assert loop.count("shfl") == 0 and loop.count("bar.sync") == 0 and loop.count("dp4a") == 1
     assert loop.load_bytes("evict_first") == [16] and loop.load_bytes(".cg.") == [16]
     assert loop.opcodes()["bra"] == 1 and ptx.main_loop(SAMPLE, "evict_first") is not None
     assert ptx.waits_in_loops(SAMPLE) == [2]  # the depth-0 wait after the loop does not count
+    assert ptx.waits_in_loops(SAMPLE, "wgmma.wait_group") == [1]
 
 
 def test_load_width_and_opcode():
