@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -236,6 +237,18 @@ def test_cli_names_a_missing_student_weights_file(exported, tmp_path):
 def test_load_rejects_a_directory_that_is_not_an_export(fixtures):
     with pytest.raises(ExportError, match=re.escape(META)):
         load_quantized(fixtures / "ouro-tiny")
+
+
+def test_load_refuses_an_export_of_the_previous_format(exported, tmp_path):
+    """v2 stored the weights in natural order; v3 in the kernel layout: a v2 directory is refused in one line that
+    says to export it again, before any tensor is read."""
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(exported.out / name, tmp_path / name)
+    meta = json.loads((exported.out / META).read_text()) | {"format": "loopq-export-v2"}
+    (tmp_path / META).write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match=r"format 'loopq-export-v2' is not 'loopq-export-v3'; export it again") as err:
+        load_quantized(tmp_path)
+    assert "\n" not in str(err.value)
 
 
 def test_load_names_damaged_weights(exported, tmp_path):
