@@ -38,6 +38,7 @@ def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bo
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
     const = dict(K=k, KP=np2(k), N1=n1, N2=n2, N1P=np2(n1), N2P=np2(n2), HAS_TRANSFORM=transform, BITS=bits)
     const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), BLOCK_M=block_m)
+    const |= dict(HAS_D=True, DECODE=False)  # the exported model multiplies by 1/d in the quantizer
     src = ASTSource(quantize_kernel._quantize_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
     return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
 
@@ -48,7 +49,7 @@ def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: in
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
     cfg = quantize_kernel.fast_config(n1, n2)
     const = dict(K=k, KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj, BITS=bits)
-    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1))
+    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), HAS_D=True, DECODE=False)
     src = ASTSource(quantize_kernel._quantize_dot_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
     return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
 
