@@ -125,9 +125,9 @@ def stage(name: str, fn: Callable[[], Any], rows: list[tuple[str, float, float, 
 
 
 def paper_model(config: Path) -> tuple[QuantConfig, dict[str, Any]]:
-    """``model.quant`` of a paper config and its memory switches (``checkpoint_weights``, ``teacher_dtype``)."""
+    """``model.quant`` of a paper config and its memory switch ``teacher_dtype``."""
     model = yaml.safe_load(config.read_text())["model"]
-    switches = {key: model[key] for key in ("checkpoint_weights", "teacher_dtype") if key in model}
+    switches = {key: model[key] for key in ("teacher_dtype",) if key in model}
     return QuantConfig(**model["quant"]), switches
 
 
@@ -203,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
             hidden=OURO_1P4B["hidden_size"], layers=args.layers, loops=OURO_1P4B["total_ut_steps"],
             mlp=OURO_1P4B["intermediate_size"], heads=OURO_1P4B["num_attention_heads"], vocab=OURO_1P4B["vocab_size"],
             batch=args.batch, seq_len=args.seq, checkpoint_loops=True, samples=args.batch, quant=quant,
-            checkpoint_weights=bool(switches.get("checkpoint_weights")),
             teacher_dtype=str(switches.get("teacher_dtype", "fp32")),
         )  # fmt: skip
         print(format_step_plan(plan, next(peak for name, _, _, peak in rows if name == "step")))
@@ -221,13 +220,12 @@ def main(argv: list[str] | None = None) -> int:
 def format_step_plan(plan: MemoryPlan, measured: float) -> str:
     """The training step's predicted terms (GiB) next to the measured stage peak."""
     step, gib = plan.step, 2**-30
-    transients = {"one loop recomputed": step.recompute, "the loss": step.logits, "one chain rebuilt": step.chain}
+    transients = {"one layer recomputed + one use's chain": step.recompute + step.use, "the loss": step.logits}
     largest = max(transients, key=transients.__getitem__)
     terms = {
         "frozen teacher (bf16)": plan.frozen,
         "quantization state, all targets": plan.resident - plan.frozen,
-        "fake-quant weights": step.weights,
-        "their gradients": step.grads,
+        "fake-quant weights (forward, no graph)": step.weights,
         "activations kept": step.kept,
         f"largest transient: {largest}": transients[largest],
         "batch targets": step.targets,

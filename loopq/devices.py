@@ -1,10 +1,12 @@
-"""Which device a command computes on: ``--device`` of ``loopq.evaluate``, ``loopq.run``, ``loopq.eval`` and
-``loopq.generate``.
+"""Which device a command computes on: ``--device`` of ``loopq.evaluate``, ``loopq.run``, ``loopq.experiments``,
+``loopq.eval`` and ``loopq.generate``.
 
 ``auto`` (the default) is the first CUDA GPU when PyTorch sees one, else the CPU, so a user on a GPU machine
 evaluates on the GPU without asking. An explicit ``cuda``/``cuda:N`` on a machine without CUDA is refused with one
 line (not silently run on the CPU: a number would then be reported for another device than the one asked for).
 Calibration (``loopq.fit``) takes its device from Lightning's ``trainer.accelerator`` / ``trainer.devices``.
+Each command decides once, at its entry (the options of ``loopq.run``, the ``Sweep`` of ``loopq.experiments``),
+and hands the resolved name down to its export checks and evaluations (which then only check an explicit name).
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ from typing import NoReturn
 
 from safetensors import SafetensorError
 
+from loopq.numerics import reproducible_cpu
+
 DEBUG_FLAG = "--debug"
 CONFIG_FLAG = "--config"
 DEBUG_ENV = "LOOPQ_DEBUG"
@@ -82,6 +84,8 @@ _FRAME = re.compile(
     r"Expected a <class 'NoneType'>|Not a valid subclass|Import path)"
 )
 _KEY = re.compile(r'^Parser key "[^"]+":\s*')
+#: jsonargparse's refusal of ``nan`` / ``inf`` for a float option, which does not say why
+_NOT_FINITE = re.compile(r"Expected a <class 'float'>\. Got value: ([+-]?(nan|inf|infinity))$", re.IGNORECASE)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -90,6 +94,11 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def article(word: str) -> str:
+    """``word`` with its indefinite article, for messages (``an export``, ``a student``, ``an int``)."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
 
 
 def one_line(err: BaseException) -> str:
@@ -113,6 +122,9 @@ def _argument_error(text: str) -> str:
     detail = next((line for line in details if line and not _FRAME.match(line)), None)
     if not keys or detail is None:
         return text
+    not_finite = _NOT_FINITE.search(detail)
+    if not_finite:
+        detail = f"{not_finite.group(1)} is not a finite number; pass a finite value"
     return f"--{'.'.join(keys)}: {detail}"
 
 
@@ -143,12 +155,19 @@ def config_files(argv: list[str]) -> list[Path]:
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists holds a mapping of settings. jsonargparse refuses an empty one (or a list,
     a bare word) with ``Unexpected config:`` and its content, naming neither the file nor the fix; a missing file or
-    a YAML syntax error it reports itself, with the file or the line."""
+    a YAML syntax error it reports itself, with the file or the line. Alias bombs and duplicate keys are refused
+    naming the file (:func:`loopq.config_yaml.check_yaml`)."""
     import yaml
+
+    from loopq.config_yaml import ConfigYAMLError, check_yaml
 
     for path in config_files(argv):
         try:
-            data = yaml.safe_load(path.read_text()) if path.is_file() else {}
+            text = path.read_text() if path.is_file() else "{}"
+            check_yaml(text, f"{CONFIG_FLAG} {path}")
+            data = yaml.safe_load(text)
+        except ConfigYAMLError as err:
+            raise UsageError(str(err)) from None
         except (yaml.YAMLError, UnicodeDecodeError):
             continue
         if data is None:
@@ -157,7 +176,7 @@ def check_config_files(argv: list[str]) -> None:
             )
         if not isinstance(data, dict):
             raise UsageError(
-                f"{CONFIG_FLAG} {path}: holds a {type(data).__name__}, not settings (`key: value` lines, as in "
+                f"{CONFIG_FLAG} {path}: holds {article(type(data).__name__)}, not settings (`key: value` lines, as in "
                 "configs/tiny.yaml)"
             )
 
@@ -165,7 +184,9 @@ def check_config_files(argv: list[str]) -> None:
 def run_cli(main: Callable[[], object]) -> None:
     """Run a command's ``main()`` (which reads ``sys.argv``, with ``--debug`` removed from it): a user error exits
     with one ``error:`` line and status 2, Ctrl-C with one line and status 130, unless debugging was asked for.
-    ``--config`` files are checked first (:func:`check_config_files`)."""
+    ``--config`` files are checked first (:func:`check_config_files`). The command owns its process, so the CPU
+    code paths are pinned first (:func:`loopq.numerics.reproducible_cpu`; provenance records them)."""
+    reproducible_cpu()
     debug = debug_requested(sys.argv[1:])
     sys.argv = [arg for arg in sys.argv if arg != DEBUG_FLAG]
     if debug:

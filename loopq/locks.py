@@ -7,6 +7,8 @@ with one line naming them. A lock whose holder is gone is *stale*: on the same h
 lock taken over (a process killed with SIGKILL leaves one behind); a lock from another host cannot be checked and
 the message says which file to delete if that process no longer runs.
 
+A single output file (``loopq.evaluate --out res.json``) is locked the same way by :func:`file_lock`.
+
 The lock is re-entrant within a process (``loopq.run`` holds its run directory and calibrates through
 ``loopq.fit``'s CLI, which takes the same lock) and released at :meth:`DirectoryLock.release` or at exit. A
 directory the lock itself created is removed again if it is still empty when the lock is released (a refused
@@ -62,10 +64,19 @@ def is_mine(holder: dict[str, Any] | None) -> bool:
 
 
 class DirectoryLock:
-    """The lock ``directory/name`` for ``command`` (``key``: the option that named the directory)."""
+    """The lock ``directory/name`` for ``command`` (``key``: the option that named the directory, or ``target``,
+    the one file in it that the lock guards - see :func:`file_lock`)."""
 
-    def __init__(self, directory: str | os.PathLike[str], name: str, command: str, key: str) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        name: str,
+        command: str,
+        key: str,
+        target: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.directory, self.command, self.key = Path(directory), command, key
+        self.target = None if target is None else Path(target)
         self.path = (self.directory / name).absolute()
 
     def acquire(self) -> DirectoryLock:
@@ -87,7 +98,7 @@ class DirectoryLock:
                 self.path.unlink(missing_ok=True)
                 continue
             raise LockError(self._held_message(holder))
-        raise LockError(f"{self.key} {self.directory}: cannot take the lock {self.path}; delete it and retry")
+        raise LockError(f"{self.key} {self.named}: cannot take the lock {self.path}; delete it and retry")
 
     def _create(self) -> bool:
         try:
@@ -99,12 +110,18 @@ class DirectoryLock:
             json.dump(holder, f)
         return True
 
+    @property
+    def named(self) -> Path:
+        """What the option named: the guarded file, else the directory."""
+        return self.directory if self.target is None else self.target
+
     def _held_message(self, holder: dict[str, Any]) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+        where, other = ("there", "directory") if self.target is None else ("it", "path")
         return (
-            f"{self.key} {self.directory}: {holder.get('command', 'another command')} (pid {holder['pid']} on "
-            f"{holder.get('host')}, since {since}) is writing there; wait for it to finish or pass another "
-            f"directory (if that process no longer runs, delete {self.path})"
+            f"{self.key} {self.named}: {holder.get('command', 'another command')} (pid {holder['pid']} on "
+            f"{holder.get('host')}, since {since}) is writing {where}; wait for it to finish or pass another "
+            f"{other} (if that process no longer runs, delete {self.path})"
         )
 
     def release(self) -> None:
@@ -126,6 +143,13 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def file_lock(path: str | os.PathLike[str], command: str, key: str = "--out") -> DirectoryLock:
+    """The lock of one output file ``path`` (``.<name>.lock`` beside it): two commands writing the same result file
+    at once would both compute it and one result would silently replace the other."""
+    path = Path(path)
+    return DirectoryLock(path.parent, f".{path.name}.lock", command, key, target=path)
 
 
 def release_all() -> None:

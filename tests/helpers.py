@@ -23,7 +23,7 @@ FIT_CONFIGS = ("--config", "configs/tiny.yaml", "--config", "tests/configs/fit-t
 
 
 def run_fit(
-    root: Path,
+    root: Path | None,
     *args: str,
     configs: Sequence[str] = FIT_CONFIGS,
     procs: int = 1,
@@ -31,12 +31,13 @@ def run_fit(
     check: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``python -m loopq.fit <configs> --trainer.default_root_dir <root> <args>`` from the repository root, under
-    ``torchrun`` (``torch.distributed.run``) when ``procs > 1``; ``env`` adds variables. With ``check``, a failed run
-    raises an AssertionError that shows the end of its stderr."""
+    ``torchrun`` (``torch.distributed.run``) when ``procs > 1``; ``env`` adds variables. ``root`` None: no
+    ``--trainer.default_root_dir``, the config's ``runs/tiny`` under ``$LOOPQ_RUNS_DIR`` (tests/conftest.py). With
+    ``check``, a failed run raises an AssertionError that shows the end of its stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
     cmd = [*(launcher if procs > 1 else [sys.executable]), "-m", "loopq.fit", *configs]
-    cmd += ["--trainer.default_root_dir", str(root), *args]
+    cmd += [*(["--trainer.default_root_dir", str(root)] if root is not None else []), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd[:8])} ... failed ({out.returncode}):\n{out.stderr[-4000:]}")

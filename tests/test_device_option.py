@@ -3,11 +3,13 @@ an explicit device the machine lacks is refused with one line before any work; r
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from loopq import devices
+from loopq.commands import experiments, fit, run
 from loopq.commands.evaluate import evaluate
 from loopq.devices import resolve_device
 from loopq.errors import UsageError
@@ -82,3 +84,28 @@ def test_lm_eval_cli_gets_the_resolved_device_unless_given(monkeypatch):
     lm_cli.main(["--model", "loopq", "--tasks", "x", "--device", "cpu:0"])
     assert argv[0][argv[0].index("--device") + 1] == str(resolve_device())
     assert argv[1].count("--device") == 1 and "cpu:0" in argv[1]
+
+
+def test_loopq_run_decides_the_device_once_and_hands_it_down(monkeypatch, tmp_path):
+    """``--device auto`` used to be resolved again by every evaluation stage and the export check (and once more
+    at parse time, the result thrown away): now once, the evaluations and the export use that decision."""
+    asked = []
+    monkeypatch.setattr(run, "resolve_device", lambda name, *a: asked.append(name) or torch.device("cpu"))
+    options, fit_args = run.parse_args(["--config", "configs/tiny.yaml", "--trainer.default_root_dir", str(tmp_path)])
+    cli = fit.build_cli(fit_args, run.DeferredCLI)
+    try:
+        stages = run.Pipeline(cli, options).stages()
+    finally:
+        cli.release_lock()
+    assert asked == ["auto"] and options.device == "cpu"
+    assert [s.settings["device"] for s in stages if s.name.startswith("evaluate")] == ["cpu"] * 3
+
+
+def test_experiments_decide_the_device_once_for_every_row(monkeypatch, tmp_path):
+    asked, evaluated = [], []
+    monkeypatch.setattr(experiments, "resolve_device", lambda name, *a: asked.append(name) or torch.device("cpu"))
+    monkeypatch.setattr(experiments, "teacher_sha256", lambda model: "sha")
+    monkeypatch.setattr(experiments, "evaluate", lambda out, **kw: evaluated.append(kw["device"]) or
+                        Path(out).write_text('{"wikitext2_ppl": 1.0}'))  # fmt: skip
+    experiments.table1(TEACHER, str(tmp_path), methods=["QuaRot", "Symmetric"], tasks=[])
+    assert asked == ["auto"] and evaluated == ["cpu"] * 5  # FP, then two methods at two bit widths

@@ -29,3 +29,17 @@ def test_every_path_the_docs_name_exists():
         if not (REPO_ROOT / path).exists()
     ]
     assert not missing, "docs name paths that do not exist (moved? update the docs):\n" + "\n".join(missing)
+
+
+def test_the_readme_starts_short_with_the_two_commands():
+    """Issue 40: the README answers what, the two commands and how long they take on its first screen, and stays
+    short (details live in docs/, whose paths the test above keeps existing)."""
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 120
+    commands = [line for line in lines[:10] if line.startswith("python3 -m venv")]
+    main, tests = [c.rsplit("&& ", 1)[1] for c in commands]
+    assert main == "python -m loopq.run --config configs/tiny.yaml" and tests.startswith("python -m pytest")
+    assert "minutes" in "\n".join(lines[:20])
+    ci = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests in ci and ci[-1] == tests  # CI ends with the README's test command, as written there
+    assert any(line.startswith(main) for line in ci)  # after the README's first command (shortened)

@@ -25,7 +25,6 @@ from loopq.errors import UsageError
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.quant.prepare import looped_quant_groups
 from loopq.quant.transforms import KroneckerTransform
-from tests.helpers import run_fit
 
 
 def test_relative_spread_by_hand():
@@ -52,11 +51,10 @@ def test_effective_transform_is_what_the_forward_applies():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """configs/tiny.yaml for 8 steps: LAS, CTA and two SLT rounds (steps 1 and 4), checkpoints every 3 steps."""
-    root = tmp_path_factory.mktemp("inspect") / "run"
-    run_fit(root)
-    return root
+def run(tiny_calibration):
+    """configs/tiny.yaml for 8 steps: LAS, CTA and two SLT rounds (steps 1 and 4), checkpoints every 3 steps (the
+    suite's shared calibration, tests/conftest.py; read-only)."""
+    return tiny_calibration
 
 
 def test_slt_rounds_from_the_checkpoint_match_the_students_promotions(run):

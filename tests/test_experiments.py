@@ -15,10 +15,10 @@ from loopq.commands import experiments
 def recorded(monkeypatch, tmp_path):
     calls = {"calibrate": [], "evaluate": []}
 
-    def calibrate(model, run_dir, config, a_bits, extra):
-        calls["calibrate"].append((run_dir.name, a_bits, extra))
-        student = run_dir / "student"
-        student.mkdir(parents=True)
+    def calibrate(calibration):
+        calls["calibrate"].append((calibration.run.name, calibration.a_bits, list(calibration.extra)))
+        student = calibration.student
+        student.mkdir(parents=True, exist_ok=True)
         (student / STUDENT_META).write_text(json.dumps(seal({"format": STUDENT_FORMAT, "calibrated_loops": 4})))
         (student / STUDENT_WEIGHTS).write_bytes(b"not read")
         return student
@@ -31,7 +31,14 @@ def recorded(monkeypatch, tmp_path):
 
     monkeypatch.setattr(experiments, "calibrate", calibrate)
     monkeypatch.setattr(experiments, "evaluate", evaluate)
+    fake_inputs(monkeypatch)
     return calls
+
+
+def fake_inputs(monkeypatch):
+    """What made a row's model, without parsing loopq.fit's CLI or hashing a teacher: the options and the name."""
+    monkeypatch.setattr(experiments, "calibration_settings", lambda calibration: {"args": calibration.args()})
+    monkeypatch.setattr(experiments, "teacher_sha256", lambda model: f"sha256 of {model}")
 
 
 def test_slt_sweep_calibrates_each_budget_and_tags_its_json(recorded, tmp_path):
@@ -100,14 +107,15 @@ def test_loop_sweep_evaluates_fp_rtn_and_student_once_at_2t(recorded, tmp_path, 
 
 def test_seeds_calibrate_every_trained_row_per_seed_and_training_free_rows_once(recorded, tmp_path):
     out = tmp_path / "t1"
-    experiments.table1("teacher", str(out), seeds=[0, 1], bits=["w4a4"], extra=["--trainer.max_steps", "5"])
+    extra = ["--trainer.max_steps", "5"]
+    experiments.table1("teacher", str(out), seeds=[0, 1], bits=["w4a4"], extra=extra)
     runs = {c[0]: c[2] for c in recorded["calibrate"]}
     assert sorted(runs) == [f"{m}-w4a4-s{s}" for m in ("flatquant", "loopq", "spinquant") for s in (0, 1)]
     assert runs["loopq-w4a4-s1"] == [*experiments.seed_args(1), "--trainer.max_steps", "5"]
     assert experiments.seed_args(1) == ["--seed_everything", "1", "--model.quant.seed", "1", "--data.seed", "1"]
     assert json.loads((out / "loopq-w4a4-s1.json").read_text())["seed"] == 1
     assert (out / "rtn-w4a4.json").is_file() and not (out / "rtn-w4a4-s0.json").exists()
-    experiments.table1("teacher", str(out), seeds=[0, 1, 2], bits=["w4a4"], methods=["LoopQ"])  # resumes
+    experiments.table1("teacher", str(out), seeds=[0, 1, 2], bits=["w4a4"], methods=["LoopQ"], extra=extra)  # resumes
     assert [c[0] for c in recorded["calibrate"][6:]] == ["loopq-w4a4-s2"]
 
 
@@ -140,7 +148,8 @@ def test_slt_sweep_records_the_promoted_groups_and_their_sharing_gap(recorded, t
     """Fig. 4 asks which groups a budget promotes: each sweep JSON carries them (from the student) with the
     re-selection rounds' S_l (from the run's last checkpoint), and ``summary`` tabulates them over seeds."""
 
-    def calibrate(model, run_dir, config, a_bits, extra):
+    def calibrate(calibration):
+        run_dir, extra = calibration.run, calibration.extra
         seed = int(extra[extra.index("--seed_everything") + 1])
         promoted = ["model.layers.5.mlp.down_proj"] + (["model.layers.2.mlp.down_proj"] if seed == 0 else [])
         student = run_dir / "student"
@@ -205,22 +214,6 @@ def test_loop_sweep_per_seed_rows_stay_out_of_table1(recorded, tmp_path, monkeyp
     table1 = [line for line in text.splitlines() if line.startswith("| FP | fp |")]
     assert table1 == ["| FP | fp | 1 | 50.00 |  |  |"]  # the 2T FP row (53.00) is not mixed in
     assert "| 4 | 53.00 | 58.00 ± 0.00 | 63.00 |" in text  # loops | FP fp | LoopQ w4a4 | Symmetric w4a4
-
-
-def test_a_calibration_stopped_midway_resumes_from_its_last_checkpoint(monkeypatch, tmp_path):
-    """A sweep killed mid-run (session end, SIGTERM) continues that run (``loopq.fit --ckpt_path last``, whose
-    resume is tested end to end in tests/calib) instead of calibrating it again from step 0."""
-    commands = []
-    monkeypatch.setattr(experiments.subprocess, "run", lambda cmd, **kw: commands.append(cmd))
-    fresh, stopped = tmp_path / "fresh", tmp_path / "stopped"
-    (stopped / "checkpoints").mkdir(parents=True)
-    (stopped / "checkpoints" / "last.ckpt").write_bytes(b"")
-    for run in (fresh, stopped):
-        assert experiments.calibrate("m", run, "configs/tiny.yaml", 4, ["--seed_everything", "1"]) == run / "student"
-    assert "--ckpt_path" not in commands[0]
-    assert commands[1][-2:] == ["--ckpt_path", "last"] and commands[1][:-2] == [
-        c.replace("fresh", "stopped") for c in commands[0]
-    ]
 
 
 REPO = Path(__file__).resolve().parents[1]

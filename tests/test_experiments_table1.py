@@ -21,12 +21,14 @@ def recorded(monkeypatch):
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"method": kwargs["method"], "wikitext2_ppl": 1.0}))
 
-    def fake_calibrate(model, run_dir, config, a_bits, extra):
-        calls["calibrate"].append((Path(run_dir).name, config, a_bits))
-        return Path(run_dir) / "student"
+    def fake_calibrate(calibration):
+        calls["calibrate"].append((calibration.run.name, calibration.config, calibration.a_bits))
+        return calibration.student
 
     monkeypatch.setattr(experiments, "evaluate", fake_evaluate)
     monkeypatch.setattr(experiments, "calibrate", fake_calibrate)
+    monkeypatch.setattr(experiments, "calibration_settings", lambda calibration: {"args": calibration.args()})
+    monkeypatch.setattr(experiments, "teacher_sha256", lambda model: f"sha256 of {model}")
     return calls
 
 

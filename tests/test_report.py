@@ -151,7 +151,10 @@ def test_figures_and_empty_sweep_notes(results, run_dir, tmp_path):
         assert f"]({name})" in md
     assert not (out / "fig4_ppl_vs_slt_budget.png").exists()
     assert "Fig. 4 skipped: no sweep results" in md and "Fig. 6 skipped: no sweep results" in md
-    assert "| `tiny` | tiny-ouro | 4 | 1. `model.layers.1.mlp.down_proj`, 2. `model.layers.0.self_attn.qkv_proj`" in md
+    assert (
+        "| `tiny` | tiny-ouro | ouro | 4 | 1. `model.layers.1.mlp.down_proj`, 2. `model.layers.0.self_attn.qkv_proj`"
+        in md
+    )
 
 
 def test_sweep_figures(results, tmp_path):
@@ -234,3 +237,22 @@ def test_notes_for_results_left_out_of_table1(results, run_dir, tmp_path):
     w4a4, w4a8 = " | ".join(["–"] * 7 + ["21.00"]), " | ".join(["–"] * 8)
     assert table_lines(md, "Table 1")[2:] == [f"| tiny-ouro (T=6) | LoopQ | {w4a4} | {w4a8} |"]
     assert "other-model: LoopQ w4a4 is not in Table 1 (no result at T=6 loops)" in md
+
+
+def test_validation_curves_table_and_figure(results, run_dir, tmp_path):
+    """val/<set>/<metric> columns (loopq.calib.validation) become a table (first -> last, step of the lowest KL) and
+    a figure; a resumed version replaces the validation rows it logged again."""
+    cols = ["kl_full", "ppl_loop1", "ppl_loop2", "fp_ppl_loop1", "fp_ppl_loop2"]
+    header = "step," + ",".join(f"val/{s}/{c}" for s in ("heldout", "extra") for c in cols) + "\n"
+    rows = {9: (0.30, 0.50), 19: (0.10, 0.40), 29: (0.20, 0.30)}  # step -> (heldout KL, extra KL)
+    lines = [f"{step},{h},40,31,38,30,{e},45,35,41,33\n" for step, (h, e) in rows.items()]
+    write(run_dir / "csv" / "version_2" / "metrics.csv", header + "".join(lines))
+    run = load_run(run_dir, "tiny")
+    assert run.val_steps == [9, 19, 29] and run.val["val/extra/kl_full"] == [0.5, 0.4, 0.3]
+    out = tmp_path / "report"
+    md = main(["--results", *map(str, results), "--runs", str(run_dir), "--out", str(out)]).read_text()
+    assert table_lines(md, "Held-out validation")[2:] == [
+        "| `tiny` | heldout | 9-29 | 0.3000 -> 0.2000 | 19 | 31.00 -> 31.00 (30.00) |",
+        "| `tiny` | extra | 9-29 | 0.5000 -> 0.3000 | 29 | 35.00 -> 35.00 (33.00) |",
+    ]
+    assert_png(out / "validation_tiny.png")

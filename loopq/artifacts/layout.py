@@ -12,10 +12,12 @@ Every file name and format version of a student or export directory is a constan
 * a **teacher**: any of :data:`TEACHER_FILES`; ``loopq.pretrain`` adds :data:`TRAINING_RECORD`, a stress variant
   written by ``loopq.testbed --outliers-out`` has ``outliers`` in its :data:`TESTBED_RECORD`.
 
-:func:`model_kind` tells them apart; :func:`check_output_dir` refuses an output directory that is, contains or lies
-inside a directory the command reads, or holds a model of a kind the command does not write (each command may
+:func:`model_kind` tells them apart; :func:`check_output_dir` refuses an output directory that is a file, is, contains
+or lies inside a directory the command reads, or holds a model of a kind the command does not write (each command may
 replace only its own earlier output: ``loopq.export`` an export, ``loopq.fit`` a student, ``loopq.testbed
---outliers-out`` a stress variant, ``loopq.pretrain`` a teacher it trained). Symlinks are resolved first.
+--outliers-out`` a stress variant, ``loopq.pretrain`` a teacher it trained). Symlinks are resolved first. A student or
+export is replaced only when its description is one LoopQ sealed, or a sealed write journal says this command was
+interrupted writing it (:mod:`loopq.artifacts.ownership`): ownership is proven, not assumed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from loopq.errors import GuardError
+from loopq.artifacts import ownership
+from loopq.errors import GuardError, article
 
 STUDENT_WEIGHTS = "loopq_student.safetensors"
 STUDENT_META = "loopq_quant.json"
@@ -43,6 +46,9 @@ TRAINING_RECORD = "training_record.json"
 TESTBED_RECORD = "testbed.json"
 #: the lock file of a directory a command is writing (:class:`loopq.locks.DirectoryLock`)
 RUN_LOCK = ".loopq.lock"
+
+#: kinds whose description is sealed: ``kind -> (description file, format)``; only an intact one proves ownership
+SEALED_KINDS = {"export": (EXPORT_META, EXPORT_FORMAT), "student": (STUDENT_META, STUDENT_FORMAT)}
 
 #: what :func:`loopq.artifacts.load_artifact` loads
 ArtifactKind = Literal["teacher", "student", "export"]
@@ -90,29 +96,59 @@ def local_dirs(paths: Iterable[str | os.PathLike[str] | None]) -> list[Path]:
     return [Path(p) for p in paths if p is not None and str(p) and Path(p).exists()]
 
 
+def proof_problem(out: Path, kind: str) -> str | None:
+    """Why the ``kind`` output in ``out`` is not proven LoopQ's (:mod:`loopq.artifacts.ownership`): its description
+    is not one LoopQ sealed. None when it is, or when ``kind`` has no sealed description (:data:`SEALED_KINDS`)."""
+    if kind not in SEALED_KINDS:
+        return None
+    name, fmt = SEALED_KINDS[kind]
+    problem = ownership.seal_problem(out / name, fmt)
+    return None if problem is None else f"{out / name} is not a description LoopQ sealed ({problem})"
+
+
 def check_output_dir(
     out: str | os.PathLike[str],
     reads: Iterable[str | os.PathLike[str] | None] = (),
     key: str = "--out",
     replaces: Sequence[str] = (),
 ) -> Path:
-    """Refuse ``out`` if it is, is inside or contains a directory in ``reads``, or holds a model whose kind
-    (:func:`model_kind`) is not in ``replaces`` (the kinds this command writes itself); returns ``out``."""
+    """Refuse ``out`` if it is a file, is, is inside or contains a directory in ``reads``, holds a model whose kind
+    (:func:`model_kind`) is not in ``replaces`` (the kinds this command writes itself), or one of such a kind whose
+    description LoopQ did not seal (:func:`proof_problem`), unless a sealed write journal of one of those kinds
+    says this command was interrupted writing it there (:mod:`loopq.artifacts.ownership`); returns ``out``."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise GuardError(f"{key} {out}: is a file, not a directory; pass a directory to write into")
     for read in local_dirs(reads):
         how = relation(out, read)
         if how is not None:
             raise GuardError(f"{key} {out}: {how} {read}, which this command reads; pass another directory")
+    if ownership.journal_kind(out) in replaces:
+        return out  # its own interrupted output: the caller replaces only the files the journal lists
     kind = model_kind(out)
     if kind is not None and kind not in replaces:
-        raise GuardError(f"{key} {out}: holds a {kind} that this command would overwrite; pass another directory")
-    foreign = sorted(p.name for p in out.iterdir() if p.name != RUN_LOCK) if kind is None and out.is_dir() else []
+        raise GuardError(
+            f"{key} {out}: holds {article(kind)} that this command would overwrite; pass another directory"
+        )
+    problem = proof_problem(out, kind) if kind is not None else None
+    if problem is not None:
+        raise GuardError(
+            f"{key} {out}: {problem}, so nothing there is proven to be this command's to replace; move the folder "
+            "away or pass another directory"
+        )
+    foreign = [p.name for p in out.iterdir() if not is_ours(p.name)] if kind is None and out.is_dir() else []
     if foreign:
+        foreign.sort()
         raise GuardError(
             f"{key} {out}: holds files this command did not write ({', '.join(foreign[:3])}"
             f"{', ...' if len(foreign) > 3 else ''}); pass a new or empty directory"
         )
     return out
+
+
+def is_ours(name: str) -> bool:
+    """The lock file and the write journal's files: never a user's file, never replaced by an output."""
+    return name == RUN_LOCK or ownership.is_bookkeeping(name)
 
 
 def check_owned(out: Path, writes: Iterable[str], owned: Iterable[str], key: str = "--out") -> None:

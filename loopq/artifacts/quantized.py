@@ -19,7 +19,9 @@
 * the teacher's ``config.json`` and tokenizer files.
 
 The description is written last: a directory whose export was interrupted has no (or the previous) description,
-whose manifest then does not match, and is refused on load.
+whose manifest then does not match, and is refused on load. A sealed write journal
+(:mod:`loopq.artifacts.ownership`) lists the files while they are written, so the rerun of an interrupted export
+recognises them as its own.
 
 :func:`load_quantized` follows gpt-fast: build the architecture from ``config.json`` on the meta device, swap the
 listed groups for packed ones, install the adapters, then ``load_state_dict(assign=True)``.
@@ -46,9 +48,10 @@ from loopq.artifacts.layout import (
     TOKENIZER_FILES,
     check_output_dir,
     check_owned,
-    json_object,
 )
+from loopq.artifacts.ownership import begin, finish, journal_files, listed_files
 from loopq.artifacts.seal import FILES, check_quant_agrees, manifest, seal, unseal, verify_file
+from loopq.artifacts.student import check_exportable
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.kernels import GROUP_SIZE
 from loopq.models.base import LoopLM
@@ -86,26 +89,32 @@ def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -
     ``out_dir`` may be new or an earlier export, never the teacher's directory or another model's
     (:func:`loopq.artifacts.layout.check_output_dir`).
     """
+    check_exportable(meta)
     out = check_export_dir(out_dir, meta.get("teacher"))
     model = convert(student)
     state = _unaliased_state(model)
+    begin(out, "export", export_names(meta.get("teacher")))
     atomic_write(out / EXPORT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": EXPORT_FORMAT}))
     written = [EXPORT_WEIGHTS, *_copy_teacher_files(student, meta.get("teacher"), out)]
     description = export_meta(model, meta.get("teacher"), meta.get("provenance"), manifest(out, written))
     atomic_write(out / EXPORT_META, lambda p: p.write_text(json.dumps(description, indent=2) + "\n"))
+    finish(out)
     return out
 
 
 def check_export_dir(out_dir: str | Path, teacher: str | None, reads: tuple[Any, ...] = (), key: str = "--out") -> Path:
-    """``out_dir`` is new, empty or an earlier export (:func:`~loopq.artifacts.layout.check_output_dir`), and of
-    the files an export writes, only those the earlier export's manifest lists are there to be replaced."""
+    """``out_dir`` is new, empty, an earlier export or this command's interrupted one
+    (:func:`~loopq.artifacts.layout.check_output_dir`), and of the files an export writes, only those the earlier
+    export's sealed manifest or the interrupted export's journal lists are there to be replaced."""
     out = check_output_dir(out_dir, [teacher, *reads], key, replaces=("export",))
-    previous = json_object(out / EXPORT_META)
-    owned = [EXPORT_META, *previous.get(FILES, {})] if previous.get(FILES) is not None else [EXPORT_META]
-    if previous and previous.get(FILES) is None:  # an export of format v1, before manifests: everything it wrote
-        owned += [EXPORT_WEIGHTS, MODEL_CONFIG, *TOKENIZER_FILES]
-    check_owned(out, [EXPORT_WEIGHTS, EXPORT_META, *export_files(teacher)], owned, key)
+    owned = [*listed_files(out / EXPORT_META, EXPORT_FORMAT), *journal_files(out, "export")]
+    check_owned(out, export_names(teacher), owned, key)
     return out
+
+
+def export_names(teacher: str | None) -> list[str]:
+    """Every file an export of a student of ``teacher`` writes."""
+    return [EXPORT_WEIGHTS, EXPORT_META, *export_files(teacher)]
 
 
 def export_meta(

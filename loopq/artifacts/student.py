@@ -6,8 +6,10 @@ QuantConfig, teacher directory, promoted groups, calibrated loop count, final mu
 teacher's content hash and the resolved calibration config), sealed with the size and sha256 of the weights
 (:mod:`loopq.artifacts.seal`): an edited description, weights changed or copied in from another student, or a
 quant config that disagrees with the recorded calibration config are refused with one line naming the file.
-:func:`load_student` rebuilds structure first (prepare + re-promotion) and then loads the tensors strictly - no
-pickle anywhere. The teacher it loads (the recorded path, the same path relative to the student directory when the
+:func:`load_student` rebuilds the structure with ``prepare`` (every promotable group has its per-loop SLT slots from
+the start) and loads the tensors strictly, the promotion flags included - no pickle anywhere. A student written
+before that fixed layout (per-loop slots only in promoted groups) is refused with one line.
+The teacher it loads (the recorded path, the same path relative to the student directory when the
 run directory was moved, or one the caller passes) must have the recorded content hash: a student is never put on
 top of another teacher (a rebuilt one included) unless the caller says ``check_teacher=False``.
 """
@@ -21,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_LEGACY_FORMATS, STUDENT_META, STUDENT_WEIGHTS
-from loopq.artifacts.seal import FILES, check_quant_agrees, manifest, seal, unseal, verify_file
+from loopq.artifacts.ownership import begin, finish
+from loopq.artifacts.seal import FILES, SEAL, check_quant_agrees, manifest, seal, unseal, verify_file
 from loopq.errors import LoopQError
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models import LoopLM, load_looplm
@@ -40,8 +44,18 @@ class StudentFormatError(LoopQError):
     """Not a LoopQ student directory (or a damaged one); the message names the file."""
 
 
+#: what the names of a student's SLT state buffers contain (anchors and promotion flags, :mod:`loopq.quant.modules`)
+SLT_STATE = "slt_"
+
+
+def stored_tensors(student: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a student directory stores: the trainable quantization parameters and the SLT state buffers."""
+    tensors = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    return tensors | {n: b for n, b in student.named_buffers() if SLT_STATE in n}
+
+
 def quant_state(student: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if p.requires_grad}
+    return {n: t.detach().cpu().contiguous() for n, t in stored_tensors(student).items()}
 
 
 def student_meta(
@@ -73,9 +87,11 @@ def write_student(student: torch.nn.Module, meta: dict[str, Any], directory: str
     description is written last, in the current format, with the weights' size and sha256, sealed."""
     directory = Path(directory)
     state = quant_state(student)
+    begin(directory, "student", [STUDENT_WEIGHTS, STUDENT_META])
     atomic_write(directory / STUDENT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": STUDENT_FORMAT}))
     sealed = seal({**meta, "format": STUDENT_FORMAT, FILES: manifest(directory, [STUDENT_WEIGHTS])})
     atomic_write(directory / STUDENT_META, lambda p: p.write_text(json.dumps(sealed, indent=2) + "\n"))
+    finish(directory)
     return directory
 
 
@@ -99,6 +115,7 @@ def read_student_meta(directory: str | Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise StudentFormatError(f"{path}: not a JSON object; {RECALIBRATE}")
     if meta.get("format") in STUDENT_LEGACY_FORMATS:
+        check_legacy_labels(Path(directory), meta)
         warn_legacy(path, meta["format"])
     elif meta.get("format") != STUDENT_FORMAT:
         raise StudentFormatError(f"{path}: format {meta.get('format')!r} is not {STUDENT_FORMAT!r}; {RECALIBRATE}")
@@ -106,6 +123,46 @@ def read_student_meta(directory: str | Path) -> dict[str, Any]:
         meta = unseal(meta, path, StudentFormatError, RECALIBRATE)
     check_quant_agrees(meta, path, StudentFormatError, RECALIBRATE)
     return meta
+
+
+def check_legacy_labels(directory: Path, meta: dict[str, Any]) -> None:
+    """A description labelled with a legacy format must be one: no seal or manifest (which legacy formats never
+    wrote), and a weights file whose own header names the same format. A current student relabelled legacy - to
+    dodge the seal after an edit - is refused, since nothing of it could then be verified."""
+    path, fmt = directory / STUDENT_META, meta["format"]
+    extra = [key for key in (SEAL, FILES) if key in meta]
+    weights = directory / STUDENT_WEIGHTS
+    header = weights_format(weights) if weights.is_file() else fmt
+    if extra or header != fmt:
+        found = f"carries {' and '.join(extra)}" if extra else f"its weights file says format {header!r}"
+        raise StudentFormatError(
+            f"{path}: labelled {fmt!r} but {found}, which a {fmt} student never has: the description was relabelled "
+            f"after it was written, so nothing in it can be verified; {RECALIBRATE}"
+        )
+
+
+def weights_format(path: Path) -> str | None:
+    """The ``format`` a safetensors file's header records (None when it records none or is not readable)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format")
+    except (SafetensorError, OSError):
+        return None
+
+
+def check_exportable(meta: dict[str, Any], directory: Path | None = None) -> None:
+    """An export seals what it is made from, so it is made only from a verified student: a description of a legacy
+    format is refused (``directory``: where it was read, checked for relabelling first - :func:`check_legacy_labels`;
+    a ``meta`` without a format is a caller's own, not read from a directory)."""
+    if meta.get("format") not in STUDENT_LEGACY_FORMATS:
+        return
+    if directory is not None:
+        check_legacy_labels(directory, meta)
+    where = "the student" if directory is None else directory / STUDENT_META
+    raise StudentFormatError(
+        f"{where}: format {meta['format']!r} is not content-verified, and an export would seal its unverified bits "
+        f"and provenance as {STUDENT_FORMAT}'s; {RECALIBRATE}, then export"
+    )
 
 
 def warn_legacy(path: Path, fmt: str) -> None:
@@ -171,19 +228,29 @@ def load_student(
             raise StudentFormatError(
                 f"{directory / STUDENT_META}: promoted group {name!r} does not exist in the teacher"
             )
-        groups[name].promote()
     if meta["format"] == STUDENT_FORMAT:
         verify_file(directory, STUDENT_WEIGHTS, meta, STUDENT_META, StudentFormatError, RECALIBRATE)
     state = read_safetensors(directory / STUDENT_WEIGHTS, StudentFormatError, RECALIBRATE)
     check_student_state(directory / STUDENT_WEIGHTS, state, student)
     student.load_state_dict(state, strict=False)
+    flagged = sorted(n for n, g in groups.items() if g.promoted)
+    if flagged != sorted(meta["promoted"]):
+        raise StudentFormatError(
+            f"{directory / STUDENT_META}: promoted {sorted(meta['promoted'])} but its weights flag {flagged}; "
+            f"{RECALIBRATE}"
+        )
     return student.eval(), meta
 
 
 def check_student_state(path: Path, state: dict[str, torch.Tensor], student: torch.nn.Module) -> None:
     """The weights file holds exactly the student's trainable parameters, each of its shape and of a float dtype
     (``load_state_dict`` would cast an int32 tensor silently, or fail with a traceback on a wrong shape)."""
-    params = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    params = stored_tensors(student)
+    if set(params) - set(state) and all(SLT_STATE in n for n in set(params) - set(state)):
+        raise StudentFormatError(
+            f"{path}: written before the fixed SLT layout (no per-loop slots {sorted(set(params) - set(state))[:2]}); "
+            f"{RECALIBRATE}"
+        )
     if set(state) != set(params):
         missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
         raise StudentFormatError(f"{path}: parameters do not match (missing {missing[:5]}, extra {extra[:5]})")

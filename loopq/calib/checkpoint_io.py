@@ -6,9 +6,22 @@ is ever unpickled.
 
 A checkpoint can still be damaged later (a full disk, a copy cut short). :func:`newest_intact` is what
 ``--ckpt_path last`` resumes from: the newest checkpoint whose zip archive is whole - every member's CRC is checked,
-which reads the file once and unpickles nothing - skipping (with one line each) newer ones that are not. A DeepSpeed
-checkpoint is a directory: it counts as whole when LoopQ's sidecar (written last) is readable and every ``.pt`` in
-it is. :func:`check_ckpt_path` applies the same test to a ``--ckpt_path`` the user names, before the teacher loads.
+which reads the file once and unpickles nothing - skipping newer ones that are not (named when it resumes from an
+older one; when none is whole, one error line names them all). :func:`check_ckpt_path` applies the same test to a
+``--ckpt_path`` the user names, before the teacher loads. A file that is whole but holds objects a weights-only load
+refuses (a pickle payload) is refused with one line by :func:`load_weights_only`, never unpickled.
+
+**DeepSpeed checkpoints are sealed.** A DeepSpeed checkpoint is a directory, and DeepSpeed opens its ``.pt`` files
+with a full unpickle (``torch.load(weights_only=False)``, in its checkpoint engine): a planted file would run code.
+So LoopQ seals the directory when it writes it, as students and exports are sealed (:mod:`loopq.artifacts.seal`):
+the sidecar ``loopq.json`` is removed before DeepSpeed writes, and written last with the size and sha256 of every
+other file of the directory and a seal over itself (:func:`write_sidecar`). :func:`sealed_problem` accepts the
+directory only when the sidecar is there and sealed, no file is missing or added, and every file has its recorded
+hash; it runs when ``--ckpt_path`` is checked or ``last`` resolved (before the teacher loads) and again right before
+DeepSpeed opens the files (``LoopQDeepSpeedStrategy.load_checkpoint``). A save cut short leaves no sidecar ("the
+save did not finish"); a file changed or added afterwards fails its hash. The cost is one sequential read of the
+checkpoint per check. As with students, the seal is a consistency check, not a signature: whoever rewrites the files
+and the sidecar on purpose is not stopped - nor is whoever can write into the run directory's code.
 """
 
 from __future__ import annotations
@@ -26,7 +39,11 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loopq.artifacts.layout import model_kind
-from loopq.errors import LoopQError
+from loopq.artifacts.seal import FILES, SEAL, manifest, seal, sha256_file
+from loopq.errors import LoopQError, article
+
+#: the LoopQ state (and seal) a DeepSpeed checkpoint directory carries next to DeepSpeed's own files
+SIDECAR = "loopq.json"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -50,14 +67,101 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         if not target.is_file():
             raise FileNotFoundError(f"checkpoint {target} does not exist; pass --ckpt_path last or a .ckpt file")
-        try:
-            return torch.load(target, map_location=map_location or "cpu", weights_only=True)
-        except Exception as err:
-            raise ValueError(f"{target}: not a loadable LoopQ checkpoint (weights-only load failed: {err})") from err
+        return load_weights_only(target, map_location)
 
 
 class CheckpointError(LoopQError):
     """No checkpoint to resume from is readable; the message names the folder and what to do."""
+
+
+def load_weights_only(path: str | os.PathLike, map_location: Any = None, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``; a file holding anything else (a pickle payload, another program's
+    objects) is a :class:`CheckpointError` of one line naming the file and the first refused object, not
+    ``UnpicklingError``'s page of advice to load it unsafely."""
+    try:
+        state = torch.load(path, map_location=map_location or "cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # UnpicklingError, RuntimeError (not a zip, bad storage), EOFError, ...
+        first = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+        why = first or f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        raise CheckpointError(
+            f"{path}: not a LoopQ calibration checkpoint - it holds objects other than tensors and plain values "
+            f"({why.rstrip('.')}), and LoopQ never unpickles those; pass a checkpoint loopq.fit wrote"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a calibration checkpoint")
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------- DeepSpeed seal
+def sealed_names(directory: Path) -> list[str]:
+    """Every file under ``directory`` but the sidecar (and its temporary), as POSIX paths relative to it."""
+    skip = {SIDECAR, f".{SIDECAR}.tmp"}
+    files = (p for p in sorted(Path(directory).rglob("*")) if p.is_file() or p.is_symlink())
+    return [p.relative_to(directory).as_posix() for p in files if p.relative_to(directory).as_posix() not in skip]
+
+
+def write_sidecar(directory: Path, state: dict[str, Any]) -> Path:
+    """Write ``directory/loopq.json``: ``state`` plus the size and sha256 of every other file of the directory,
+    sealed (module docstring); atomically, as the last file of the checkpoint."""
+    names = sealed_names(directory)
+    target = Path(directory) / SIDECAR
+    tmp = target.with_name(f".{SIDECAR}.tmp")
+    tmp.write_text(json.dumps(seal({**state, FILES: manifest(directory, names)}), indent=2) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def read_sidecar_state(directory: Path) -> dict[str, Any]:
+    """The sealed sidecar of a DeepSpeed checkpoint directory, its seal checked (the files are not:
+    :func:`sealed_problem`), without the seal; :class:`CheckpointError` naming the file otherwise."""
+    path = Path(directory) / SIDECAR
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing - the save did not finish, or loopq.fit did not write it") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}) - the save did not finish") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: holds a {type(meta).__name__}, not LoopQ's checkpoint record")
+    if SEAL not in meta:
+        raise CheckpointError(f"{path}: has no {SEAL} seal (written by an older LoopQ, or not by LoopQ)")
+    if meta[SEAL] != seal(meta)[SEAL]:
+        raise CheckpointError(f"{path}: edited after it was written (its content no longer matches {SEAL})")
+    return {k: v for k, v in meta.items() if k != SEAL}
+
+
+def sealed_problem(directory: Path) -> str | None:
+    """Why the DeepSpeed checkpoint ``directory`` is not exactly what LoopQ sealed (module docstring); None if it is.
+    Reads every file once; unpickles nothing."""
+    try:
+        meta = read_sidecar_state(directory)
+    except CheckpointError as err:
+        return f"{SIDECAR}: {str(err).removeprefix(f'{Path(directory) / SIDECAR}: ')}"
+    recorded = meta.get(FILES)
+    if not isinstance(recorded, dict) or not recorded:
+        return f"{SIDECAR} records no files"
+    present = sealed_names(directory)
+    added = sorted(set(present) - set(recorded))
+    if added:
+        return f"{added[0]} was not in the checkpoint when it was written (added since)"
+    for name, entry in recorded.items():
+        path = Path(directory) / name
+        if not path.is_file() or path.is_symlink():
+            return f"{name}: missing (or replaced by a link) since the checkpoint was written"
+        if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
+            return f"{name}: changed since the checkpoint was written (its size or sha256 is not the recorded one)"
+    return None
+
+
+def check_sealed(directory: str | os.PathLike) -> None:
+    """:class:`CheckpointError` when ``directory`` fails :func:`sealed_problem` - called right before DeepSpeed
+    unpickles its files."""
+    problem = sealed_problem(Path(directory))
+    if problem is not None:
+        raise CheckpointError(
+            f"{directory}: {problem}; refused: DeepSpeed would unpickle it. Resume from another "
+            "checkpoint, or start fresh without --ckpt_path"
+        )
 
 
 def _zip_problem(path: Path) -> str | None:
@@ -72,13 +176,7 @@ def _zip_problem(path: Path) -> str | None:
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` (a checkpoint file, or a DeepSpeed checkpoint directory) cannot be resumed from; None if whole."""
     if path.is_dir():
-        sidecar = path / "loopq.json"  # loopq.calib.deepspeed.SIDECAR, written after the checkpoint itself
-        try:
-            json.loads(sidecar.read_text())
-        except (OSError, ValueError) as err:
-            return f"{sidecar.name} unreadable ({type(err).__name__}): the save did not finish"
-        problems = [(pt, _zip_problem(pt)) for pt in sorted(path.rglob("*.pt"))]
-        return next((f"{pt.relative_to(path)}: {why}" for pt, why in problems if why), None)
+        return sealed_problem(path)
     if not path.is_file():
         return "missing"
     if path.stat().st_size == 0:
@@ -132,29 +230,31 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         )
     kind = model_kind(path)
     if kind is not None:
-        what = "a calibrated student" if kind == "student" else f"a {kind} directory"
+        what = "a calibrated student" if kind == "student" else f"{article(kind)} directory"
         raise CheckpointError(f"--ckpt_path {path}: is {what}, not a calibration checkpoint; {CKPT_PATH_TAKES}")
     problem = _directory_problem(path) if path.is_dir() else _file_problem(path)
     if problem is not None:
         raise CheckpointError(f"--ckpt_path {path}: {problem}; {CKPT_PATH_TAKES}")
 
 
-def newest_intact(candidates: Iterable[Path], option: str = "--ckpt_path last") -> Path | None:
-    """The newest (modification time) whole checkpoint among ``candidates``; prints one line per newer one it skips.
-    None when there are no candidates; :class:`CheckpointError` when none of them is whole."""
+def newest_intact(candidates: Iterable[Path], option: str = "--ckpt_path last", quiet: bool = False) -> Path | None:
+    """The newest (modification time) whole checkpoint among ``candidates``; prints one line per newer one it skips
+    (unless ``quiet``). None when there are no candidates; :class:`CheckpointError` when none of them is whole."""
     ordered = sorted(candidates, key=lambda p: p.stat().st_mtime_ns, reverse=True)
-    skipped: list[str] = []
+    skipped: list[tuple[Path, str]] = []
     for path in ordered:
         problem = checkpoint_problem(path)
         if problem is None:
-            if skipped:
+            for bad, why in [] if quiet else skipped:
+                print(f"[loopq] {option}: skipped {bad}: {why}", file=sys.stderr, flush=True)
+            if skipped and not quiet:
                 print(f"[loopq] {option}: resuming from {path}", file=sys.stderr, flush=True)
             return path
-        skipped.append(f"{path.name} ({problem})")
-        print(f"[loopq] {option}: skipped {path}: {problem}", file=sys.stderr, flush=True)
+        skipped.append((path, problem))
     if ordered:
         raise CheckpointError(
-            f"{option}: no readable checkpoint in {ordered[0].parent} ({'; '.join(skipped)}); move them away to start "
+            f"{option}: no readable checkpoint in {ordered[0].parent} "
+            f"({'; '.join(f'{bad.name} ({why})' for bad, why in skipped)}); move them away to start "
             "fresh, or pass --ckpt_path <file>"
         )
     return None

@@ -12,13 +12,14 @@ processes over gloo (what the tests do) and on GPUs over NCCL (what real runs do
 
 What is specific to LoopQ:
 
-* **SLT selection up front.** Promoting groups mid-run would need new optimizer parameters, which DeepSpeed
-  cannot add to its flattened/partitioned optimizer: ``SharingGapReselection`` runs all its rounds before
-  training under DeepSpeed (``upfront=True``; switched on with a warning when a config asks for progressive).
-* **Resume.** DeepSpeed restores a checkpoint *after* building its engine, but the promoted groups' parameters
-  must exist *before* it. Every checkpoint directory therefore also gets a small ``loopq.json`` (promoted groups,
-  mu_t) that :class:`~loopq.calib.module.LoopQCalibration` reads in ``setup`` to re-promote them first.
-  DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``); ``--ckpt_path last`` finds them like files.
+* **SLT.** The student's parameter layout is fixed from ``prepare`` on (:mod:`loopq.quant.modules`), so the
+  progressive schedule runs as under DDP: a promotion writes buffers only and DeepSpeed's optimizer never changes.
+* **Resume.** Every checkpoint directory also gets a small ``loopq.json`` (mu_t, provenance) that ``loopq.fit``
+  reads to check a resume. DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``); ``--ckpt_path last``
+  finds them like files.
+* **Sealed checkpoints.** DeepSpeed loads its checkpoint files with a full unpickle. ``loopq.json`` is removed before
+  DeepSpeed writes and written last with the sha256 of every other file, sealed; :meth:`LoopQDeepSpeedStrategy.
+  load_checkpoint` verifies the whole directory before DeepSpeed opens anything (:mod:`loopq.calib.checkpoint_io`).
 * **ZeRO-3** partitions parameters: :func:`gathered` collects the student's for writing it at the end.
 * **bf16-mixed** runs DeepSpeed's fp32 engine under torch autocast (its ``torch_autocast`` section) instead of its
   ``bf16`` mode, which would cast every parameter to bf16: the quantization parameters and their optimizer states
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,10 +45,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from loopq.files import read_json
+from loopq.calib.checkpoint_io import SIDECAR, CheckpointError, check_sealed, read_sidecar_state, write_sidecar
 
-#: the LoopQ state a DeepSpeed checkpoint directory carries next to DeepSpeed's own files
-SIDECAR = "loopq.json"
+__all__ = ["SIDECAR", "LoopQDeepSpeedStrategy", "gathered", "is_zero3", "read_sidecar"]
 #: set to 0 to skip DeepSpeed's JIT-compiled shared-memory op for CPU collectives
 SHM_ENV = "LOOPQ_DEEPSPEED_SHM"
 
@@ -110,27 +109,45 @@ class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
         return engine, ds_optimizer
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
+        """DeepSpeed's save, sealed: the old sidecar goes first (a save cut short then has none), the new one is
+        written when every rank's files are (module docstring)."""
+        directory = Path(self.broadcast(filepath))
+        if self.is_global_zero:
+            (directory / SIDECAR).unlink(missing_ok=True)
         super().save_checkpoint(checkpoint, filepath, storage_options)
-        filepath = self.broadcast(filepath)
+        self.barrier("loopq_checkpoint_files")
         if self.is_global_zero and "loopq" in checkpoint:
-            target = Path(filepath) / SIDECAR
-            tmp = target.with_name(f".{SIDECAR}.tmp")
-            tmp.write_text(json.dumps(checkpoint["loopq"], indent=2) + "\n")
-            os.replace(tmp, target)
+            write_sidecar(directory, {**checkpoint["loopq"], "global_step": checkpoint.get("global_step")})
         self.barrier("loopq_sidecar")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verify the sealed directory (global rank 0 reads it; every rank gets the verdict) before DeepSpeed
+        unpickles any of it; a single-file checkpoint (``load_full_weights``) goes through the weights-only
+        checkpoint IO instead."""
+        if Path(checkpoint_path).is_dir():
+            problem = None
+            if self.is_global_zero:
+                try:
+                    check_sealed(checkpoint_path)
+                except CheckpointError as err:
+                    problem = str(err)
+            problem = self.broadcast(problem)
+            if problem is not None:
+                raise CheckpointError(problem)
+        elif not (self.load_full_weights and self.zero_stage_3):
+            raise CheckpointError(
+                f"--ckpt_path {checkpoint_path}: not a DeepSpeed checkpoint directory; a run under "
+                "LoopQDeepSpeedStrategy resumes from the directories it wrote (checkpoints/*.ckpt/)"
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
 
 def read_sidecar(ckpt_path: str | os.PathLike | None) -> dict[str, Any] | None:
-    """The LoopQ state written next to a DeepSpeed checkpoint directory (None for a single-file checkpoint)."""
+    """The LoopQ state sealed next to a DeepSpeed checkpoint directory, its seal checked (None for a single-file
+    checkpoint); the files themselves are verified before DeepSpeed opens them."""
     if ckpt_path is None or not Path(ckpt_path).is_dir():
         return None
-    path = Path(ckpt_path) / SIDECAR
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: missing - {ckpt_path} is a DeepSpeed checkpoint directory not written by loopq.fit "
-            "(LoopQDeepSpeedStrategy writes it next to every checkpoint)"
-        )
-    return read_json(path, fix=f"{ckpt_path} was not written completely; resume from another checkpoint")
+    return read_sidecar_state(Path(ckpt_path))
 
 
 def is_zero3(strategy: Any) -> bool:

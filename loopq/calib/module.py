@@ -23,12 +23,12 @@ The training-free baselines (``quant.method`` rtn, smoothquant, quarot) are reje
 Optimisation follows FlatQuant / paper Table 5: AdamW, transforms and adapters at ``lr``, clipping ratios at
 ``clip_lr_mult * lr``, cosine schedule, gradient clipping 1.0 (set on the Trainer).
 
-Speed and memory switches: ``checkpoint_loops`` recomputes each loop in the backward pass (memory flat in the loop
-count); ``checkpoint_weights`` recomputes each group's weight transform + fake-quant chain in the backward pass
-(autograd keeps one fp32 quantized weight per group instead of ~8 fp32 copies: the term that dominates a real-size
-model's memory, ``docs/benchmarks.md``; same numbers, one more chain per group and step); ``compile_quantizers``
-runs the per-call transform + fake-quant chains as ``torch.compile``-d functions
-(:mod:`loopq.quant.fused`: ~4x faster chains, ~20-45 s of compilation per shape, so for real calibrations).
+Speed and memory switches: ``checkpoint_loops`` checkpoints every (loop, layer) call: only each layer's input is
+kept and the backward recomputes one layer at a time (memory nearly flat in the loop count and the depth);
+``compile_quantizers`` runs the per-call transform + fake-quant chains as ``torch.compile``-d functions
+(:mod:`loopq.quant.fused`: ~4x faster chains, ~20-45 s of compilation per shape, so for real calibrations). The
+weight side needs no switch: every quantized use sends its weight gradient through its chain at once and keeps
+nothing weight-sized for backward (the per-use backward, :mod:`loopq.quant.modules`).
 
 Precision policy (``teacher_dtype``, README "Calibrating a real looped model"): the frozen teacher is held in
 ``teacher_dtype`` - ``bf16``, ``fp32``, or ``auto`` = bf16 when ``trainer.precision`` is a bf16 one (``loopq.fit``
@@ -50,12 +50,14 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor, nn
 
 from loopq.artifacts.student import student_meta, write_student
-from loopq.calib.deepspeed import gathered, is_zero3, read_sidecar
+from loopq.calib.deepspeed import gathered, is_zero3
 from loopq.calib.losses import STATE_REDUCTIONS, layerwise_loss, loopq_loss
 from loopq.calib.targets import TeacherTargets, load_or_compute
+from loopq.calib.validation import VAL_SETS, ValidationMetrics, measure
 from loopq.data.text import DataError
 from loopq.errors import UsageError
 from loopq.models import LoopLM, load_looplm
@@ -74,6 +76,8 @@ from loopq.quant.accounting import parameter_report
 from loopq.quant.config import METHODS, QuantConfigError
 
 OBJECTIVES = ("trajectory", "layerwise")
+#: what the names of the SLT state's buffers contain (``slt_anchor.*``, ``slt_promoted``)
+SLT_STATE = "slt_"
 #: ``model.teacher_dtype`` -> the dtype of the frozen teacher (and of the student's frozen weights, which it shares)
 TEACHER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -107,7 +111,6 @@ class LoopQCalibration(L.LightningModule):
         warmup_steps: int = 0,
         init_clipping: bool = True,
         checkpoint_loops: bool = False,
-        checkpoint_weights: bool = False,
         compile_quantizers: bool = False,
         teacher_dtype: str = "auto",
         target_cache_dir: str | None = None,
@@ -119,7 +122,6 @@ class LoopQCalibration(L.LightningModule):
         slt_every_n_steps: int = 50,
         slt_per_round: int = 1,
         slt_probe_batches: int = 2,
-        slt_probe_groups: int = 0,
     ) -> None:
         super().__init__()
         quant = quant or QuantConfig()
@@ -141,16 +143,17 @@ class LoopQCalibration(L.LightningModule):
         self.teacher_sha256 = teacher_fingerprint(self.teacher_dir)
         #: teacher fingerprint + resolved config (loopq.fit sets the config), stored in checkpoints and the student
         self.provenance: dict[str, Any] = record(self.teacher_sha256)
-        options = GroupOptions(compiled=compile_quantizers, checkpoint_weights=checkpoint_weights)
+        options = GroupOptions(compiled=compile_quantizers)
         self.student = prepare(self.teacher, quant, options=options)
         self.student.checkpoint_loops = checkpoint_loops
         self.num_loops = self.student.calibrated_loops
         self.register_buffer("mu", torch.zeros(self.num_loops), persistent=False)
-        self.promoted: list[str] = []
         self.targets: TeacherTargets | None = None
         #: the last training batch's teacher and (detached) student loop states; what the mu_t update reads
         self.last_trajectory: Trajectory | None = None
         self._data_initialised = False
+        #: held-out validation metrics per set (loopq.calib.validation); their states are not checkpointed
+        self.val_metrics = nn.ModuleDict({name: ValidationMetrics(self.num_loops) for name in VAL_SETS})
 
     # ------------------------------------------------------------------ teacher is frozen, never trained/saved twice
     def train(self, mode: bool = True) -> LoopQCalibration:
@@ -181,18 +184,10 @@ class LoopQCalibration(L.LightningModule):
         return self.targets
 
     def setup(self, stage: str) -> None:
-        """Fresh runs initialise the diagonals and LAS clipping from data (resumed runs load them instead).
-
-        Resuming from a DeepSpeed checkpoint directory re-promotes its SLT groups here, before the engine and its
-        optimizer are built (DeepSpeed restores checkpoints only after that; other strategies restore earlier and
-        re-promote in :meth:`on_load_checkpoint`).
-        """
+        """Fresh runs initialise the diagonals and LAS clipping from data (resumed runs load them instead; the SLT
+        promotions are part of the loaded state, :mod:`loopq.quant.modules`)."""
         if stage != "fit":
             return
-        state = read_sidecar(self.trainer.ckpt_path)
-        for name in (state or {}).get("promoted", []):
-            if name not in self.promoted:
-                self.promote(name)
         self.initialise_from_data()
 
     # ------------------------------------------------------------------ placement: the one place that decides devices
@@ -299,23 +294,37 @@ class LoopQCalibration(L.LightningModule):
         self.log("loss", logged["loss"], prog_bar=True, logger=False)
         return terms["loss"]
 
-    # ------------------------------------------------------------------ SLT promotion (called by the callback)
-    def promote(self, name: str) -> list[nn.Parameter]:
-        """Promote group ``name`` to loop-dependent and register its new parameters with the optimizer."""
-        group = quant_groups(self.student)[name]
-        shared_clip = group.act_clip
-        params = group.promote()
-        self.promoted.append(name)
-        if self._trainer is not None and self.trainer.optimizers:
-            if group.act_clip is not shared_clip:  # LAS off: per-loop clips replaced the shared one
-                drop_param(self.trainer.optimizers[0], shared_clip)
-            add_param_group(self.trainer, params, self.hparams.lr)
-        return params
+    # ------------------------------------------------------------------ held-out validation (loopq.calib.validation)
+    def validation_step(self, batch: list[Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        ids, real = batch
+        ids = ids[real]  # masked rows only keep the ranks' batch counts equal
+        if ids.shape[0] == 0:
+            return
+        hp = {**self.hparams, "state_reduction": self.hparams.get("state_reduction", "mean")}
+        found = measure(self.teacher, self.student, ids, self.mu, hp, self.num_loops)
+        self.val_metrics[VAL_SETS[dataloader_idx]].update(*found, ids)
+
+    def on_validation_epoch_end(self) -> None:
+        """Compute (torchmetrics reduces across processes), log ``val/<set>/<metric>``, reset."""
+        names = VAL_SETS[: len(self.trainer.datamodule.val_sets)] if self._trainer is not None else ()
+        for name in names:
+            values = self.val_metrics[name].values()
+            self.log_dict({f"val/{name}/{k}": v for k, v in values.items()}, sync_dist=False)
+            self.val_metrics[name].reset()
+
+    @property
+    def promoted(self) -> list[str]:
+        """The SLT-promoted groups (their flag is part of the student's state)."""
+        return [name for name, g in quant_groups(self.student).items() if g.promoted]
 
     # ------------------------------------------------------------------ optimizer
     def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: [transforms+adapters @ lr, clips @ clip_lr_mult*lr] + one group per promoted group."""
-        promoted_ids = {id(p) for name in self.promoted for p in promoted_params(self.student, name)}
+        """AdamW groups: transforms+adapters @ lr, clips @ clip_lr_mult*lr, every SLT per-loop slot @ lr.
+
+        Fixed for the whole run (:mod:`loopq.quant.modules`): the per-loop slots of a group take part from its
+        promotion on (no gradient before, so AdamW leaves them and their state untouched until then)."""
+        slt = [p for g in quant_groups(self.student).values() for p in g.promotion_parameters() if p.requires_grad]
+        promoted_ids = {id(p) for p in slt}
         main, clips = [], []
         for name, p in self.student.named_parameters():
             if not p.requires_grad or id(p) in promoted_ids:
@@ -326,9 +335,20 @@ class LoopQCalibration(L.LightningModule):
             {"params": main, "lr": lr, "name": "transforms"},
             {"params": clips, "lr": lr * self.hparams.clip_lr_mult, "name": "clips"},
         ]
-        for name in self.promoted:
-            groups.append({"params": promoted_params(self.student, name), "lr": lr, "name": f"slt:{name}"})
+        groups.append({"params": slt, "lr": lr, "name": "slt"})
         return [g for g in groups if g["params"]]
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Every trainable quantization parameter steps with a gradient, zero where this step did not use it (the SLT
+        offsets before their promotion, a promoted group's shared parameters after it): DeepSpeed's ZeRO optimizers
+        step them so, over one flat partition, and AdamW here does the same, so every strategy computes the same
+        run (an offset's AdamW state then counts its steps from the start of the run). DeepSpeed keeps its
+        gradients in its own buffers and is left alone."""
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            return
+        for p in self.student.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def configure_optimizers(self) -> dict[str, Any]:
         opt = torch.optim.AdamW(self.param_groups(), weight_decay=self.hparams.weight_decay)
@@ -346,6 +366,11 @@ class LoopQCalibration(L.LightningModule):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
         missing = [k for k in ("student." + k for k in student_keys(self.student)) if k not in state_dict]
+        if strict and missing and all(SLT_STATE in k for k in missing):
+            raise UsageError(
+                f"checkpoint lacks the SLT slots {missing[:3]}: written before the fixed SLT layout; start the "
+                "calibration again (without --ckpt_path)"
+            )
         if strict and missing:
             raise KeyError(f"checkpoint lacks student parameters {missing[:5]}; is it a LoopQ calibration checkpoint?")
         return super().load_state_dict(state_dict, strict=False, assign=assign)
@@ -362,9 +387,6 @@ class LoopQCalibration(L.LightningModule):
         state = checkpoint.get("loopq")
         if state is None:
             raise KeyError("checkpoint has no 'loopq' section: not written by loopq.fit")
-        for name in state["promoted"]:
-            if name not in self.promoted:
-                self.promote(name)
         self.mu.copy_(torch.tensor(state["mu"], device=self.mu.device))
 
     def on_fit_end(self) -> None:
@@ -398,7 +420,6 @@ def method_callbacks(module: LoopQCalibration, configured: list[L.Callback]) -> 
                 every_n_steps=hp.slt_every_n_steps,
                 per_round=hp.slt_per_round,
                 probe_batches=hp.slt_probe_batches,
-                probe_groups=hp.get("slt_probe_groups", 0),
             )
         )
     return wanted
@@ -429,33 +450,10 @@ def student_parameters(student: nn.Module) -> list[nn.Parameter]:
 
 
 def student_keys(student: nn.Module) -> set[str]:
-    """State keys of the quantization parameters (transforms, clips, adapters)."""
-    return {name for name, p in student.named_parameters() if p.requires_grad}
-
-
-def promoted_params(student: nn.Module, name: str) -> list[nn.Parameter]:
-    """The loop-dependent parameters a promotion created (SLT transforms, weight clips, act clips w/o LAS)."""
-    return quant_groups(student)[name].promotion_parameters()
-
-
-def drop_param(opt: torch.optim.Optimizer, param: nn.Parameter) -> None:
-    """Take ``param`` (no longer part of the model) out of ``opt`` and its state, so that the optimizer's layout is
-    the one :meth:`LoopQCalibration.param_groups` rebuilds on resume; a left-over entry made the resumed run's
-    ``load_state_dict`` fail with a group-size mismatch."""
-    for group in opt.param_groups:
-        group["params"] = [p for p in group["params"] if p is not param]
-    opt.state.pop(param, None)
-
-
-def add_param_group(trainer: L.Trainer, params: list[nn.Parameter], lr: float) -> None:
-    """Add freshly promoted parameters to the running optimizer and extend its LambdaLR schedule to them."""
-    opt = trainer.optimizers[0]
-    opt.add_param_group({"params": params, "lr": lr, "initial_lr": lr, "name": "slt"})
-    for config in trainer.lr_scheduler_configs:
-        sched = config.scheduler
-        sched.base_lrs.append(lr)
-        sched.lr_lambdas.append(sched.lr_lambdas[0])
-        opt.param_groups[-1]["lr"] = lr * sched.lr_lambdas[0](sched.last_epoch)
+    """State keys of the quantization parameters (transforms, clips, adapters) and of the SLT state (anchors and
+    promotion flags: buffers, :mod:`loopq.quant.modules`)."""
+    keys = {name for name, p in student.named_parameters() if p.requires_grad}
+    return keys | {name for name, _ in student.named_buffers() if SLT_STATE in name}
 
 
 def cosine(step: int, warmup: int, total: int) -> float:

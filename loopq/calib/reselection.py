@@ -1,24 +1,24 @@
-"""Progressive sharing-gap reselection (paper §4.2, SLT).
+"""Progressive sharing-gap reselection (paper §4.2, SLT), from the training steps' own gradients.
 
 Installed by :meth:`loopq.calib.module.LoopQCalibration.configure_callbacks` whenever ``quant.slt_budget > 0``
-(schedule: ``model.slt_start_step``, ``slt_every_n_steps``, ``slt_per_round``, ``slt_probe_batches``,
-``slt_probe_groups``), or listed
+(schedule: ``model.slt_start_step``, ``slt_every_n_steps``, ``slt_per_round``, ``slt_probe_batches``), or listed
 explicitly in a config's ``trainer.callbacks`` to override that schedule.
 
-At scheduled steps the callback *scores* every still-shared looped group: it attaches zero per-loop
-perturbations Delta_t to each group's transform (:meth:`QuantLinearGroup.start_probe`), takes gradients of the
-calibration loss w.r.t. them on ``probe_batches`` batches (``torch.autograd.grad``: parameter gradients and the
-optimizer are untouched), averages them across processes, computes S_l (:mod:`loopq.quant.sharing_gap`) and
-*promotes* the top ``per_round`` groups to loop-dependent transforms. Calibration then adapts them before the
-next scoring round, so later selections target the residual mismatch - "alternating adaptation and re-scoring".
-Rounds repeat every ``every_n_steps`` from ``start_step`` until the budget (``quant.slt_budget``) is spent.
+Rounds are due at ``start_step``, ``start_step + every_n_steps``, ... until the budget (``quant.slt_budget``) is spent.
+For the ``probe_batches`` training steps that end at a round (at most ``every_n_steps``), every still-shared looped
+group records its per-loop gradients phi_{t,l} in the step's own backward pass (:mod:`loopq.calib.slt`; nothing
+weight-sized, no extra pass); after the backward they are averaged across processes and accumulated. After the
+round step's optimizer step the callback computes S_l (:mod:`loopq.quant.sharing_gap`) and *promotes* the top
+``per_round`` groups: :meth:`QuantLinearGroup.promote` copies the shared values into the group's per-loop slots,
+which exist from the start (:mod:`loopq.quant.modules`). Calibration then adapts them before the next round, so
+later selections target the residual mismatch - "alternating adaptation and re-scoring".
 
-Stateful: selections and score history are saved; the module re-promotes the groups on resume before loading
-parameters. Under DDP the new parameters are not known to the DDP reducer, so their gradients are averaged here
-(``on_before_optimizer_step``) and the strategy must allow unused parameters (the promoted group's shared
-transform stops receiving gradient): use ``ddp_find_unused_parameters_true``. DeepSpeed cannot grow its
-optimizer mid-run: there, all rounds happen back to back before training (``upfront=True``, switched on
-automatically under DeepSpeed).
+Nothing here touches the optimizer, the LR schedule or a strategy's internals: the parameter set never changes, so
+the schedule runs the same under one process, DDP and DeepSpeed ZeRO-2/3. Under DDP the per-loop slots of unpromoted
+groups (and a promoted group's shared parameters) receive no gradient, so the strategy must allow unused parameters
+(``ddp_find_unused_parameters_true``; refused at the start of fit otherwise). The selection, the score history and
+the gradients accumulated for an unfinished round are the callback's checkpoint state; the promotion itself is in
+the student's state (buffers), so a resume is a plain ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
-from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
-from loopq.calib.slt import probe_scores
+from loopq.calib.deepspeed import gathered
+from loopq.calib.slt import gap_scores, loop_gradients, reduce_phis, scored_groups, shared_inverses
+from loopq.errors import UsageError
+from loopq.quant import quant_groups
+from loopq.quant.modules import LoopRecorder
+from loopq.quant.sharing_gap import SharingGapAccumulator
 
 
 def round_due(step: int, selected: int, budget: int, start_step: int, every_n_steps: int) -> bool:
@@ -38,6 +41,12 @@ def round_due(step: int, selected: int, budget: int, start_step: int, every_n_st
     if selected >= budget or step < start_step:
         return False
     return (step - start_step) % every_n_steps == 0
+
+
+def recording_due(step: int, selected: int, budget: int, start_step: int, every_n_steps: int, window: int) -> bool:
+    """Whether ``step`` is one of the ``window`` steps that end at a due round (its gradients are scored)."""
+    nxt = start_step if step < start_step else step + (start_step - step) % every_n_steps
+    return nxt - step < min(window, every_n_steps) and round_due(nxt, selected, budget, start_step, every_n_steps)
 
 
 class SharingGapReselection(L.Callback):
@@ -49,21 +58,15 @@ class SharingGapReselection(L.Callback):
         per_round: int = 1,
         probe_batches: int = 2,
         eps_rel: float = 1e-3,
-        upfront: bool = False,
-        probe_groups: int = 0,
     ) -> None:
         if every_n_steps < 1 or per_round < 1 or probe_batches < 1:
             raise ValueError("SharingGapReselection: every_n_steps, per_round and probe_batches must be >= 1")
-        if probe_groups < 0:
-            raise ValueError("SharingGapReselection: probe_groups must be >= 0 (0: every group in one pass)")
-        #: groups probed per forward/backward pass (0: all at once); bounds the probe step's memory
-        # (loopq.planning.memory)
-        self.probe_groups = probe_groups
         self.budget, self.start_step, self.every_n_steps = budget, start_step, every_n_steps
-        self.per_round, self.probe_batches, self.eps_rel, self.upfront = per_round, probe_batches, eps_rel, upfront
+        self.per_round, self.probe_batches, self.eps_rel = per_round, probe_batches, eps_rel
         self.selected: list[str] = []
         self.history: list[dict[str, Any]] = []
-        self._late_params: list[torch.nn.Parameter] = []
+        self.acc: dict[str, SharingGapAccumulator] = {}
+        self._recording: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ schedule
     def _budget(self, pl_module: Any) -> int:
@@ -72,116 +75,84 @@ class SharingGapReselection(L.Callback):
     def due(self, step: int, pl_module: Any) -> bool:
         return round_due(step, len(self.selected), self._budget(pl_module), self.start_step, self.every_n_steps)
 
-    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
-        """Upfront mode: all rounds before the optimizer exists (DeepSpeed cannot add parameters later)."""
-        if stage == "fit" and not self.upfront:
-            self.upfront = _must_run_upfront(trainer)
-        if not self.upfront or stage != "fit" or self.selected or trainer.ckpt_path:
-            return  # resumed runs restore the selection from the checkpoint
-        if hasattr(pl_module, "place"):
-            pl_module.place()  # the module decides where it computes (LoopQCalibration.compute_device)
-        else:
-            pl_module.to(trainer.strategy.root_device)
-        if hasattr(pl_module, "initialise_from_data"):
-            pl_module.initialise_from_data()  # score with the diagonals and clipping training starts from
-        loader = trainer.datamodule.train_dataloader()
-        batches = [b for _, b in zip(range(self.probe_batches), loader, strict=False)]
-        while len(self.selected) < self._budget(pl_module):
-            if not self.run_round(trainer, pl_module, batches, step=0, upfront=True):
-                break
+    def records(self, step: int, pl_module: Any) -> bool:
+        return recording_due(step, len(self.selected), self._budget(pl_module), self.start_step,
+                             self.every_n_steps, self.probe_batches)  # fmt: skip
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        # Groups selected so far (upfront rounds, or re-promoted from a checkpoint) were promoted before the
-        # strategy wrapped the model, so DDP already averages their gradients: only later promotions need the
-        # manual all-reduce of on_before_optimizer_step.
-        self._late_params = []
+        """Plain DDP rejects parameters without gradient, which the fixed SLT layout has: refuse with the fix."""
+        wrapped = getattr(trainer.strategy, "model", None)
+        if isinstance(wrapped, DistributedDataParallel) and not wrapped.find_unused_parameters:
+            raise UsageError(
+                "SharingGapReselection: the per-loop SLT slots of unpromoted groups receive no gradient, which plain "
+                "DDP rejects; use --trainer.strategy ddp_find_unused_parameters_true (or quant.slt_budget 0)"
+            )
 
+    # ------------------------------------------------------------------ the steps
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self.upfront and self.due(trainer.global_step, pl_module):
-            self.run_round(trainer, pl_module, [batch], trainer.global_step)
+        if self._recording or not self.records(trainer.global_step, pl_module):
+            return  # recording already (the next micro-batch of an accumulated step), or not a scored step
+        groups = scored_groups(pl_module.student)
+        with gathered(trainer.strategy, [p for g in groups.values() for p in g.transform.parameters()]):
+            inverses = {n: shared_inverses(g) for n, g in groups.items()}
+        self._recording = {"groups": groups, "inverses": inverses}
+        for group in groups.values():
+            group.recorder = LoopRecorder(group.slots)
 
-    # ------------------------------------------------------------------ one round
-    def score(self, trainer: L.Trainer, pl_module: Any, batches: list[Any]) -> dict[str, float]:
-        """S_l of every shared looped group with a transform (:func:`loopq.calib.slt.sharing_gap_scores`)."""
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        """After the step's backward: its per-loop gradients, averaged across processes, join the round's."""
+        if not self._recording:
+            return
+        groups, inverses = self._recording["groups"], self._recording["inverses"]
+        phis = {n: loop_gradients(g.recorder, inverses[n]) for n, g in groups.items() if g.recorder is not None}
         reduce = None
         if trainer.world_size > 1:
             reduce = lambda flat: trainer.strategy.reduce(flat, reduce_op="mean")  # noqa: E731
-        found = probe_scores(pl_module, batches, self.eps_rel, reduce, chunk=self.probe_groups)
-        if found.fitted is not None:
-            self.probe_groups = found.fitted  # what fit: later rounds start from it instead of running out again
-        return found.scores
+        for name, phi in reduce_phis(phis, reduce).items():
+            self.acc.setdefault(name, SharingGapAccumulator()).add(phi)
+        self._stop_recording()
 
-    def run_round(
-        self, trainer: L.Trainer, pl_module: Any, batches: list[Any], step: int, upfront: bool = False
-    ) -> list[str]:
-        scores = self.score(trainer, pl_module, batches)
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._stop_recording()
+        step = trainer.global_step - 1  # the step that just ran (global_step counts optimizer steps done)
+        if self.due(step, pl_module) and self.acc:
+            self.run_round(trainer, pl_module, step)
+
+    def _stop_recording(self) -> None:
+        for group in self._recording.get("groups", {}).values():
+            group.recorder = None
+        self._recording = {}
+
+    # ------------------------------------------------------------------ one round
+    def run_round(self, trainer: L.Trainer, pl_module: Any, step: int) -> list[str]:
+        scores = gap_scores(self.acc, self.eps_rel)
+        self.acc = {}
         if not scores:
             return []
         ranked = sorted(scores, key=scores.get, reverse=True)
         room = self._budget(pl_module) - len(self.selected)
         chosen = ranked[: min(self.per_round, room)]
-        for name in chosen:
-            self._late_params.extend(pl_module.promote(name))
-            self.selected.append(name)
+        groups = quant_groups(pl_module.student)
+        shared = [p for name in chosen for p in groups[name].shared_parameters()]
+        with gathered(trainer.strategy, shared):  # ZeRO-3: read the full shared values into the anchors
+            for name in chosen:
+                groups[name].promote()
+        self.selected.extend(chosen)
         self.history.append({"step": step, "selected": chosen, "scores": scores})
-        if not upfront:
-            pl_module.log("slt/num_selected", float(len(self.selected)))
-        else:  # upfront rounds run in setup, where LightningModule.log is not allowed
-            for logger in trainer.loggers:
-                logger.log_metrics({"slt/num_selected": float(len(self.selected))}, step=step)
+        pl_module.log("slt/num_selected", float(len(self.selected)))
         if trainer.is_global_zero:
             print(f"[loopq] step {step}: SLT promoted {chosen} (S = {[round(scores[c], 4) for c in chosen]})")
         return chosen
 
-    # ------------------------------------------------------------------ DDP: promoted params are not in the reducer
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-        """Average the gradients of parameters promoted after DDP wrapped the model (it does not know them).
-
-        Runs after backward and before gradient clipping and the optimizer step (Lightning's order), on every
-        rank. All late gradients travel in one flattened all-reduce; a parameter without a gradient on this rank
-        contributes zeros, and every rank then holds the same averaged gradient (a parameter that has no
-        gradient on any rank keeps ``grad = None`` so AdamW skips it, as in a single process).
-        """
-        if trainer.world_size <= 1 or self.upfront or not self._late_params:
-            return
-        params = self._late_params
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        has_grad = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
-        flat = trainer.strategy.reduce(torch.cat([*grads, has_grad.to(grads[0].dtype)]), reduce_op="sum")
-        total, seen = flat[: -len(params)], flat[-len(params) :]
-        offset = 0
-        for p, n in zip(params, seen.tolist(), strict=True):
-            chunk = total[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if n > 0:
-                p.grad = chunk.div(trainer.world_size).clone()
-
     def state_dict(self) -> dict[str, Any]:
-        return {"selected": list(self.selected), "history": self.history}
+        pending = {n: {"phi": a.phi, "psi": a.psi, "count": a.count} for n, a in self.acc.items()}
+        return {"selected": list(self.selected), "history": self.history, "pending": pending}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.selected = list(state_dict["selected"])
         self.history = list(state_dict["history"])
-
-
-def _must_run_upfront(trainer: L.Trainer) -> bool:
-    """Progressive promotion needs an optimizer that can grow and, under DDP, ``find_unused_parameters``.
-
-    DeepSpeed cannot add parameters to its optimizer: switch to up-front rounds (with a warning) so that any config
-    can be launched under DeepSpeed. Plain DDP would reject the promoted group's unused shared transform at the
-    step after a promotion: refuse at setup with the fix instead.
-    """
-    strategy = trainer.strategy
-    if isinstance(strategy, DeepSpeedStrategy):
-        rank_zero_warn(
-            "SharingGapReselection: DeepSpeed cannot add parameters to its optimizer mid-run, so all SLT rounds "
-            "run up front, before training (as with upfront: true)"
-        )
-        return True
-    kwargs = getattr(strategy, "_ddp_kwargs", None)
-    if trainer.world_size > 1 and kwargs is not None and not kwargs.get("find_unused_parameters", False):
-        raise ValueError(
-            "SharingGapReselection: a promoted group's shared transform stops receiving gradient, which plain "
-            "DDP rejects; use --trainer.strategy ddp_find_unused_parameters_true (or upfront: true)"
-        )
-    return False
+        self.acc = {}
+        for name, saved in state_dict.get("pending", {}).items():
+            acc = SharingGapAccumulator()
+            acc.phi, acc.psi, acc.count = saved["phi"], saved["psi"], saved["count"]
+            self.acc[name] = acc

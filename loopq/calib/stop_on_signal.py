@@ -8,7 +8,9 @@ raises ``SIGTERMException`` - but saves nothing (only SLURM's requeue signal doe
 raises ``KeyboardInterrupt`` wherever the step happens to be, and nothing is saved either.
 
 What it adds: SIGINT takes the same route as SIGTERM (Lightning's handler), the signal is acknowledged at once on
-stderr, ``SIGTERMException`` saves ``last.ckpt`` in the run's checkpoint folder (atomically, through the trainer's
+stderr, naming the signal that came (Lightning's own "Received SIGTERM: 15", logged for Ctrl-C too, is dropped:
+:class:`QuietSigtermNotice`),
+``SIGTERMException`` saves ``last.ckpt`` in the run's checkpoint folder (atomically, through the trainer's
 checkpoint IO; a collective save under DeepSpeed, so every rank takes part), and :func:`exit_status` gives
 ``loopq.fit`` / ``loopq.pretrain`` the shell's 128 + signal number to exit with (:func:`install` adds the callback
 to a trainer that has none). A second signal stops at once without saving (the
@@ -18,6 +20,7 @@ ends at once - since there is nothing to save yet.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -31,6 +34,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: the logger of Lightning's signal connector, which logs "Received SIGTERM: <n>" for any signal routed to it
+LIGHTNING_SIGNAL_LOGGER = "lightning.pytorch.trainer.connectors.signal_connector"
+
+
+class QuietSigtermNotice(logging.Filter):
+    """Drops Lightning's "Received SIGTERM" record: :class:`StopOnSignal` has said which signal came and what
+    happens next (a Ctrl-C would otherwise also be reported as "SIGTERM: 15")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Received SIGTERM" not in record.getMessage()  # also as "[rank: 0] Received SIGTERM: 15"
 
 
 class StopOnSignal(L.Callback):
@@ -83,6 +96,9 @@ def install(trainer: L.Trainer) -> None:
     """Add a :class:`StopOnSignal` to ``trainer`` unless its callbacks already hold one."""
     if not any(isinstance(cb, StopOnSignal) for cb in trainer.callbacks):
         trainer.callbacks.append(StopOnSignal())
+    logger = logging.getLogger(LIGHTNING_SIGNAL_LOGGER)
+    if not any(isinstance(f, QuietSigtermNotice) for f in logger.filters):
+        logger.addFilter(QuietSigtermNotice())
 
 
 def exit_status(trainer: L.Trainer) -> int:

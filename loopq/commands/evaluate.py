@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from loopq.data.tokenizer import load_tokenizer
 from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError, run_cli
 from loopq.files import atomic_write
+from loopq.locks import file_lock
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.models import LoopLM
 from loopq.models.loading import resolve_model_dir
@@ -46,7 +48,6 @@ from loopq.quant import QuantConfig
 from loopq.quant.config import FP_LABEL, METHODS, Bits, method_of_label
 from loopq.quant.prepare import prepare_static
 
-#: ``--method`` label (lower case) -> training-free ``quant.method`` built from the teacher
 #: the ``--method`` labels of a ``--model`` (case does not matter): FP, or a training-free baseline built from it
 MODEL_METHODS = (FP_LABEL, *(m.label for m in METHODS.values() if not m.trained), "RTN")
 
@@ -177,34 +178,35 @@ def evaluate(
     choice = check_options(model, student, exported, method, bits, task_list)
     if out:  # before any work: a result never replaces a model file or anything but an earlier result
         check_output_file(out, [model, student, exported])
-    start = time.time()
-    net, tok_dir, bits = build(
-        model, student, exported, choice, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
-    )
-    tokenizer = load_tokenizer(tok_dir)
-    stream = torch.tensor(wikitext2_stream(tokenizer), device="cpu")  # host tokens; windows move per batch
-    if ppl_windows is not None:
-        stream = stream[: ppl_windows * ppl_seq_len]
-    ppl = perplexity(net, stream, ppl_seq_len, batch_size, num_loops, per_loop=True)
-    result: dict[str, Any] = {
-        "method": method,
-        "bits": bits,
-        "model": model or student or exported,
-        "variant": variant or Path(tok_dir).name,
-        "num_loops": num_loops or net.default_num_loops,
-        "wikitext2_ppl": ppl.ppl,
-        "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
-        "wikitext2_windows": ppl.num_windows,
-        "device": device_label(where),
-        "provenance": provenance_of(model, student, exported),
-    }
-    if choice.baseline not in (None, "rtn"):
-        result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
-    if task_list:
-        result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)
-    result["seconds"] = round(time.time() - start, 1)
-    if out:
-        atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+    with file_lock(out, "loopq.evaluate") if out else nullcontext():  # a second evaluate --out of it refuses
+        start = time.time()
+        net, tok_dir, bits = build(
+            model, student, exported, choice, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
+        )
+        tokenizer = load_tokenizer(tok_dir)
+        stream = torch.tensor(wikitext2_stream(tokenizer), device="cpu")  # host tokens; windows move per batch
+        if ppl_windows is not None:
+            stream = stream[: ppl_windows * ppl_seq_len]
+        ppl = perplexity(net, stream, ppl_seq_len, batch_size, num_loops, per_loop=True)
+        result: dict[str, Any] = {
+            "method": method,
+            "bits": bits,
+            "model": model or student or exported,
+            "variant": variant or Path(tok_dir).name,
+            "num_loops": num_loops or net.default_num_loops,
+            "wikitext2_ppl": ppl.ppl,
+            "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
+            "wikitext2_windows": ppl.num_windows,
+            "device": device_label(where),
+            "provenance": provenance_of(model, student, exported),
+        }
+        if choice.baseline not in (None, "rtn"):
+            result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
+        if task_list:
+            result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)
+        result["seconds"] = round(time.time() - start, 1)
+        if out:
+            atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     return result
 
 

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from loopq.artifacts.layout import STUDENT_META
 from loopq.artifacts.student import load_student
+from loopq.calib.checkpoint_io import load_weights_only
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import UsageError, run_cli
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
@@ -59,7 +60,7 @@ def slt_history(run: Path) -> list[dict[str, Any]]:
     ckpt = run / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
         return []
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state = load_weights_only(ckpt)
     for key, value in state.get("callbacks", {}).items():
         if key.startswith("SharingGapReselection") and isinstance(value, dict):
             return list(value.get("history", []))

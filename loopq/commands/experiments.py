@@ -6,14 +6,18 @@
 SpinQuant, FlatQuant, LoopQ) at W4A4 and W4A8 - each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ
 perplexity per loop + the lm-eval tasks with ``limit`` examples per task). The training-free baselines are built
 from the teacher inside the evaluation; the trained ones (SpinQuant, FlatQuant, LoopQ) are calibrated by
-``python -m loopq.fit`` with their calibration config (LoopQ: ``fit_config``, default ``configs/tiny.yaml``; the
-baselines: ``configs/baselines/*-tiny.yaml``) in a subprocess each, under ``<out>/runs/``. A row whose result JSON
-exists is neither recalibrated nor re-evaluated.
+``loopq.fit``'s CLI with their calibration config (LoopQ: ``fit_config``, default ``configs/tiny.yaml``; the
+baselines: ``configs/baselines/*-tiny.yaml``) in this process, one after another, each under ``<out>/runs/<row>/``.
 ``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
 ``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
 calibration samples (Fig. 6); ``loops``: FP, Symmetric RTN and a calibrated student at T ... 2T loops (Fig. 5).
 Sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their swept field to each JSON, which
-is what ``python -m loopq.report --sweeps`` plots. Every function skips rows whose JSON exists (re-runs resume).
+is what ``python -m loopq.report --sweeps`` plots.
+
+Re-runs resume by ``loopq.run``'s rule (:class:`Sweep`, on :mod:`loopq.stages`): ``<out>/pipeline.json`` records each
+row's inputs, and a row is skipped only if its JSON exists and its inputs did not change; a row whose calibration
+config, teacher or evaluation settings changed runs again (its calibration is reused if the student in its run
+directory was made from the same teacher and config, and resumed from its newest checkpoint if that one was).
 
 ``--seeds 0 1 2`` (``table1``, ``ablations``, ``slt_budget``) calibrates every trained row once per seed
 (``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and ``data.seed``, so the
@@ -29,8 +33,8 @@ import itertools
 import json
 import math
 import statistics
-import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,13 +42,19 @@ from typing import Any
 from jsonargparse import CLI
 
 from loopq.artifacts import read_artifact_meta
-from loopq.artifacts.layout import STUDENT_META
+from loopq.artifacts.layout import STUDENT_META, STUDENT_WEIGHTS, json_object
+from loopq.calib.checkpoint_io import newest_intact
+from loopq.commands import fit
 from loopq.commands.evaluate import evaluate
 from loopq.commands.examine import slt_history
+from loopq.commands.run import MANIFEST, DeferredCLI, quiet_lm_eval
+from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError, run_cli
 from loopq.files import atomic_write, read_json
-from loopq.paths import REPO_ROOT
+from loopq.models.loading import resolve_model_dir
+from loopq.provenance import flat_record, record, teacher_fingerprint
 from loopq.quant.config import BIT_LABELS, METHODS, Bits
+from loopq.stages import Manifest, Stage, StageRunner, normalised, say
 from loopq.stats import log_gap_recovery, separated, summarize
 
 #: activation bits of each reported bit-width label (w4a4 -> 4, w4a8 -> 8)
@@ -78,29 +88,118 @@ ABLATIONS = {
 }
 
 
-def calibrate(model: str, run_dir: Path, config: str, a_bits: int, extra: list[str]) -> Path:
-    """``python -m loopq.fit`` in a fresh process; returns the student directory. A run stopped mid-calibration
-    resumes from its ``checkpoints/last.ckpt`` (``--ckpt_path last``) instead of starting over."""
-    resume = ["--ckpt_path", "last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "loopq.fit",
-        "--config",
-        config,
-        "--model.teacher",
-        model,
-        "--model.quant.a_bits",
-        str(a_bits),
-        "--trainer.default_root_dir",
-        str(run_dir),
-        "--trainer.enable_progress_bar",
-        "false",
-        *extra,
-        *resume,
-    ]
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
-    return run_dir / "student"
+@dataclass(frozen=True)
+class Calibration:
+    """One trained row's ``loopq.fit`` run: its ``config`` and ``extra`` options on teacher ``model`` at ``a_bits``
+    activation bits, written under the run directory ``run``."""
+
+    model: str
+    run: Path
+    config: str
+    a_bits: int
+    extra: tuple[str, ...] = ()
+
+    @property
+    def student(self) -> Path:
+        return self.run / "student"
+
+    def args(self) -> list[str]:
+        """Its ``loopq.fit`` options."""
+        teacher = ["--model.teacher", self.model, "--model.quant.a_bits", str(self.a_bits)]
+        run = str(self.run.absolute())  # this process's path: not moved by LOOPQ_RUNS_DIR (loopq.paths.run_root)
+        where = ["--trainer.default_root_dir", run, "--trainer.enable_progress_bar", "false"]
+        return ["--config", self.config, *teacher, *where, *self.extra]
+
+
+class Sweep(StageRunner):
+    """The rows of one results folder ``out``, each a stage of :mod:`loopq.stages` recorded in ``<out>/pipeline.json``
+    (the runner and rule of ``loopq.run``): a row is skipped when its JSON exists and its inputs are as recorded -
+    the evaluation's arguments, and what made the model: the calibration's resolved ``loopq.fit`` config (without
+    :data:`loopq.fit.COSMETIC` options) and the teacher's content hash, a given student's file stamp, or the teacher's
+    hash. Otherwise it runs again. A JSON without a record (written before the folder had ``pipeline.json``) is adopted
+    as it is. ``device`` is resolved here, once for every evaluation of the command."""
+
+    def __init__(self, out: str, device: str = AUTO) -> None:
+        self.root, self.device = Path(out), str(resolve_device(device))
+        self.root.mkdir(parents=True, exist_ok=True)
+        super().__init__(Manifest(self.root / MANIFEST, error=UsageError))
+
+    def row(self, slug: str, calibration: Calibration | None = None, **evaluation: Any) -> Path:
+        """``<out>/<slug>.json``: :func:`evaluate` with ``evaluation`` (of the student of ``calibration`` if given)."""
+        out = self.root / f"{slug}.json"
+        evaluation["device"] = self.device
+        if calibration is not None:
+            evaluation["student"] = str(calibration.student)
+        inputs = {"evaluate": evaluation, **model_inputs(evaluation, calibration)}
+        stage = Stage(slug, out, [out], lambda: self.compute(out, evaluation, calibration), inputs)
+        if stage.name not in self.manifest.stages and out.is_file():
+            self.manifest.start(slug, normalised(inputs))
+            self.manifest.finish(slug, {"note": f"adopted: written before {MANIFEST}"}, 0.0)
+        self.execute(stage, f"row {slug}", [])
+        return out
+
+    @staticmethod
+    def compute(out: Path, evaluation: dict[str, Any], calibration: Calibration | None) -> dict[str, Any]:
+        if calibration is not None:
+            calibrate(calibration)
+        with quiet_lm_eval():
+            evaluate(out=str(out), **evaluation)
+        ppl = read_json(out)["wikitext2_ppl"]
+        return {"wikitext2_ppl": ppl, "note": f"WikiText-2 ppl {ppl:.2f}"}
+
+
+def model_inputs(evaluation: dict[str, Any], calibration: Calibration | None) -> dict[str, Any]:
+    """What made the evaluated model (see :class:`Sweep`)."""
+    if calibration is not None:
+        return {"calibrate": calibration_settings(calibration)}
+    if evaluation.get("student"):
+        weights = Path(evaluation["student"]) / STUDENT_WEIGHTS
+        return {"student_mtime_ns": weights.stat().st_mtime_ns if weights.is_file() else None}
+    return {"teacher_sha256": teacher_sha256(evaluation["model"])}
+
+
+def teacher_sha256(model: str) -> str:
+    return teacher_fingerprint(resolve_model_dir(model))
+
+
+def parse(calibration: Calibration) -> DeferredCLI:
+    """``loopq.fit``'s CLI for ``calibration``, parsed (its run directory locked), not built."""
+    with warnings.catch_warnings():  # the args are ours, not sys.argv's
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        return fit.build_cli(calibration.args(), DeferredCLI)  # type: ignore[return-value]
+
+
+def calibration_settings(calibration: Calibration) -> dict[str, Any]:
+    """What makes the row's student (``loopq.run``'s calibration inputs): the resolved config and the teacher's hash."""
+    cli = parse(calibration)
+    cli.release_lock()
+    return {**fit.fit_settings(cli.config), "teacher_sha256": teacher_sha256(calibration.model)}
+
+
+def calibrate(calibration: Calibration) -> Path:
+    """The row's student, calibrated in this process by ``loopq.fit``'s CLI, unless the run directory holds one of
+    the same teacher and config (the row re-runs for its evaluation only). A calibration stopped midway resumes from
+    the run's newest intact checkpoint if that records the same teacher and config."""
+    cli = parse(calibration)
+    try:
+        current = flat_record(record(teacher_sha256(calibration.model), fit.fit_settings(cli.config)))
+        if recorded(json_object(calibration.student / STUDENT_META)) == current:
+            return calibration.student
+        last = newest_intact(fit.checkpoints_in([calibration.run / "checkpoints"]), "resume")
+        if last is not None and recorded({"provenance": fit.checkpoint_provenance(str(last))}) == current:
+            cli.config.ckpt_path = str(last)
+            say(f"resuming the calibration from {last}")
+        cli.build()
+        fit.calibrate(cli)
+        cli.release()
+    finally:
+        cli.release_lock()
+    return calibration.student
+
+
+def recorded(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The flat provenance (teacher hash and config) an artifact's metadata records; None if it records none."""
+    return flat_record(meta["provenance"]) if meta.get("provenance") else None
 
 
 def seed_args(seed: int | None) -> list[str]:
@@ -127,13 +226,15 @@ def table1(
     methods: list[str] | None = None,
     extra: list[str] | None = None,
     ppl_windows: int | None = None,
+    device: str = AUTO,
 ) -> list[Path]:
     """FP and every :data:`TABLE1` method (or those named in ``methods``) at W4A4 and W4A8 (or ``bits``) on
     ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``). ``extra``: more
-    ``loopq.fit`` options for every calibration (e.g. a scaled recipe: ``--trainer.max_steps 100``)."""
-    root = Path(out)
+    ``loopq.fit`` options for every calibration (e.g. a scaled recipe: ``--trainer.max_steps 100``); ``device``:
+    where the evaluations run (auto, cpu, cuda, cuda:N; a calibration runs where its config's ``trainer`` says)."""
+    sweep = Sweep(out, device)
     configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
-    written = [_eval(root / "fp.json", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
+    written = [sweep.row("fp", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
     for bit_label in bits or list(BITS):
         for row in TABLE1:
             if methods and row.label not in methods:
@@ -141,13 +242,15 @@ def table1(
             common = {"method": row.label, "bits": bit_label, "limit": limit, "tasks": tasks}
             common["ppl_windows"] = ppl_windows
             if row.calibration is None:
-                written.append(_eval(root / f"{row.slug}-{bit_label}.json", model=model, **common))
+                written.append(sweep.row(f"{row.slug}-{bit_label}", model=model, **common))
                 continue
             for seed in seeds or [None]:
                 slug = seeded(f"{row.slug}-{bit_label}", seed)
-                args = [*seed_args(seed), *(extra or [])]
-                student = _calibrated(model, root, slug, configs[row.calibration], BITS[bit_label], args)
-                written.append(_tag(_eval(root / f"{slug}.json", student=str(student), **common), seed=seed))
+                args = (*seed_args(seed), *(extra or []))
+                calibration = Calibration(
+                    model, sweep.root / "runs" / slug, configs[row.calibration], BITS[bit_label], args
+                )
+                written.append(_tag(sweep.row(slug, calibration, **common), seed=seed))
     return written
 
 
@@ -160,32 +263,18 @@ def ablations(
     seeds: list[int] | None = None,
     extra: list[str] | None = None,
     ppl_windows: int | None = None,
+    device: str = AUTO,
 ) -> list[Path]:
     """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``."""
-    root = Path(out)
-    written = []
+    sweep, written = Sweep(out, device), []
     for name, switch in ABLATIONS.items():
         for seed in seeds or [None]:
             slug = seeded(name.lower().replace(" ", "-").replace("/", ""), seed)
-            student = _calibrated(model, root, slug, fit_config, 4, [*switch, *seed_args(seed), *(extra or [])])
+            args = (*switch, *seed_args(seed), *(extra or []))
+            calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, 4, args)
             common = {"method": name, "bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
-            path = _eval(root / f"{slug}.json", student=str(student), **common)
-            written.append(_tag(path, seed=seed))
+            written.append(_tag(sweep.row(slug, calibration, **common), seed=seed))
     return written
-
-
-def _eval(path: Path, **kwargs: object) -> Path:
-    if path.is_file():  # experiments resume: finished evaluations are kept
-        return path
-    evaluate(out=str(path), **kwargs)  # type: ignore[arg-type]
-    print(f"[loopq] wrote {path}: {read_json(path)['wikitext2_ppl']:.2f} WT2 ppl")
-    return path
-
-
-def _calibrated(model: str, root: Path, slug: str, config: str, a_bits: int, extra: list[str]) -> Path:
-    """The student of row ``slug``: calibrated now, unless its result JSON says the row is finished."""
-    run = root / "runs" / slug
-    return run / "student" if (root / f"{slug}.json").is_file() else calibrate(model, run, config, a_bits, extra)
 
 
 def _tag(path: Path, **fields: object) -> Path:
@@ -209,17 +298,18 @@ def slt_budget(
     seeds: list[int] | None = None,
     extra: list[str] | None = None,
     ppl_windows: int | None = None,
+    device: str = AUTO,
 ) -> list[Path]:
     """Fig. 4: LoopQ calibrated with each SLT budget (default 0, 2, 4, 8 promoted groups)."""
-    root, written = Path(out), []
+    sweep, written = Sweep(out, device), []
     for budget in budgets or [0, 2, 4, 8]:
         for seed in seeds or [None]:
             slug = seeded(f"slt-{budget}", seed)
-            args = ["--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or [])]
-            student = _calibrated(model, root, slug, fit_config, BITS[bits], args)
+            args = ("--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or []))
+            calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, BITS[bits], args)
             common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
-            path = _eval(root / f"{slug}.json", student=str(student), **common)
-            written.append(_tag(path, slt_budget=budget, seed=seed, **promotion_record(student.parent)))
+            path = sweep.row(slug, calibration, **common)
+            written.append(_tag(path, slt_budget=budget, seed=seed, **promotion_record(calibration.run)))
     return written
 
 
@@ -249,15 +339,16 @@ def num_samples(
     bits: str = "w4a4",
     limit: int | None = 200,
     tasks: list[str] | None = None,
+    device: str = AUTO,
 ) -> list[Path]:
     """Fig. 6: LoopQ calibrated on 32 ... 1024 samples (same steps and batch: smaller sets are revisited more)."""
-    root, written = Path(out), []
+    sweep, written = Sweep(out, device), []
     for size in sizes or [32, 64, 128, 256, 512, 1024]:
         slug = f"samples-{size}"
-        student = _calibrated(model, root, slug, fit_config, BITS[bits], ["--data.num_samples", str(size)])
-        path = _eval(
-            root / f"{slug}.json", student=str(student), method="LoopQ", bits=bits, limit=limit, tasks=tasks or []
+        calibration = Calibration(
+            model, sweep.root / "runs" / slug, fit_config, BITS[bits], ("--data.num_samples", str(size))
         )
+        path = sweep.row(slug, calibration, method="LoopQ", bits=bits, limit=limit, tasks=tasks or [])
         written.append(_tag(path, num_samples=size))
     return written
 
@@ -273,6 +364,7 @@ def loops(
     seed: int | None = None,
     ppl_windows: int | None = None,
     method: str = "LoopQ",
+    device: str = AUTO,
 ) -> list[Path]:
     """Fig. 5: FP, Symmetric RTN and the calibrated ``student`` at T ... ``max_loops`` (default 2T) loops.
 
@@ -291,7 +383,7 @@ def loops(
         raise UsageError(f"--method {method}: not a calibrated method; use one of {', '.join(trained)}")
     calibrated = read_artifact_meta(student, kind="student")[0]["calibrated_loops"]
     top = max_loops or 2 * calibrated
-    root, written = Path(out), []
+    sweep, written = Sweep(out, device), []
     rows = {
         "fp": {"model": model, "method": "FP"},
         f"rtn-{bits}": {"model": model, "method": "Symmetric", "bits": bits},
@@ -302,10 +394,10 @@ def loops(
         tag = {"loop_sweep": top, "seed": seed if row["method"] == method else None}
         if tasks:
             for n in range(calibrated, top + 1):
-                path = _eval(root / f"{slug}-loops{n}.json", tasks=tasks, num_loops=n, **common, **row)
+                path = sweep.row(f"{slug}-loops{n}", tasks=tasks, num_loops=n, **common, **row)
                 written.append(_tag(path, **tag))
             continue
-        source = _tag(_eval(root / f"{slug}-loops{top}.json", tasks=[], num_loops=top, **common, **row), **tag)
+        source = _tag(sweep.row(f"{slug}-loops{top}", tasks=[], num_loops=top, **common, **row), **tag)
         written += [per_loop_result(source, n) for n in range(calibrated, top)] + [source]
     return written
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from loopq.artifacts import check_student_dir, export_student, load_quantized, load_student
-from loopq.artifacts.layout import RUN_LOCK, STUDENT_META
+from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
 from loopq.artifacts.quantized import check_export_dir
-from loopq.artifacts.student import read_student_meta
+from loopq.artifacts.student import check_exportable, read_student_meta
 from loopq.errors import OneLineParser, run_cli
 from loopq.locks import DirectoryLock
 from loopq.quant.accounting import footprint, format_footprint
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     args = parser.parse_args(argv)
     check_student_dir(args.ckpt)
+    check_exportable(json_object(args.ckpt / STUDENT_META), args.ckpt)  # before a legacy one's warning is printed
     teacher = read_student_meta(args.ckpt).get("teacher")
     check_export_dir(args.out, teacher, reads=(args.ckpt,))
     with DirectoryLock(args.out, RUN_LOCK, "loopq.export", "--out"):  # one writer at a time

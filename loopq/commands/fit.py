@@ -35,16 +35,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
-from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
+from loopq.calib.checkpoint_io import CheckpointError, check_ckpt_path, load_weights_only, newest_intact
 from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
 from loopq.locks import DirectoryLock
 from loopq.models.loading import resolve_model_dir
-from loopq.planning.guards import check_calibration
+from loopq.paths import run_root
+from loopq.planning.guards import check_calibration, check_local_teacher
 from loopq.planning.memory import format_plan, plan_from_config
 from loopq.provenance import ProvenanceError, check_same, flat_record, flatten, record, teacher_fingerprint
 
@@ -103,6 +105,8 @@ class LoopQCLI(LightningCLI):
 
     #: refuse to replace a student calibrated with another config (``loopq.run`` applies its own rule instead)
     check_student = True
+    #: refuse to resume a finished calibration (``loopq.run`` resumes it to write a lost student again)
+    refuse_finished = True
     command = "loopq.fit"
     lock: DirectoryLock | None = None
 
@@ -110,11 +114,17 @@ class LoopQCLI(LightningCLI):
         """Before the teacher loads: ``--print_plan`` (then exit), a ``--ckpt_path`` that is no checkpoint, the
         checks of :func:`~loopq.planning.guards.check_calibration`, a student of another config in the output directory;
         ``model.teacher_dtype: auto`` becomes the dtype ``trainer.precision`` implies. Then the run directory is
-        locked (one writer at a time)."""
+        locked (one writer at a time). A relative run directory is first placed under ``$LOOPQ_RUNS_DIR`` when set
+        (:func:`loopq.paths.run_root`)."""
+        trainer = self.config.trainer
+        trainer.default_root_dir = run_root(trainer.default_root_dir)
         if self.config.get("print_plan"):
             print_plan(self.config)
             raise SystemExit(0)
         check_ckpt_path(self.config.get("ckpt_path"))
+        self.check_teacher(str(self.config.model.teacher))  # first: a run left in the run directory is read below
+        if self.refuse_finished:
+            check_resumable(self.config)
         check_calibration(self.config)
         model = self.config.model
         model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
@@ -125,6 +135,11 @@ class LoopQCLI(LightningCLI):
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 holds it for the whole run
             root = self.config.trainer.default_root_dir or os.getcwd()
             self.lock = DirectoryLock(root, RUN_LOCK, self.command, "--trainer.default_root_dir").acquire()
+
+    def check_teacher(self, teacher: str) -> None:
+        """``model.teacher`` is a model directory (:func:`~loopq.planning.guards.check_local_teacher`), checked
+        before the run directory is: a student an earlier run left there is compared against the teacher."""
+        check_local_teacher(teacher)
 
     def instantiate_classes(self) -> None:
         try:
@@ -208,7 +223,9 @@ def close_process_group() -> None:
 
 
 def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCLI) -> LoopQCLI:
-    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass."""
+    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass. YAML is
+    read through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused)."""
+    install_checked_yaml(args)
     return cli_class(
         LoopQCalibration,
         CalibrationDataModule,
@@ -230,6 +247,8 @@ def calibrate(cli: LoopQCLI) -> LoopQCalibration:
     cli.model.provenance = record(cli.model.teacher_sha256, fit_settings(cli.config))
     if cli.trainer.ckpt_path and not cli.config.get("allow_config_change"):
         check_resume(cli.trainer.ckpt_path, cli.model.provenance)
+    if cli.trainer.ckpt_path and cli.refuse_finished:
+        check_not_finished(cli.trainer.ckpt_path, cli.trainer.max_steps, student_dir(cli.config))
     try:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     except SIGTERMException:  # stopped on request, checkpoint saved (callbacks.stop_on_signal)
@@ -253,13 +272,44 @@ def is_method_callback(callback: Any) -> bool:
     return str(path).startswith(METHOD_CALLBACKS)
 
 
-def checkpoint_provenance(ckpt_path: str) -> dict[str, Any] | None:
-    """The provenance block a calibration checkpoint recorded (a file, or a DeepSpeed directory's sidecar)."""
+def checkpoint_record(ckpt_path: str) -> tuple[dict[str, Any], int | None]:
+    """The LoopQ block a calibration checkpoint recorded (a file, or a DeepSpeed directory's sealed sidecar) and its
+    global step (None when not recorded); a file is read weights-only (a pickle payload: one line)."""
     if Path(ckpt_path).is_dir():
         state = read_sidecar(ckpt_path) or {}
-    else:
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("loopq") or {}
-    return state.get("provenance")
+        return state, state.get("global_step")
+    checkpoint = load_weights_only(ckpt_path, mmap=True)
+    return checkpoint.get("loopq") or {}, checkpoint.get("global_step")
+
+
+def checkpoint_provenance(ckpt_path: str) -> dict[str, Any] | None:
+    """The provenance block a calibration checkpoint recorded (:func:`checkpoint_record`)."""
+    return checkpoint_record(ckpt_path)[0].get("provenance")
+
+
+def check_resumable(config: Any) -> None:
+    """Before the teacher loads: the checkpoint ``--ckpt_path`` names (``last``: the newest whole one in the run's
+    default ``checkpoints/`` folder) loads weights-only and is not the end of a finished calibration."""
+    ckpt_path = config.get("ckpt_path")
+    root = Path(config.trainer.default_root_dir or os.getcwd())
+    if ckpt_path == "last":
+        found = newest_intact(checkpoints_in([root / "checkpoints"]), quiet=True)
+        ckpt_path = None if found is None else str(found)
+    if ckpt_path is not None:
+        check_not_finished(ckpt_path, config.trainer.max_steps, student_dir(config))
+
+
+def check_not_finished(ckpt_path: str, max_steps: int, student: Path) -> None:
+    """Resuming a checkpoint that already reached ``trainer.max_steps`` would train nothing and write its student
+    again: say that the calibration is finished instead."""
+    step = checkpoint_record(ckpt_path)[1]
+    if isinstance(step, int) and step >= max_steps:
+        where = f"its student is {student}" if (student / STUDENT_META).is_file() else "its student was not kept"
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: the calibration is finished (step {step} of --trainer.max_steps {max_steps}) "
+            f"and {where}; nothing is left to resume - to calibrate again, start a fresh run (another "
+            "--trainer.default_root_dir, or this one without --ckpt_path and with --force true)"
+        )
 
 
 def check_resume(ckpt_path: str, current: dict[str, Any]) -> None:

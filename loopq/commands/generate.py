@@ -30,6 +30,7 @@ from loopq.models import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold
 from loopq.models.generation import check_prompt, check_sampling, generate
 from loopq.models.kv_quant import check_kv_bits
+from loopq.planning.guards import check_decode_loops
 
 __all__ = ["generate", "main"]
 
@@ -88,12 +89,25 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
             raise UsageError("--prompt is empty; give some text to continue")
         return [prompt]
     assert prompts_file is not None
-    lines = prompts_file.read_text().splitlines()
+    lines = read_text(prompts_file, "--prompts_file").splitlines()
     empty = [i + 1 for i, line in enumerate(lines) if not line.strip()]
     if not lines or empty:
         where = f"line {empty[0]} is empty" if empty else "it has no lines"
         raise UsageError(f"--prompts_file {prompts_file}: {where}; write one non-empty prompt per line")
     return lines
+
+
+def read_text(path: Path, key: str) -> str:
+    """The UTF-8 text of the file an option names; a missing, unreadable or non-UTF-8 file is one line naming both."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"{key} {path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); save it as "
+            "UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    except OSError as err:
+        raise UsageError(f"{key} {path}: cannot be read ({err.strerror or err}); pass a text file") from None
 
 
 def streamer(tokenizer: Tokenizer, out: Callable[[str], object]) -> Callable[[torch.Tensor], None]:
@@ -120,15 +134,17 @@ def write(text: str) -> None:
 
 def main(argv: list[str] | None = None) -> list[str]:
     args, kind, path = parse_args(argv)
+    prompts = read_prompts(args.prompt, args.prompts_file)  # before the model loads: a bad file fails at once
     artifact = load_artifact(path, kind=kind, device=args.device)  # type: ignore[arg-type]
     model: LoopLM = artifact.model.eval()
+    check_decode_loops(model, args.num_loops, args.max_new_tokens + 1)  # before any prompt is encoded or decoded
     tokenizer = load_tokenizer(tokenizer_dir(path, artifact) / "tokenizer.json")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     if args.exit_threshold is not None:
         check_exit_model(model)
     stats = ExitStats()
     texts = []
-    for prompt in read_prompts(args.prompt, args.prompts_file):
+    for prompt in prompts:
         ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], device=args.device)
 
         check_prompt(model, ids, None, args.max_new_tokens)  # before anything is printed

@@ -29,17 +29,20 @@ stress teacher, a student, an export) is refused unless ``--overwrite true``.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import math
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
@@ -48,10 +51,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
-from loopq.errors import run_cli
+from loopq.errors import UsageError, run_cli
 from loopq.locks import DirectoryLock
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
@@ -121,7 +125,68 @@ def gate_targets(token_losses: Tensor, margin: float) -> Tensor:
     return (gain < margin).to(token_losses.dtype)
 
 
-class TeacherPretrainer(L.LightningModule):
+class LoopedPretrainer(L.LightningModule):
+    """What every architecture's pretrainer shares: the optimiser and schedule, the wall time over resumed segments,
+    the logged steps and the export on fit end. A subclass builds ``self.model`` (a :class:`LoopLM`), calls
+    :meth:`init_training` and implements ``_objective``."""
+
+    def init_training(self, weights: Tensor) -> None:
+        """Register the normalised per-loop loss weights and start the wall-time and rate clocks."""
+        self.register_buffer("loop_weights", weights / weights.sum(), persistent=False)
+        self._t0 = time.time()
+        self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
+        self._first_step, self._rate_t0 = 0, time.time()
+
+    def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def on_train_start(self) -> None:
+        self._rate_t0, self._first_step = time.time(), self.global_step
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["loopq_wall_seconds"] = self.wall_seconds()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._wall_before = float(checkpoint.get("loopq_wall_seconds", 0.0))
+
+    def wall_seconds(self) -> float:
+        """Training wall time summed over every segment of a resumed run."""
+        return self._wall_before + time.time() - self._t0
+
+    def _losses(self, batch: list[Tensor], stage: str) -> Tensor:
+        return self._objective(batch, stage)[0]
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        loss = self._losses(batch, "train")
+        self.log("loss", loss, prog_bar=True, logger=False)  # what the plain-line progress prints
+        steps = self.global_step + 1 - self._first_step  # this segment's steps: a resumed run's rate stays true
+        self.log("train/tokens_per_s", batch[0].numel() * steps / (time.time() - self._rate_t0))
+        return loss
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self._losses(batch, "val")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.95),
+        )
+        total = max(1, self.trainer.max_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            dtype = getattr(torch, self.hparams.get("save_dtype", "float32"))
+            export_teacher(self, self.trainer.datamodule, dtype=dtype)
+
+
+class TeacherPretrainer(LoopedPretrainer):
     """Ouro-style multi-exit pretraining of a tiny looped LM."""
 
     def __init__(
@@ -163,26 +228,7 @@ class TeacherPretrainer(L.LightningModule):
         weights = torch.tensor(loop_weights or [float((t + 1) ** 2) for t in range(total_ut_steps)])
         if len(weights) != total_ut_steps:
             raise ValueError(f"model.loop_weights needs {total_ut_steps} entries (one per loop), got {len(weights)}")
-        self.register_buffer("loop_weights", weights / weights.sum(), persistent=False)
-        self._t0 = time.time()
-        self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
-        self._first_step, self._rate_t0 = 0, time.time()
-
-    def on_train_start(self) -> None:
-        self._rate_t0, self._first_step = time.time(), self.global_step
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["loopq_wall_seconds"] = self.wall_seconds()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._wall_before = float(checkpoint.get("loopq_wall_seconds", 0.0))
-
-    def wall_seconds(self) -> float:
-        """Training wall time summed over every segment of a resumed run."""
-        return self._wall_before + time.time() - self._t0
-
-    def _losses(self, batch: list[Tensor], stage: str) -> Tensor:
-        return self._objective(batch, stage)[0]
+        self.init_training(weights)
 
     def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
         """(the Ouro objective, the per-loop mean CEs [T] it was made of, with their graph)."""
@@ -197,34 +243,6 @@ class TeacherPretrainer(L.LightningModule):
             self.log(f"{stage}/ce_loop{t + 1}", value, prog_bar=(stage == "val" or t == len(per_loop) - 1))
         self.log(f"{stage}/gate_bce", gate)
         return lm + self.hparams.gate_weight * gate, per_loop
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        loss = self._losses(batch, "train")
-        self.log("loss", loss, prog_bar=True, logger=False)  # what the plain-line progress prints
-        steps = self.global_step + 1 - self._first_step  # this segment's steps: a resumed run's rate stays true
-        self.log("train/tokens_per_s", batch[0].numel() * steps / (time.time() - self._rate_t0))
-        return loss
-
-    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
-        self._losses(batch, "val")
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
-            betas=(0.9, 0.95),
-        )
-        total = max(1, self.trainer.max_steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            export_teacher(self, self.trainer.datamodule)
 
 
 #: Ouro's sandwich norms: each sub-layer's output is RMS-normalised by these before it joins the residual stream
@@ -289,6 +307,7 @@ class PretrainCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
         parser.add_argument("--overwrite", type=bool, default=False, help="let model.out_dir replace any model")
+        parser.add_argument("--architecture", type=str, default="ouro", help=f"one of {sorted(ARCHITECTURES)}")
 
     def before_instantiate_classes(self) -> None:
         """Before any training: ``model.out_dir`` may hold only a teacher this command trained (see module doc)."""
@@ -297,9 +316,17 @@ class PretrainCLI(LightningCLI):
             check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=("pretrained teacher",))
 
 
-def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningModule], args: list[str] | None) -> None:
+def fit_resumable(
+    cli_class: type[LightningCLI],
+    model_class: type[L.LightningModule],
+    args: list[str] | None,
+    command: str | None = None,
+) -> None:
     """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data), fit from ``--ckpt_path`` when given,
-    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130."""
+    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130. YAML is read
+    through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused).
+    ``command``: the name the run lock records (default: ``loopq.<model_class's module>``)."""
+    install_checked_yaml(args)
     cli = cli_class(
         model_class,
         PretrainDataModule,
@@ -310,7 +337,7 @@ def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningMo
         parser_kwargs={"default_env": False, "exit_on_error": False},
     )
     install_stop_on_signal(cli.trainer)
-    command = f"loopq.{model_class.__module__.rpartition('.')[2]}"
+    command = command or f"loopq.{model_class.__module__.rpartition('.')[2]}"
     root = cli.trainer.default_root_dir
     try:
         with DirectoryLock(root, RUN_LOCK, command, "--trainer.default_root_dir"):  # one writer at a time
@@ -319,8 +346,46 @@ def fit_resumable(cli_class: type[LightningCLI], model_class: type[L.LightningMo
         raise SystemExit(exit_status(cli.trainer)) from None
 
 
+#: ``architecture`` (top-level config key or ``--architecture``) -> the pretrainer's class path
+ARCHITECTURES = {
+    "ouro": "loopq.commands.pretrain.TeacherPretrainer",
+    "loopformer": "loopq.commands.pretrain_looped.LoopFormerPretrainer",
+    "parcae": "loopq.commands.pretrain_looped.ParcaePretrainer",
+}
+
+
+def requested_architecture(args: Sequence[str]) -> str:
+    """The ``architecture`` the command line asks for: the last ``--architecture`` value or top-level key of a
+    ``--config`` file, in command-line order (as the parser applies them); ``ouro`` when none says."""
+    chosen = "ouro"
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key not in ("--config", "--architecture"):
+            continue
+        value = value or (args[i + 1] if i + 1 < len(args) else "")
+        if key == "--architecture":
+            chosen = value
+            continue
+        try:
+            loaded = yaml.safe_load(Path(value).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # the CLI parser reports an unreadable config with its own one-line error
+        if isinstance(loaded, dict) and "architecture" in loaded:
+            chosen = str(loaded["architecture"])
+    if chosen not in ARCHITECTURES:
+        raise UsageError(f"architecture={chosen!r}: use one of {sorted(ARCHITECTURES)}")
+    return chosen
+
+
+def pretrainer_class(args: Sequence[str]) -> type[LoopedPretrainer]:
+    """The pretrainer of the architecture the command line asks for (:func:`requested_architecture`)."""
+    module, _, name = ARCHITECTURES[requested_architecture(args)].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 def main(args: list[str] | None = None) -> None:
-    fit_resumable(PretrainCLI, TeacherPretrainer, args)
+    argv = list(sys.argv[1:] if args is None else args)
+    fit_resumable(PretrainCLI, pretrainer_class(argv), args, command="loopq.pretrain")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ Everything is written under the run directory ``trainer.default_root_dir`` (``ru
 
 An evaluation is :func:`loopq.evaluate.evaluate`: WikiText-2 perplexity under the PTQ protocol, per loop (all
 windows unless ``--ppl_windows``), plus the paper's lm-eval suite on the first ``--limit`` examples of each task.
+Every WikiText-2 window (the export check's and the evaluations') is sized from the teacher's own context length:
+``--ppl_seq_len``, else :func:`window_length` = min(256, the positions its config.json gives it), so a LoopFormer
+with ``block_size`` 64 is evaluated on 64-token windows; the RTN baseline's calibration samples are min(128, context)
+tokens. LoopQ's calibration windows are ``data.seq_len`` (checked against the same context before anything runs).
 The default limit keeps the embedded default under ten minutes on two CPU cores; ``--limit full`` runs everything.
 
 Re-running is safe and cheap. ``pipeline.json`` in the run directory records every stage's inputs (its settings and
@@ -60,6 +64,7 @@ from loopq.files import read_json
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.metrics.tasks import check_tasks
 from loopq.models.loading import architecture_for, read_config, resolve_model_dir
+from loopq.planning.guards import meta_teacher
 from loopq.provenance import teacher_fingerprint
 from loopq.quant import QuantConfig
 from loopq.quant.accounting import footprint
@@ -69,6 +74,10 @@ from loopq.stages import Manifest, Stage, StageRunner, clock, differing_keys, no
 
 DEFAULT_LIMIT = 10
 EXPORT_CHECK_WINDOWS = 8
+#: the PTQ protocol's window here (the paper's 2048, scaled to the tiny teachers), cut to a shorter model's context
+DEFAULT_PPL_SEQ_LEN = 256
+#: a static baseline's calibration samples (loopq.evaluate's default), cut to a shorter model's context
+DEFAULT_CALIB_SEQ_LEN = 128
 MANIFEST = "pipeline.json"
 
 
@@ -83,10 +92,11 @@ class Options:
     limit: int | None = DEFAULT_LIMIT
     tasks: tuple[str, ...] = ("loopq_paper",)
     ppl_windows: int | None = None
+    ppl_seq_len: int | None = None  # None: window_length(the teacher's context)
     eval_batch_size: int = 8
     eval_exported: bool = False
     force: bool = False
-    device: str = "auto"  # where export checks and evaluations run (loopq.devices); calibration: trainer.accelerator
+    device: str = "auto"  # where export checks and evaluations run, resolved once (parse_args); calibration: trainer
 
 
 class DeferredCLI(fit.LoopQCLI):
@@ -95,7 +105,12 @@ class DeferredCLI(fit.LoopQCLI):
     pipeline's own rule decides whether a student may be replaced (:meth:`Pipeline.check_calibration`)."""
 
     check_student = False
+    refuse_finished = False  # a finished calibration whose student was lost writes it again
     command = "loopq.run"
+
+    def check_teacher(self, teacher: str) -> None:
+        """loopq.run's own teacher check (its message names ``--model.teacher``)."""
+        check_teacher(teacher)
 
     def instantiate_classes(self) -> None:
         """Deferred to :meth:`build`."""
@@ -122,6 +137,12 @@ class Pipeline(StageRunner):
         self.report_dir = self.root / "report"
         self.report_path = self.report_dir / "report.md"
         self.quant = asked_quant(config)
+        teacher_model = meta_teacher(resolve_model_dir(self.teacher))
+        if teacher_model is None:
+            raise PipelineError(f"--model.teacher {self.teacher}: no such model directory (a folder with config.json)")
+        #: the teacher's architecture (the report and the summary name it) and every WikiText-2 window's length
+        self.arch, self.context = teacher_model.arch, teacher_model.max_positions
+        self.window = window_length(self.context, options.ppl_seq_len)
         #: content hash of the teacher: every stage's inputs include it, so a rebuilt teacher is never mixed in
         self.teacher_sha256 = teacher_fingerprint(resolve_model_dir(self.teacher))
         #: the bit widths as the label its stages and result files record (the JSON boundary)
@@ -134,9 +155,10 @@ class Pipeline(StageRunner):
             loopq, made_by = {"exported": str(self.exported_dir)}, ("calibrate", "export")
         else:
             loopq, made_by = {"student": str(self.student_dir)}, ("calibrate",)
+        rtn = {"calib_seq_len": min(DEFAULT_CALIB_SEQ_LEN, self.context)}  # a static baseline's samples fit too
         evals = [
             self.eval_stage("evaluate FP", {"model": self.teacher, "method": "FP", "bits": "fp"}),
-            self.eval_stage("evaluate RTN", {"model": self.teacher, "method": "RTN", "bits": self.bits}),
+            self.eval_stage("evaluate RTN", {"model": self.teacher, "method": "RTN", "bits": self.bits, **rtn}),
             self.eval_stage("evaluate LoopQ", {**loopq, "method": "LoopQ", "bits": self.bits}, made_by),
         ]
         student_files = [self.student_dir / STUDENT_WEIGHTS, self.student_dir / STUDENT_META]
@@ -155,8 +177,9 @@ class Pipeline(StageRunner):
             "tasks": list(self.options.tasks),
             "limit": self.options.limit,
             "ppl_windows": self.options.ppl_windows,
+            "ppl_seq_len": self.window,
             "batch_size": self.options.eval_batch_size,
-            "device": str(resolve_device(self.options.device)),  # resolved: a result says where it was computed
+            "device": self.options.device,  # resolved: a result says where it was computed
         }
         out = self.result_paths()[model["method"]]
         inputs = {**settings, "teacher_sha256": self.teacher_sha256}  # a rebuilt teacher re-runs the evaluation
@@ -227,15 +250,15 @@ class Pipeline(StageRunner):
     def export(self) -> dict[str, Any]:
         student, meta = load_student(self.student_dir)
         export_student(student, meta, self.exported_dir)
-        device = resolve_device(self.options.device)
+        device = torch.device(self.options.device)
         exported = load_quantized(self.exported_dir, device=device)
-        check = export_check(student.to(device), exported, meta["teacher"])
+        check = export_check(student.to(device), exported, meta["teacher"], self.window)
         size = footprint(load_quantized(self.exported_dir, dtype=torch.bfloat16))
         mb = {"size_mb": size["total"] / 2**20, "bf16_mb": size["bf16_model"] / 2**20}
         note = (
             f"{mb['size_mb']:.2f} MB (BF16 teacher {mb['bf16_mb']:.2f} MB); WikiText-2 ppl on the first "
-            f"{check['windows']} windows: int model {check['int_ppl']:.2f}, fake-quant student "
-            f"{check['fake_quant_ppl']:.2f}"
+            f"{check['windows']} windows x {check['seq_len']} tokens: int model {check['int_ppl']:.2f}, "
+            f"fake-quant student {check['fake_quant_ppl']:.2f}"
         )
         return {**check, **mb, "note": note}
 
@@ -263,6 +286,7 @@ class Pipeline(StageRunner):
         windows = results["FP"]["wikitext2_windows"]
         ppl = " | ".join(f"{method} {r['wikitext2_ppl']:.2f}" for method, r in results.items())
         say(f"done in {clock(time.monotonic() - self.started)}; report: {self.report_path}")
+        say(f"teacher {self.teacher} ({self.arch}), WikiText-2 windows of {self.window} tokens")
         say(f"WikiText-2 perplexity ({self.bits}, PTQ protocol, {windows} windows): {ppl}")
 
 
@@ -280,13 +304,28 @@ def use_line_progress(trainer: Any) -> None:
             trainer.callbacks[i] = LineProgress()
 
 
-def export_check(student: Any, exported: Any, tokenizer_dir: str, seq_len: int = 256) -> dict[str, Any]:
-    """WikiText-2 perplexity of the fake-quant student and the exported int model on the first windows."""
+def window_length(context: int, asked: int | None = None) -> int:
+    """The WikiText-2 window of a model with ``context`` positions: ``asked`` if given (it must fit the context),
+    else :data:`DEFAULT_PPL_SEQ_LEN` cut to the context."""
+    if asked is None:
+        return min(DEFAULT_PPL_SEQ_LEN, context)
+    if asked > context:
+        raise PipelineError(
+            f"--ppl_seq_len {asked}: longer than the teacher's {context} positions (its config.json); pass "
+            f"--ppl_seq_len {context} or less"
+        )
+    return asked
+
+
+def export_check(student: Any, exported: Any, tokenizer_dir: str, seq_len: int) -> dict[str, Any]:
+    """WikiText-2 perplexity of the fake-quant student and the exported int model on the first windows of
+    ``seq_len`` tokens (the teacher's window, :func:`window_length`)."""
     stream = torch.tensor(wikitext2_stream(load_tokenizer(tokenizer_dir)), device="cpu")[
         : EXPORT_CHECK_WINDOWS * seq_len
     ]
     return {
         "windows": EXPORT_CHECK_WINDOWS,
+        "seq_len": seq_len,
         "fake_quant_ppl": perplexity(student, stream, seq_len, batch_size=8).ppl,
         "int_ppl": perplexity(exported, stream, seq_len, batch_size=8).ppl,
     }
@@ -379,6 +418,9 @@ def parse_args(argv: list[str] | None) -> tuple[Options, list[str]]:
     parser.add_argument("--limit", type=limit_arg, default=DEFAULT_LIMIT, help="lm-eval examples per task, or 'full'")
     parser.add_argument("--tasks", nargs="*", default=["loopq_paper"], help="lm-eval tasks (none: perplexity only)")
     parser.add_argument("--ppl_windows", type=positive, default=None, help="first N WikiText-2 windows (default: all)")
+    parser.add_argument(
+        "--ppl_seq_len", type=positive, default=None, help="WikiText-2 window (default: min(256, model context))"
+    )
     parser.add_argument("--eval_batch_size", type=positive, default=8, help="evaluation batch size (default 8)")
     parser.add_argument("--eval_exported", action="store_true", help="evaluate the int model as LoopQ (slow on CPU)")
     parser.add_argument("--force", action="store_true", help="rerun every stage, recalibrating from scratch")
@@ -388,8 +430,8 @@ def parse_args(argv: list[str] | None) -> tuple[Options, list[str]]:
         help="where to export-check and evaluate: auto (cuda when available), cpu, cuda, cuda:N",
     )
     args, fit_args = parser.parse_known_args(argv)
-    resolve_device(args.device)  # a bad --device is refused before calibrating
-    return Options(**{**vars(args), "tasks": tuple(args.tasks)}), fit_args
+    device = str(resolve_device(args.device))  # decided once for the command; a bad one refused before calibrating
+    return Options(**{**vars(args), "tasks": tuple(args.tasks), "device": device}), fit_args
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -21,7 +21,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from loopq.data.fingerprints import sampled_hashes
 from loopq.data.sampler import CalibrationSampler
-from loopq.data.stream import check_one_window, check_vocab, random_windows, token_stream
+from loopq.data.stream import (
+    check_one_window,
+    check_vocab,
+    disjoint_starts,
+    random_starts,
+    spread_windows,
+    token_stream,
+    windows_at,
+)
 from loopq.data.text import (
     DEFAULT_CALIBRATION_SOURCES,
     DataError,
@@ -113,7 +121,12 @@ def check_enough_tokens(tokens: int, num_samples: int, holdout_samples: int, seq
 
 
 class CalibrationDataModule(L.LightningDataModule):
-    """Random fixed-length windows of the calibration corpus, plus a held-out batch for diagnostics."""
+    """Random fixed-length windows of the calibration corpus, a held-out batch for diagnostics and, with
+    ``val_samples > 0``, held-out validation sets (:mod:`loopq.calib.validation`): ``heldout``, windows of the same
+    sources that overlap no calibration or diagnostic window (drawn after them, so the calibration windows do not
+    depend on it), and with ``val_sources`` (e.g. ``[wikitext2/wiki.valid.tokens]``) ``extra``, up to
+    ``val_samples`` windows spread over those sources. Validation is sharded across processes without padding
+    duplicates (each rank's shard is padded to the same number of batches with masked rows)."""
 
     def __init__(
         self,
@@ -127,16 +140,22 @@ class CalibrationDataModule(L.LightningDataModule):
         seed: int = 0,
         vocab_size: int | None = None,
         num_workers: int = 0,
+        val_samples: int = 0,
+        val_sources: list[str] | None = None,
     ) -> None:
         super().__init__()
         if num_samples < 1 or seq_len < 2 or batch_size < 1:
             raise DataError("data.num_samples, data.seq_len and data.batch_size must be positive (seq_len >= 2)")
+        if val_samples < 0 or (val_sources and val_samples == 0):
+            raise DataError(f"data.val_samples={val_samples}: use a positive count of validation windows per set")
         for spec in sources or ():
             if spec.startswith("hf:"):
                 HFSource.parse(spec)  # refuse an evaluation split before the teacher is even loaded
         self.save_hyperparameters()
         self.samples: Tensor | None = None
         self.holdout: Tensor | None = None
+        #: validation set name (loopq.calib.validation.VAL_SETS) -> its windows
+        self.val_sets: dict[str, Tensor] = {}
 
     def setup(self, stage: str | None = None) -> None:
         if self.samples is not None:
@@ -145,10 +164,38 @@ class CalibrationDataModule(L.LightningDataModule):
         stream = calibration_stream(hp.tokenizer, hp.sources, hp.root)
         check_enough_tokens(stream.numel(), hp.num_samples, hp.holdout_samples, hp.seq_len)
         total = hp.num_samples + hp.holdout_samples
-        windows = random_windows(stream, total, hp.seq_len, hp.seed, source="data.sources")
+        starts = random_starts(stream.numel(), total, hp.seq_len, hp.seed)
+        windows = windows_at(stream, starts, hp.seq_len)
         if hp.vocab_size is not None:
             check_vocab(windows, hp.vocab_size, key="data.tokenizer")
         self.samples, self.holdout = windows[: hp.num_samples], windows[hp.num_samples :]
+        if hp.val_samples:
+            self.val_sets = self.validation_sets(stream, starts)
+
+    def validation_sets(self, stream: Tensor, taken: Tensor) -> dict[str, Tensor]:
+        """``heldout`` (and ``extra`` with ``val_sources``): see the class docstring."""
+        hp = self.hparams
+        seed = hp.seed + VAL_SEED_OFFSET  # another draw than the calibration windows'
+        val = disjoint_starts(stream.numel(), hp.val_samples, hp.seq_len, seed, taken, "data.val_samples")
+        sets = {"heldout": windows_at(stream, val, hp.seq_len)}
+        if hp.val_sources:
+            extra = calibration_stream(hp.tokenizer, hp.val_sources, hp.root)
+            check_one_window(extra.numel(), hp.seq_len, "data.val_sources")
+            sets["extra"] = spread_windows(extra, hp.val_samples, hp.seq_len)
+        for windows in sets.values():
+            if hp.vocab_size is not None:
+                check_vocab(windows, hp.vocab_size, key="data.tokenizer")
+        return sets
+
+    def val_dataloader(self) -> list[DataLoader]:
+        """One loader per validation set of (token ids, real-row mask): this rank's shard (rows ``rank::world``),
+        padded with masked rows so every rank runs the same number of batches (collectives stay in step)."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return [
+            DataLoader(TensorDataset(*rank_shard(windows, rank, world)), batch_size=self.hparams.batch_size)
+            for windows in self.val_sets.values()
+        ]
 
     def train_dataloader(self) -> DataLoader:
         """Batches of (sample index, token ids); the order is resumable and world-size invariant.
@@ -179,6 +226,19 @@ class CalibrationDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.hparams.num_workers,
         )
+
+
+#: the validation windows' seed is the data seed plus this (any fixed offset: another draw)
+VAL_SEED_OFFSET = 7919
+
+
+def rank_shard(windows: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """Rows ``rank::world`` of ``windows`` and a mask of real rows, padded (with row 0, masked) to ceil(N / world)."""
+    rows = windows[rank::world]
+    pad = -(-windows.shape[0] // world) - rows.shape[0]
+    ids = torch.cat([rows, windows[:1].expand(pad, -1)])
+    mask = torch.cat([torch.ones(rows.shape[0], dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
+    return ids, mask
 
 
 def calibration_samples(

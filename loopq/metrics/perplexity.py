@@ -14,8 +14,11 @@ loop's value equals the plain one. A head may need the context its ``embed`` bui
 RoPE table and the value embeddings of the input ids; Ouro's and LoopFormer's heads ignore it):
 :func:`readout_context` rebuilds it from the input (for Parcae this re-runs the prelude once per batch).
 
-This is a calibration-time check and the teacher record; the benchmark numbers come from lm-eval (``loopq.metrics.lm``,
-whose ``loopq_wikitext`` task reports lm-eval's document-level word/byte perplexity instead).
+A non-finite loss (NaN weights, overflow) is an error naming its cause (:mod:`loopq.models.finite`), never a
+``NaN`` perplexity.
+
+This is a calibration-time check and the teacher record; the benchmark numbers come from lm-eval
+(``loopq.metrics.lm``, whose ``loopq_wikitext`` task reports lm-eval's document-level word/byte perplexity instead).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import Tensor
 
 from loopq.data.text import wikitext2_test
 from loopq.models.base import LoopLM, LoopLMError
+from loopq.models.finite import nonfinite_error
 
 
 @dataclass(frozen=True)
@@ -96,12 +100,22 @@ def perplexity(
             nlls = [window_nll(readout(model, state, ctx), batch) for state in out.loop_states or []]
             loops = [a + b for a, b in zip(loops, nlls, strict=True)] if loops else nlls
     count = windows.shape[0] * (seq_len - 1)
+    check_finite(model, total, loops)
     return PerplexityResult(
         ppl=math.exp(total / count),
         per_loop=tuple(math.exp(nll / count) for nll in loops) if per_loop else None,
         num_windows=windows.shape[0],
         num_tokens=count,
     )
+
+
+def check_finite(model: LoopLM, total: float, loops: Sequence[float]) -> None:
+    """The summed NLL (and each loop's) must be finite; otherwise the error names the cause."""
+    if not math.isfinite(total):
+        raise nonfinite_error(model, "the perplexity")
+    bad = [t for t, nll in enumerate(loops) if not math.isfinite(nll)]
+    if bad:
+        raise nonfinite_error(model, f"the perplexity read out after loop {bad[0] + 1}")
 
 
 def wikitext2_ptq_text(raw: str | None = None) -> str:

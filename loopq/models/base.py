@@ -178,6 +178,9 @@ def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Ten
 def config_from_native(config_class: type[ConfigT], native: Mapping[str, Any]) -> ConfigT:
     """The config dataclass from a native ``config.json`` dict: its fields by name; every other key is kept verbatim
     in the dataclass's ``extra`` field, so that :func:`config_to_native` writes it back."""
+    from loopq.models.checks import check_config_types
+
+    check_config_types(config_class, native)
     known = {f.name for f in fields(config_class)} - {"extra"}  # type: ignore[arg-type]
     kwargs = {k: v for k, v in native.items() if k in known}
     extra = {k: v for k, v in native.items() if k not in known}
@@ -220,6 +223,9 @@ class LoopLM(nn.Module):
     config_class: ClassVar[type[Any]]
     #: keys that mark a native ``config.json`` as this architecture's; written on save, checked by :meth:`matches`
     config_tags: ClassVar[dict[str, str]] = {}
+    #: config fields whose sum is the number of stored layers (bounded by the weight files before building:
+    #: :func:`loopq.models.checks.check_layer_count`)
+    layer_count_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -330,9 +336,13 @@ class LoopLM(nn.Module):
         return n
 
     def _run_loop(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:
+        """One loop; with ``checkpoint_loops`` (training) every (loop, layer) call is checkpointed on its own: only
+        each layer's input is kept, and the backward recomputes one layer at a time."""
         if self.checkpoint_loops and torch.is_grad_enabled() and not keep:
-            fn: Callable[[Tensor], Tensor] = lambda x: self.loop_body(x, t, ctx, False)[0]  # noqa: E731
-            return checkpoint(fn, h, use_reentrant=False), []
+            h = self.begin_loop(h, t, ctx)
+            for layer in self.loop_layers:
+                h = checkpoint(layer, h, t, ctx, use_reentrant=False)
+            return self.end_loop(h, t, ctx), []
         return self.loop_body(h, t, ctx, keep)
 
     def loop_body(self, h: Tensor, t: int, ctx: dict[str, Any], keep: bool) -> tuple[Tensor, list[Tensor]]:

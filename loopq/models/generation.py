@@ -9,6 +9,9 @@ The next token is the argmax of the last position's logits (``temperature=0``, d
 ``softmax(logits / temperature)`` restricted to the top-p nucleus. Prompts of different lengths are left padded and
 marked by ``attention_mask`` (see :mod:`loopq.models.kv_cache`). Quantization is inside the model's linear groups,
 so the FP teacher, a fake-quant student and an exported packed model decode through this same function.
+Non-finite logits (NaN weights) are an error naming the cause (:mod:`loopq.models.finite`), not an argmax that
+happens to be the end-of-text token; they are checked where the loop reads the device anyway (an ``on_token``
+callback or an EOS to wait for), else once at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import Tensor
 from loopq.errors import LoopLMError
 from loopq.models.base import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold, early_exit_forward
+from loopq.models.finite import nonfinite_error
 from loopq.models.kv_cache import LoopKVCache
 from loopq.models.kv_quant import check_kv_bits
 from loopq.models.static_decode import StaticDecoder, check_graph_model
@@ -126,8 +130,13 @@ def generate(
         step = _rerun_steps(model, input_ids, attention_mask, kwargs)
     new: list[Tensor] = []
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    finite = torch.ones((), dtype=torch.bool, device=input_ids.device)
+    reads_each_step = on_token is not None or eos_token_id is not None  # the device is read every step anyway
     logits = step(None)
     for _ in range(max_new_tokens):
+        finite &= logits[:, -1].isfinite().all()
+        if reads_each_step and not bool(finite):  # before the token is shown
+            raise nonfinite_error(model, f"the logits of new token {len(new) + 1}")
         token = next_token(logits[:, -1], temperature, top_p, generator)
         if eos_token_id is not None:
             token = torch.where(done, torch.full_like(token, eos_token_id), token)
@@ -138,6 +147,8 @@ def generate(
         if eos_token_id is not None and bool(done.all()):  # a device read: only when there is an EOS to wait for
             break
         logits = step(token)
+    if not bool(finite):
+        raise nonfinite_error(model, "the logits of a new token")
     return torch.stack(new, dim=1)
 
 

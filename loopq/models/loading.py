@@ -22,6 +22,7 @@ from torch import Tensor
 
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models.base import LoopLM, LoopLMError
+from loopq.models.checks import check_finite, check_layer_count
 from loopq.models.shards import INDEX_FILE, SINGLE_FILE, Weights, read_sharded, read_single
 
 
@@ -99,10 +100,12 @@ HUB_FILES = [
 
 def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     """A local directory as is; ``org/name`` that is not a local path is fetched from the Hugging Face hub
-    (only for users with hub access - set ``HF_HUB_OFFLINE=1`` to forbid it; tests always do)."""
+    (only for users with hub access - set ``HF_HUB_OFFLINE=1`` to forbid it; tests always do). A path whose first
+    part is a local folder (``runs/teacher``, ``teacher/tokenizer.json``) is local even when it does not exist: the
+    caller then says what is missing instead of "could not be fetched from the hub"."""
     directory = Path(path)
     text = str(path)
-    if directory.exists() or text.count("/") != 1 or text.startswith((".", "/")):
+    if directory.exists() or text.count("/") != 1 or text.startswith((".", "/")) or directory.parent.is_dir():
         return directory
     try:
         from huggingface_hub import snapshot_download
@@ -125,8 +128,10 @@ def load_looplm(path: str | os.PathLike[str], dtype: torch.dtype | None = None) 
         raise LoopLMError(f"{directory}: not a directory; pass the folder holding config.json and the weights")
     config = read_config(directory)
     cls = architecture_for(config, str(directory / "config.json"))
-    weights = read_weight_files(directory)
     config_obj = cls.config_from_dict(config)
+    weights = read_weight_files(directory)
+    check_layer_count(cls, config_obj, len(weights.tensors), directory / "config.json")
+    check_finite(weights.tensors, weights.origins)
     model = cls.from_native(config_obj, weights.tensors, str(weights.source), dtype or torch.float32, weights.origins)
     return model.eval()
 

@@ -187,6 +187,7 @@ class LoopFormerLM(LoopLM):
     arch = "loopformer"
     config_class = LoopFormerConfig
     config_tags: ClassVar[dict[str, str]] = {"model_type": "loopformer"}
+    layer_count_fields = ("n_layer",)
     fp_module_patterns = (
         "transformer.wte",
         "transformer.wpe",

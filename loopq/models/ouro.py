@@ -174,6 +174,7 @@ class OuroLM(LoopLM):
     arch = "ouro"
     config_class = OuroConfig
     config_tags: ClassVar[dict[str, str]] = {"model_type": "ouro"}
+    layer_count_fields = ("num_hidden_layers",)
     fp_module_patterns = ("model.embed_tokens", "lm_head", "model.early_exit_gate", "*norm*")
     norm_feeds: ClassVar[dict[str, str]] = {
         "input_layernorm": "self_attn.qkv_proj",

@@ -394,6 +394,7 @@ class ParcaeLM(LoopLM):
     arch = "parcae"
     config_class = ParcaeConfig
     config_tags: ClassVar[dict[str, str]] = {"_class_name": "ParcaeConfig"}
+    layer_count_fields = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
     fp_module_patterns = (
         "transformer.wte",
         "lm_head",

@@ -16,7 +16,14 @@ the backward pass, and the teacher targets keep every loop's state of every cali
 
 ``factor`` (:func:`activation_factor`) counts the hidden-sized tensors autograd keeps per token per loop, read off
 the model's looped linear groups and norms. A loop count above twice the trained one gets a warning with the
-estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW_LOW_MEMORY=1``.
+estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW_LOW_MEMORY=1``. Decoding
+(:func:`check_decode_loops`) refuses more than :data:`MAX_DECODE_LOOP_FACTOR` x the trained loops, or a KV cache
+beyond the free memory. The model these estimates read is built on the meta device only after its config passed
+:mod:`loopq.models.checks` (types, layer count and shapes against the weight files' headers).
+
+**Zero or negative work** (:func:`check_steps`, :func:`check_optimiser`, :func:`check_strategy`): trainer settings
+under which no optimizer step runs, non-positive or non-finite learning rates, and unknown strategy names are refused
+before the teacher loads; so is a tokenizer producing ids the model has no row for (:func:`check_tokenizer_vocab`).
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from torch import nn
 
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
 from loopq.data.calibration import calibration_stream, check_enough_tokens
-from loopq.errors import GuardError, UsageError
+from loopq.errors import GuardError, LoopLMError, UsageError, article
 from loopq.models.base import LoopLM, RMSNorm
+from loopq.models.checks import check_against_header
 from loopq.models.loading import architecture_for, read_config
 
 #: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
@@ -68,7 +76,7 @@ def check_run_root(
                 )
     kind = model_kind(root)
     if kind is not None:
-        raise GuardError(f"{key} {root}: is a {kind} directory; pass a separate run directory")
+        raise GuardError(f"{key} {root}: is {article(kind)} directory; pass a separate run directory")
     return root
 
 
@@ -110,7 +118,7 @@ def check_output_file(
             raise GuardError(f"{key} {out}: lies inside {read}, which this command reads; pass another path")
     kind = model_kind(out.parent)
     if kind is not None:
-        raise GuardError(f"{key} {out}: {out.parent} is a {kind} directory; write results elsewhere")
+        raise GuardError(f"{key} {out}: {out.parent} is {article(kind)} directory; write results elsewhere")
     if out.exists() and not is_result(out):
         raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
     check_writable(out.parent, key, named=out)
@@ -268,21 +276,64 @@ def device_memory(accelerator: str | None) -> int | None:
 
 
 def meta_teacher(teacher: str | os.PathLike[str]) -> LoopLM | None:
-    """A local teacher directory's model built on the meta device from its config.json alone (nothing allocated,
-    no weights read); None for a hub id or a path that is not a model: the loader reports those."""
+    """A local teacher directory's model built on the meta device (nothing allocated, no weight read), after its
+    config.json values are type-checked and the config is checked against the weight files' headers - layer count
+    first, so that a config claiming a million layers is refused before any is built
+    (:mod:`loopq.models.checks`); None for a hub id or a path that is not a model: the loader reports those."""
     directory = Path(teacher)
     if not (directory / "config.json").is_file():
         return None
     config = read_config(directory)
     cls = architecture_for(config, str(directory / "config.json"))
+    config_obj = cls.config_from_dict(config)
+    check_against_header(cls, config_obj, directory)
     with torch.device("meta"):
-        return cls(cls.config_from_dict(config))
+        return cls(config_obj)
 
 
 def teacher_shape(teacher: str | os.PathLike[str]) -> LoopShape | None:
     """:func:`loop_shape` of a local teacher directory (:func:`meta_teacher`), or None."""
     model = meta_teacher(teacher)
     return None if model is None else loop_shape(model)
+
+
+#: a decode loop count beyond this multiple of the trained count is refused: each token runs every loop (time and KV
+#: cache grow linearly) far past anything the model was trained or calibrated for
+MAX_DECODE_LOOP_FACTOR = 16
+
+
+def check_decode_loops(model: LoopLM, loops: int | None, tokens: int, key: str = "--num_loops") -> None:
+    """Before decoding: a loop count more than :data:`MAX_DECODE_LOOP_FACTOR` x the trained one, or whose KV cache
+    (loops x layers x tokens x 2 x hidden x 4 bytes, an upper bound) does not fit the free memory, is refused
+    unless ``LOOPQ_ALLOW_LOW_MEMORY=1``."""
+    if loops is None or os.environ.get(ALLOW_LOW_MEMORY) == "1":
+        return
+    trained = model.default_num_loops
+    layers = len(model.loop_layers) if hasattr(model.loop_layers, "__len__") else 1
+    cache = loops * layers * tokens * 2 * model.state_dim * 4
+    free = available_memory()
+    if loops > MAX_DECODE_LOOP_FACTOR * trained or (free is not None and cache > free):
+        raise GuardError(
+            f"{key} {loops}: {loops / trained:.0f}x the model's trained {trained} loops - every token would run "
+            f"{loops} loops (a KV cache of up to {gib(cache)}, and {loops / trained:.0f}x the time); pass at most "
+            f"{MAX_DECODE_LOOP_FACTOR * trained}, or set {ALLOW_LOW_MEMORY}=1 to run it anyway"
+        )
+
+
+def check_tokenizer_vocab(tokenizer: str | os.PathLike[str], model: LoopLM, key: str = "data.tokenizer") -> None:
+    """A tokenizer may not produce ids the model has no embedding row for (an ``IndexError`` deep in calibration
+    setup otherwise); a smaller tokenizer vocabulary (padded embedding tables) is fine."""
+    from loopq.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    ids = tok.get_vocab_size(with_added_tokens=True)
+    rows = int(model.lm_head.weight.shape[0])  # the logits' rows: every id the tokenizer produces needs one
+    if ids > rows:
+        where = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+        raise GuardError(
+            f"{where}: produces ids up to {ids - 1} but the model's vocabulary has {rows} rows ({key}); pass the "
+            "tokenizer the model was trained with"
+        )
 
 
 def check_positions(model: LoopLM, length: int, key: str, what: str = "the model") -> None:
@@ -311,6 +362,81 @@ def check_schedule(max_steps: int | None, warmup_steps: int) -> None:
         )
 
 
+def check_optimiser(model: Any) -> None:
+    """Learning rates must be finite and positive (a negative one calibrates by gradient ascent: the loss rises
+    while the run reports success), weight decay and the loss weight ``lam`` finite and non-negative, the
+    distillation temperature finite and positive."""
+    rules = (
+        ("lr", "a finite number > 0 (configs/tiny.yaml uses 0.005)", lambda v: v > 0),
+        ("clip_lr_mult", "a finite number > 0 (the clipping ratios' lr is clip_lr_mult x lr)", lambda v: v > 0),
+        ("weight_decay", "a finite number >= 0", lambda v: v >= 0),
+        ("lam", "a finite number >= 0 (the weight of Eq. 8's state terms)", lambda v: v >= 0),
+        ("temperature", "a finite number > 0", lambda v: v > 0),
+    )
+    for key, must, ok in rules:
+        value = getattr(model, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            reason = "not finite" if isinstance(value, float) and not math.isfinite(value) else "out of range"
+            raise UsageError(f"--model.{key} {value}: {reason}; it must be {must}")
+
+
+def zero_duration(value: Any) -> bool:
+    """Whether a ``trainer.max_time`` (``"DD:HH:MM:SS"``, a dict of timedelta fields, a timedelta) is no time."""
+    if isinstance(value, str):
+        try:
+            return all(float(part) == 0 for part in value.split(":"))
+        except ValueError:
+            return False
+    if isinstance(value, dict):
+        return all(not v for v in value.values())
+    return hasattr(value, "total_seconds") and value.total_seconds() <= 0
+
+
+def check_steps(trainer: Any) -> None:
+    """Refuse, before any work, every trainer setting under which not one optimizer step would run (the run would
+    otherwise report a calibrated student that is the untrained initialisation): ``max_epochs 0``,
+    ``limit_train_batches`` 0 (or a fraction of the ``max_steps`` batches that rounds to none), ``max_time`` 0."""
+    epochs = getattr(trainer, "max_epochs", None)
+    if epochs == 0:
+        raise UsageError(
+            "--trainer.max_epochs 0: no optimizer step would run; leave it unset (the calibration runs "
+            "for --trainer.max_steps) or pass 1 or more"
+        )
+    limit = getattr(trainer, "limit_train_batches", None)
+    steps = getattr(trainer, "max_steps", None) or 0
+    if limit is not None and not isinstance(limit, bool) and isinstance(limit, (int, float)):
+        batches = int(limit * steps) if isinstance(limit, float) and limit <= 1 else int(limit)
+        if batches < 1:
+            raise UsageError(
+                f"--trainer.limit_train_batches {limit}: no training batch would run (of "
+                f"--trainer.max_steps {steps}); leave it unset or pass 1.0"
+            )
+    if getattr(trainer, "max_time", None) is not None and zero_duration(trainer.max_time):
+        raise UsageError(f"--trainer.max_time {trainer.max_time}: no time to train; leave it unset or give a duration")
+
+
+def check_strategy(trainer: Any) -> None:
+    """A ``trainer.strategy`` given by name must be one Lightning knows (a misspelt one, ``dpp``, ended in
+    Lightning's traceback after the teacher loaded); the closest names are suggested."""
+    import difflib
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = getattr(trainer, "strategy", None)
+    if not isinstance(strategy, str):
+        return
+    known = ["auto", *StrategyRegistry.available_strategies()]
+    if strategy not in known:
+        close = difflib.get_close_matches(strategy, known, n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise UsageError(
+            f"--trainer.strategy {strategy}: not a strategy Lightning knows; {hint}(names: auto, ddp, ddp_spawn, "
+            "deepspeed_stage_2, ... or a class_path such as loopq.calib.deepspeed.LoopQDeepSpeedStrategy)"
+        )
+
+
 def check_calibration_text(data: Any) -> None:
     """The calibration text holds enough tokens for the requested windows (:func:`~loopq.data.calibration.
     check_enough_tokens`), checked before the teacher loads when every source is a local file (an ``hf:`` source
@@ -321,10 +447,32 @@ def check_calibration_text(data: Any) -> None:
     check_enough_tokens(stream.numel(), data.num_samples, data.holdout_samples, data.seq_len)
 
 
+def is_hub_id(teacher: str) -> bool:
+    """``org/name`` that is not a local path: the loader fetches it from the hub
+    (:func:`loopq.models.loading.resolve_model_dir`'s rule)."""
+    return not Path(teacher).exists() and teacher.count("/") == 1 and not teacher.startswith((".", "/"))
+
+
+def check_local_teacher(teacher: str) -> None:
+    """A local ``model.teacher`` is a model directory (a folder with ``config.json``), checked before anything reads
+    the run directory: a student left there by an earlier run would otherwise be compared against the missing
+    teacher and the message would name the run directory, not the teacher. A hub id is left to the loader."""
+    if is_hub_id(teacher):
+        return
+    directory = Path(teacher)
+    if not directory.is_dir():
+        raise LoopLMError(f"{directory}: not a directory; pass the folder holding config.json and the weights")
+    read_config(directory)  # no (or unreadable) config.json: one line naming it
+
+
 def check_calibration(config: Any) -> None:
     """Everything :mod:`loopq.fit` (and :mod:`loopq.run`) checks on its parsed config before building anything:
-    the run, student and target-cache directories against the teacher, then :func:`check_against_teacher`."""
+    the schedule, the step count, the optimiser settings and the strategy name, the run, student and target-cache
+    directories against the teacher, then :func:`check_against_teacher`."""
     check_schedule(config.trainer.max_steps, config.model.warmup_steps)
+    check_steps(config.trainer)
+    check_optimiser(config.model)
+    check_strategy(config.trainer)
     teacher = str(config.model.teacher)
     root = Path(config.trainer.default_root_dir or os.getcwd())
     check_run_root(root, teacher)
@@ -332,6 +480,8 @@ def check_calibration(config: Any) -> None:
     if config.model.output_dir:
         check_output_dir(config.model.output_dir, [teacher], "--model.output_dir", replaces=("student",))
         check_writable(config.model.output_dir, "--model.output_dir")
+    else:  # the run's own student folder: replaced only when a sealed student (or its write journal) is there
+        check_output_dir(root / "student", [teacher], "--trainer.default_root_dir", replaces=("student",))
     cache = config.model.target_cache_dir
     for read in local_dirs([teacher] if cache else []):  # a cache file there would change the teacher's fingerprint
         how = relation(Path(cache), read)
@@ -346,6 +496,7 @@ def check_against_teacher(config: Any, model: LoopLM) -> None:
     """For a local teacher (``model``: built on the meta device): ``data.seq_len`` against its positions, the loop
     count against the memory, and the calibration text against the windows asked for."""
     check_positions(model, config.data.seq_len, "--data.seq_len", f"the teacher {config.model.teacher}")
+    check_tokenizer_vocab(config.data.tokenizer or config.model.teacher, model)
     quant = config.model.quant
     precision = str(getattr(config.trainer, "precision", None) or "32")
     plan = loop_plan(

@@ -16,36 +16,35 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
   precision): single process / DDP 16 Q (fp32 parameter, gradient, AdamW m and v) + 4 Q for DDP's gradient buckets;
   DeepSpeed b_p Q parameters (/ N under ZeRO-3), b_p Q / N gradients, (8 + 4 [fp32 master, when b_p < 4]) Q / N
   optimizer states.
-* **fake-quant weights** (:func:`weight_chain_bytes`): every forward transforms and fake-quantizes each group's
-  weight once per distinct slot (``QuantLinearGroup.begin_forward``), and autograd keeps ``c_w`` fp32 copies of it
-  for the backward pass: (L + (T - 1) L_slt) 4 c_w in a training step, (L + (T - 1) L_probe) 4 c_w in an SLT probe
-  step (every probed group gets per-loop perturbations: L_probe = L_loop, or the largest chunk of ``probe_groups``
-  consecutive shared groups when the reselection probes in chunks). ZeRO-3 computes them per call, i.e. per loop
-  (T L_loop) unless ``checkpoint_loops`` recomputes one loop at a time. With ``checkpoint_weights`` autograd keeps
-  the fp32 quantized weights alone, and one group's chain is rebuilt at a time at the end of the backward pass.
-* **their gradients** (:func:`weight_grad_bytes`): the gradient of every quantized weight is summed over the loops
-  that use it and is consumed only when its chain's backward runs - after loop 0's, since the weights are made
-  before the loop - so all of them are alive together: (L + (T - 1) L_slt) 4. In bf16 numerics each call also
-  casts its weight to bf16 and saves the cast for the backward pass (:func:`cast_bytes`): 2 L_loop for the loop
-  being recomputed (``checkpoint_loops``). Both were found by the full-depth Ouro-1.4B rehearsal
-  (``bench/real_shapes.py``), where they are 7.5 of the 8 GiB the plan missed.
+* **fake-quant weights** (:func:`weight_cache_bytes`): every forward transforms and fake-quantizes each group's
+  weight once per distinct slot without a graph (``QuantLinearGroup.begin_forward``) and keeps it for the forward in
+  the matmul's dtype b_m (2 under bf16 autocast, else 4): (L + (T - 1) L_slt) b_m. ZeRO-3 computes them per call
+  instead (nothing kept). Autograd keeps nothing weight-sized: the per-use backward (``loopq.quant.modules``).
+* **one use's backward** (:func:`use_bytes`): each use (one group in one loop) rebuilds its chain with a graph in the
+  backward pass, forms its weight gradient, sends it through the chain and frees everything: the largest group's
+  weight x (4 c_w + 12 + 2 b_m) - the chain's graph (c_w fp32 copies, :data:`WEIGHT_CHAIN_COPIES`), the rebuilt
+  weight, its cast and its gradient, and two fp32 gradients inside the chain's backward. It happens while the
+  backward of one layer runs, so it adds to that layer's recomputed tensors (``checkpoint_loops``).
 * **activations** (:func:`activation_parts`): B S D T 4 factor, the factor of
 :func:`loopq.planning.guards.activation_factor`
-  (tested there against autograd); with ``checkpoint_loops`` every loop's input, B S D T 4, plus one loop's B S D 4
-  factor while it is recomputed - after the loss's backward, so the two are not added (:class:`Pass`); the quantized
-  groups outside the loop (Parcae's prelude and coda) once; x :data:`ACTIVATION_FRACTION` for bf16 numerics (bf16
-  and fp32 tensors) or compiled chains.
+  (tested there against autograd); with ``checkpoint_loops`` (one checkpoint per (loop, layer) call) every layer's
+  input and every loop's, B S D T (n_layers + 1) 4, plus one layer's B S D 4 factor / n_layers while it is
+  recomputed - after the loss's backward, so the two are not added (:class:`Pass`); the quantized groups outside the
+  loop (Parcae's prelude and coda) once; x :data:`ACTIVATION_FRACTION` for bf16 numerics (bf16 and fp32 tensors) or
+  compiled chains.
 * **logits and loss** (:func:`logit_bytes`): B S (5 V + T D) 4 - the fp32 log-softmax of the logits and its input,
   three logit-sized gradients as the backward pass starts, the trajectory differences - and the batch's targets on
   the device (:func:`batch_target_bytes`), B S (12 k + 4 T D) (fp32 values, int64 ids, fp32 states).
-* **setup** (:func:`clip_init_bytes`): LAS's clip initialisation records every group's input per loop slot on the
-  first global batch: min(B N S, 4096) 4 sum_g in_g slots_g; its forward runs without gradients, where every group
-  keeps its fp32 quantized weight for reuse (``QuantLinearGroup``'s evaluation cache): 4 L more.
+* **setup** (:func:`clip_init_bytes`): LAS's clip initialisation scores each group call's input against the clip
+  grid and drops it (streamed, ``init_clipping_from_data``), its forward computing the quantized weights per call:
+  one call's input and three working copies, min(B N S, 4096) 4 max_g in_g 3, or one group's chain without a
+  graph, 4 x 3 of the largest group's weight, whichever is larger; and the forward's logits, B N S V 4.
 * **teacher targets** (:func:`target_bytes`): M S k (2 + b_id) + M T S D 2 - fp16 top-k logits, int16/int32 ids,
   fp16 loop states - held in host memory (twice while they are concatenated; a cache file is read back whole), and
   the cache file on disk.
 
-The peak is the largest phase: setup, the training step, or (with an SLT budget) the probe step. On a CPU run the
+The peak is the larger phase: setup or the training step. SLT costs no phase of its own: its per-loop gradients are
+recorded in the training step's backward (transform-sized; ``loopq.calib.slt``). On a CPU run the
 host rows (the targets) share the same memory and are added. The constants below were measured with autograd's
 saved-tensor hooks on the embedded tiny teacher and the shared fixtures (``tests/test_plan.py`` re-measures them).
 """
@@ -64,6 +63,7 @@ from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
 from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.models.base import LoopLM, RMSNorm
+from loopq.models.checks import check_against_header
 from loopq.models.loading import architecture_for
 from loopq.planning.guards import LoopShape, activation_bytes, activation_factor, loop_shape, trajectory_bytes
 from loopq.quant import QuantConfig, prepare
@@ -72,16 +72,18 @@ from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.prepare import is_fp_module, looped_quant_groups, quant_groups
 
 #: how a forward's numbers are held, the key of the two tables below: ``fp32``; ``autocast`` (``*-mixed`` precision
-#: under Lightning's autocast; a bf16 teacher); ``bf16`` (a bf16 model without autocast: the SLT probe step of a bf16
-#: teacher, which runs outside the training step's autocast, DeepSpeed's bf16 engine, ``bf16-true``)
+#: under Lightning's autocast; a bf16 teacher); ``bf16`` (a bf16 model without autocast: DeepSpeed's bf16 engine,
+#: ``bf16-true``)
 NUMERICS = ("fp32", "autocast", "bf16")
-#: fp32 copies of a weight that one forward's transform + fake-quant chain leaves to autograd, by (numerics, compiled
-#: chains). Measured (autograd's saved tensors, tiny teacher and the three fixtures): 8.19-8.32 fp32, 6.1-9.3
-#: autocast (7.17 tiny), 8.1-11.3 bf16 (9.19 tiny); compiled on the tiny teacher 5.13 fp32, 4.61 autocast, 6.13 bf16
+#: fp32 copies of a weight that the transform + fake-quant chain leaves to autograd (what one use's backward rebuilds,
+#: :func:`use_bytes`), by (numerics, compiled chains). Measured on the largest group (autograd's saved tensors of
+#: ``QuantLinearGroup._chain``, ``tests/test_plan.py``), tiny teacher and the three fixtures: 7.13-7.20 fp32,
+#: 5.11-5.18 autocast, 7.13-7.20 bf16 (the chain runs in fp32 there); compiled (measured on the tiny teacher for the
+#: forward's chain before the per-use backward) 5.13 fp32, 4.61 autocast, 6.13 bf16
 WEIGHT_CHAIN_COPIES = {
-    ("fp32", False): 8.25,
-    ("autocast", False): 7.25,
-    ("bf16", False): 9.25,
+    ("fp32", False): 7.25,
+    ("autocast", False): 5.25,
+    ("bf16", False): 7.25,
     ("fp32", True): 5.25,
     ("autocast", True): 4.75,
     ("bf16", True): 6.25,
@@ -203,13 +205,17 @@ def published_config(teacher: str) -> tuple[str, dict[str, Any]] | None:
 
 
 def teacher_config(teacher: str, plan_config: str | None = None) -> tuple[str, dict[str, Any]]:
-    """(where it came from, native config) of the teacher: ``plan_config``, the teacher directory's ``config.json``,
-    or :data:`PUBLISHED`; never its weights, never the hub."""
+    """(where it came from, native config) of the teacher: ``plan_config``, the teacher directory's ``config.json``
+    (checked against its weight files' headers first: :func:`~loopq.models.checks.check_against_header`), or
+    :data:`PUBLISHED`; never its weights' values, never the hub."""
     if plan_config:
         return plan_config, read_json(Path(plan_config), PlanError, "pass the teacher's config.json")
     local = Path(teacher) / "config.json"
     if local.is_file():
-        return str(local), read_json(local, PlanError, "fix the teacher's config.json")
+        native = read_json(local, PlanError, "fix the teacher's config.json")
+        cls = architecture_for(native, str(local))
+        check_against_header(cls, cls.config_from_dict(native), Path(teacher))
+        return str(local), native
     found = published_config(teacher)
     if found is None:
         raise PlanError(
@@ -232,8 +238,8 @@ class ModelCounts:
     frozen_promoted: int  # L_slt: of those, in the SLT-promoted groups
     promoted_groups: int
     largest_group: int  # elements of the largest group's frozen weights (one chain recomputed at a time)
-    probe_sizes: tuple[int, ...]  # frozen elements of each looped group with a transform (probed), in model order
-    clip_inputs: int  # sum over groups of in_features x slots (what the clip initialisation records per token)
+    largest_input: int  # the widest group input (what the streamed clip initialisation scores at once)
+    layers: int  # decoder layers in the loop (checkpoint_loops keeps each one's input)
     trainable: int  # Q: trainable quantization parameters after SLT promotion
     report: ParameterReport  # the paper's Table 3 (shared / loop-dependent)
 
@@ -253,7 +259,7 @@ def build_meta(native: dict[str, Any], quant: QuantConfig) -> tuple[LoopLM, Loop
 
 
 def promotion_size(group: QuantLinearGroup) -> int:
-    """Parameters a group's SLT promotion adds (T per-loop transforms and weight clips)."""
+    """Parameters a group's SLT promotion puts to use (T per-loop transforms and weight clips)."""
     per_slot = sum(p.numel() for p in group.transform.parameters()) if group.transform is not None else 0
     return group.slots * (per_slot + group.weight_clip.numel())
 
@@ -272,8 +278,8 @@ def model_counts(native: dict[str, Any], quant: QuantConfig) -> ModelCounts:
         frozen_promoted=sum(frozen[n] for n, g in groups.items() if g.promoted),
         promoted_groups=sum(g.promoted for g in groups.values()),
         largest_group=max(frozen.values(), default=0),
-        probe_sizes=tuple(frozen[n] for n, g in groups.items() if g.looped and g.transform is not None),
-        clip_inputs=sum(g.in_features * g.slots for g in groups.values()),
+        largest_input=max((g.in_features for g in groups.values()), default=0),
+        layers=len(teacher.loop_layers),
         trainable=sum(p.numel() for p in student.parameters() if p.requires_grad),
         report=parameter_report(student),
     )
@@ -310,11 +316,9 @@ class RunSettings:
     precision: str = "32-true"
     teacher_dtype: str = "fp32"  # bf16 | fp32
     checkpoint_loops: bool = False
-    checkpoint_weights: bool = False  # model.checkpoint_weights
     compiled: bool = False  # model.compile_quantizers
     on_cpu: bool = False  # host and device memory are one
     target_cache: bool = False
-    probe_groups: int = 0  # SharingGapReselection's probe_groups (model.slt_probe_groups): 0 = all in one pass
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -341,10 +345,9 @@ class RunSettings:
         """b_p: bytes of a trainable parameter as the strategy holds it (4 unless a cast applies)."""
         return self.cast_bytes or 4
 
-    def numerics(self, probe: bool = False) -> tuple[str, bool]:
-        """The key of :data:`WEIGHT_CHAIN_COPIES` and :data:`ACTIVATION_FRACTION` for the training step or the SLT
-        probe step (which the reselection callback runs outside the training step's autocast)."""
-        if self.autocast and not probe:
+    def numerics(self) -> tuple[str, bool]:
+        """The key of :data:`WEIGHT_CHAIN_COPIES` and :data:`ACTIVATION_FRACTION` for the training step."""
+        if self.autocast:
             return "autocast", self.compiled
         return ("bf16" if 2 in (self.teacher_bytes, self.param_bytes) else "fp32"), self.compiled
 
@@ -415,80 +418,44 @@ def optimizer_bytes(trainable: int, strategy: str, processes: int, param_bytes: 
     return trainable * param_bytes + math.ceil(trainable * sharded / processes)
 
 
-def weight_chain_bytes(elements: int, numerics: tuple[str, bool], recomputed: bool = False) -> int:
-    """What autograd keeps of one forward's transformed, fake-quantized weights: ``elements`` x 4 x c_w
-    (:data:`WEIGHT_CHAIN_COPIES` of (numerics, compiled)); with ``checkpoint_weights`` (``recomputed``) the fp32
-    quantized weights alone, ``elements`` x 4 (measured: the chain keeps 8.2 fp32 copies, recomputed 0.03,
-    ``tests/quant/test_checkpoint_weights.py``)."""
-    if recomputed:
-        return elements * 4
-    return math.ceil(elements * 4 * WEIGHT_CHAIN_COPIES[numerics])
+def matmul_bytes(numerics: tuple[str, bool]) -> int:
+    """b_m: bytes of an element as the quantized matmuls read it (bf16 under autocast, else the fp32 chain output)."""
+    return 2 if numerics[0] == "autocast" else 4
 
 
-def chain_recompute_bytes(largest_group: int, numerics: tuple[str, bool]) -> int:
-    """One group's chain while the backward pass rebuilds it (``checkpoint_weights``): ``largest_group`` x 4 x c_w."""
-    return math.ceil(largest_group * 4 * WEIGHT_CHAIN_COPIES[numerics])
+def weight_cache_bytes(counts: ModelCounts, loops: int, settings: RunSettings) -> int:
+    """The no-grad quantized weights one forward keeps: (L + (T - 1) L_slt) b_m, nothing under ZeRO-3 (per call)."""
+    if settings.strategy == "zero3":
+        return 0
+    return (counts.frozen + (loops - 1) * counts.frozen_promoted) * matmul_bytes(settings.numerics())
 
 
-def weight_grad_bytes(elements: int) -> int:
-    """The fp32 gradients of every fake-quantized weight, alive together until the chains' backward: ``elements`` x 4
-    (a weight used in T loops sums T contributions into one buffer). A probe step's ``torch.autograd.grad`` w.r.t.
-    the perturbations reaches the probed groups' T per-loop weights only: T L_probe."""
-    return elements * 4
+def use_bytes(largest_group: int, numerics: tuple[str, bool]) -> int:
+    """One use's backward: the largest group's chain rebuilt with its graph, the weight, its cast and gradient, and
+    the chain's working gradients, ``largest_group`` x (4 c_w + 12 + 2 b_m) (module docstring)."""
+    return math.ceil(largest_group * (4 * WEIGHT_CHAIN_COPIES[numerics] + 12 + 2 * matmul_bytes(numerics)))
 
 
-def cast_bytes(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> tuple[int, int]:
-    """(kept for the pass, alive while one loop is recomputed) bytes of the bf16 casts of the quantized weights that
-    each call saves for its backward pass, in bf16 numerics with ``checkpoint_weights``: 2 L_loop per loop (one loop
-    with ``checkpoint_loops``, all T without), 2 (L - L_loop) for the groups outside the loop. Without
-    ``checkpoint_weights`` the measured :data:`WEIGHT_CHAIN_COPIES` include them."""
-    if settings.numerics(probe)[0] == "fp32" or not settings.checkpoint_weights:
-        return 0, 0
-    outside = 2 * (counts.frozen - counts.frozen_looped)
-    per_loop = 2 * counts.frozen_looped
-    if settings.checkpoint_loops:
-        return outside, per_loop
-    return outside + loops * per_loop, 0
-
-
-def chain_elements(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> int:
-    """Weight elements fake-quantized per forward: L + (T - 1) L_slt (training step) or L + (T - 1) L_probe (probe
-    step: :func:`probe_elements`), L + (T - 1) L_loop for ZeRO-3 without ``checkpoint_loops`` (every call recomputes
-    its weights)."""
-    if settings.strategy == "zero3" and not settings.checkpoint_loops:
-        return counts.frozen + (loops - 1) * counts.frozen_looped
-    extra = probe_elements(counts, settings.probe_groups) if probe else counts.frozen_promoted
-    return counts.frozen + (loops - 1) * extra
-
-
-def probe_elements(counts: ModelCounts, chunk: int) -> int:
-    """L_probe: frozen elements with per-loop weights in one probe pass - every looped group (``chunk`` 0), or the
-    SLT-promoted ones plus the largest run of ``chunk`` consecutive looped groups (``sharing_gap_scores`` probes the
-    shared ones in model order; an upper bound over the rounds, whichever groups are promoted by then)."""
-    sizes = counts.probe_sizes
-    if chunk <= 0 or chunk >= len(sizes):
-        return counts.frozen_looped
-    largest = max(sum(sizes[i : i + chunk]) for i in range(len(sizes) - chunk + 1))
-    return min(counts.frozen_looped, counts.frozen_promoted + largest)
-
-
-def activation_parts(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool = False) -> tuple[int, int]:
+def activation_parts(counts: ModelCounts, loops: int, settings: RunSettings) -> tuple[int, int]:
     """(kept for the whole pass, recomputed one loop at a time) activation bytes, x :data:`ACTIVATION_FRACTION`.
 
     Without ``checkpoint_loops``: every loop's saved tensors, B S D T 4 factor
     (:func:`loopq.planning.guards.activation_bytes` with :func:`~loopq.planning.guards.activation_factor`), and nothing
-    recomputed; with it: every loop's input, B S D T 4, kept and one loop's saved tensors, B S D 4 factor, while that
-    loop is recomputed. The groups outside the loop (Parcae's prelude and coda) are kept once either way."""
+    recomputed; with it (one checkpoint per (loop, layer) call): every layer's and loop's input, B S D T (n + 1) 4,
+    kept and one layer's saved tensors, B S D 4 factor / n, while that layer is recomputed. The groups outside the
+    loop (Parcae's prelude and coda) are kept once either way."""
     b, s, d = settings.batch, settings.seq_len, counts.shape.hidden
     factor = activation_factor(counts.shape)
     outside = 0
     if counts.outside.group_inputs:
         outside = activation_bytes(b, s, counts.outside.hidden, 1, 4, activation_factor(counts.outside))
     if settings.checkpoint_loops:
-        kept, recompute = activation_bytes(b, s, d, loops, 4, 1.0), activation_bytes(b, s, d, 1, 4, factor)
+        n = max(counts.layers, 1)
+        kept = activation_bytes(b, s, d, loops * (n + 1), 4, 1.0)
+        recompute = activation_bytes(b, s, d, 1, 4, factor / n)
     else:
         kept, recompute = activation_bytes(b, s, d, loops, 4, factor), 0
-    fraction = ACTIVATION_FRACTION[settings.numerics(probe)]
+    fraction = ACTIVATION_FRACTION[settings.numerics()]
     return math.ceil((kept + outside) * fraction), math.ceil(recompute * fraction)
 
 
@@ -505,9 +472,10 @@ def batch_target_bytes(batch: int, seq_len: int, topk: int, vocab: int, hidden: 
     return batch * seq_len * (12 * min(topk, vocab) + 4 * loops * hidden)
 
 
-def clip_init_bytes(tokens: int, clip_inputs: int) -> int:
-    """LAS's clip initialisation: min(tokens, 4096) x sum_g in_g slots_g fp32 inputs recorded at once."""
-    return min(tokens, CLIP_INIT_TOKENS) * clip_inputs * 4
+def clip_init_bytes(tokens: int, largest_input: int, largest_group: int, vocab: int) -> int:
+    """LAS's streamed clip initialisation (module docstring): max(min(tokens, 4096) 4 max_g in_g 3, 12 x the largest
+    group's weight) + the forward's fp32 logits, ``tokens`` x V x 4."""
+    return max(min(tokens, CLIP_INIT_TOKENS) * largest_input * 4 * 3, 12 * largest_group) + tokens * vocab * 4
 
 
 def target_bytes(samples: int, seq_len: int, topk: int, vocab: int, hidden: int, loops: int) -> int:
@@ -528,23 +496,22 @@ def teacher_load_bytes(params: int, teacher_bytes: int) -> int:
 # ---------------------------------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class Pass:
-    """What one forward + backward (a training step, or an SLT probe step) adds to the resident memory.
+    """What one training step's forward + backward adds to the resident memory.
 
-    With ``checkpoint_loops`` a loop is recomputed only after the loss's backward is done, and with
-    ``checkpoint_weights`` the chains are rebuilt only after loop 0's backward, so the three transients are not alive
-    together: the pass needs ``max(recompute, logits, chain)``, not their sum."""
+    With ``checkpoint_loops`` a layer is recomputed only after the loss's backward is done, so the loss's tensors and
+    a recomputed layer (with the backward of one use inside it) are not alive together: the pass needs
+    ``max(recompute + use, logits)``, not their sum."""
 
-    weights: int  # what autograd keeps of the fake-quant weights (and their bf16 casts kept for the pass)
-    grads: int  # the fake-quant weights' gradients, summed over the loops
+    weights: int  # the quantized weights the forward keeps (no graph)
     kept: int  # activations kept for the whole pass
-    recompute: int  # one loop's saved tensors (and weight casts) while it is recomputed (checkpoint_loops), else 0
+    recompute: int  # one layer's saved tensors while it is recomputed (checkpoint_loops), else 0
+    use: int  # one use's backward: its weight chain rebuilt and its weight gradient, freed at once
     logits: int  # the loss's tensors as the backward pass starts
-    chain: int  # one group's weight chain while it is rebuilt (checkpoint_weights), else 0
     targets: int  # the batch's teacher targets on the device
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.kept + max(self.recompute, self.logits, self.chain) + self.targets
+        return self.weights + self.kept + max(self.recompute + self.use, self.logits) + self.targets
 
 
 @dataclass(frozen=True)
@@ -559,7 +526,6 @@ class MemoryPlan:
     quant_params: int  # the fp32 quantization parameters alone (setup: no gradients or optimizer states yet)
     quant_state: int  # quantization parameters, gradients and AdamW states
     step: Pass
-    probe: Pass | None  # None without an SLT budget
     clip_init: int
     targets: int  # in host memory (and the cache file's size)
     teacher_load: int  # host, transient
@@ -571,15 +537,12 @@ class MemoryPlan:
 
     @property
     def phases(self) -> dict[str, int]:
-        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, LAS's clip initialisation and the
-        quantized weights its gradient-free forward caches), the training step, the SLT probe step."""
-        phases = {
-            "setup": self.loaded + self.quant_params + self.clip_init + 4 * self.counts.frozen,
+        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, LAS's streamed clip
+        initialisation) and the training step (SLT's scores come from its backward)."""
+        return {
+            "setup": self.loaded + self.quant_params + self.clip_init,
             "training step": self.resident + self.step.total,
         }
-        if self.probe is not None:
-            phases["SLT probe step"] = self.resident + self.probe.total
-        return phases
 
     @property
     def peak_phase(self) -> str:
@@ -595,19 +558,16 @@ class MemoryPlan:
         return max(self.teacher_load, 2 * self.targets)
 
 
-def training_pass(counts: ModelCounts, loops: int, settings: RunSettings, probe: bool) -> Pass:
-    """The :class:`Pass` of a training step or (``probe``) an SLT probe step."""
+def training_pass(counts: ModelCounts, loops: int, settings: RunSettings) -> Pass:
+    """The :class:`Pass` of a training step."""
     s, d = settings, counts.shape.hidden
-    kept, recompute = activation_parts(counts, loops, s, probe)
-    cast_kept, cast_recompute = cast_bytes(counts, loops, s, probe)
-    elements, numerics = chain_elements(counts, loops, s, probe), s.numerics(probe)
+    kept, recompute = activation_parts(counts, loops, s)
     return Pass(
-        weights=weight_chain_bytes(elements, numerics, s.checkpoint_weights) + cast_kept,
-        grads=weight_grad_bytes(loops * probe_elements(counts, s.probe_groups) if probe else elements),
+        weights=weight_cache_bytes(counts, loops, s),
         kept=kept,
-        recompute=recompute + cast_recompute,
+        recompute=recompute,
+        use=use_bytes(counts.largest_group, s.numerics()),
         logits=logit_bytes(s.batch, s.seq_len, counts.vocab, d, loops),
-        chain=chain_recompute_bytes(counts.largest_group, numerics) if s.checkpoint_weights else 0,
         targets=batch_target_bytes(s.batch, s.seq_len, s.topk, counts.vocab, d, loops),
     )
 
@@ -625,9 +585,8 @@ def plan_memory(counts: ModelCounts, settings: RunSettings) -> MemoryPlan:
         loaded=params * s.teacher_bytes,
         quant_params=counts.trainable * 4,
         quant_state=optimizer_bytes(counts.trainable, s.strategy, n, s.param_bytes),
-        step=training_pass(counts, loops, s, probe=False),
-        probe=training_pass(counts, loops, s, probe=True) if counts.promoted_groups else None,
-        clip_init=clip_init_bytes(s.batch * n * s.seq_len, counts.clip_inputs),
+        step=training_pass(counts, loops, s),
+        clip_init=clip_init_bytes(s.batch * n * s.seq_len, counts.largest_input, counts.largest_group, counts.vocab),
         targets=target_bytes(s.samples, s.seq_len, s.topk, counts.vocab, counts.shape.hidden, loops),
         teacher_load=teacher_load_bytes(params, s.teacher_bytes),
     )
@@ -646,7 +605,6 @@ def plan_shape(
     checkpoint_loops: bool = False,
     compiled: bool = False,
     precision: str = "32-true",
-    checkpoint_weights: bool = False,
     teacher_dtype: str = "auto",
     samples: int = 1024,
     processes: int = 1,
@@ -669,7 +627,6 @@ def plan_shape(
         precision=precision,
         teacher_dtype=resolve_teacher_dtype(teacher_dtype, precision),
         checkpoint_loops=checkpoint_loops,
-        checkpoint_weights=checkpoint_weights,
         compiled=compiled,
         on_cpu=on_cpu,
     )
@@ -694,21 +651,10 @@ def settings_from_config(config: Any) -> RunSettings:
         precision=precision,
         teacher_dtype=resolve_teacher_dtype(model.teacher_dtype, precision),
         checkpoint_loops=bool(model.checkpoint_loops),
-        checkpoint_weights=bool(getattr(model, "checkpoint_weights", False)),
         compiled=bool(model.compile_quantizers),
         on_cpu=str(trainer.accelerator) == "cpu",
         target_cache=bool(model.target_cache_dir),
-        probe_groups=probe_groups_of(config),
     )
-
-
-def probe_groups_of(config: Any) -> int:
-    """Groups per SLT probe pass: a configured ``SharingGapReselection``'s ``probe_groups``, else
-    ``model.slt_probe_groups`` (the callback the module installs by default)."""
-    for callback in config.trainer.callbacks or []:
-        if str(getattr(callback, "class_path", "")).endswith("SharingGapReselection"):
-            return int((getattr(callback, "init_args", None) or {}).get("probe_groups", 0))
-    return int(getattr(config.model, "slt_probe_groups", 0) or 0)
 
 
 def device_count(devices: Any) -> int:
@@ -744,7 +690,7 @@ def size(n: int) -> str:
 def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     """The plan as a table a user reads before starting (``--print_plan``)."""
     s, c = plan.settings, plan.counts
-    passes = {"training step": plan.step} | ({"SLT probe step": plan.probe} if plan.probe else {})
+    passes = {"training step": plan.step}
     where = "CPU memory (host and device are one)" if s.on_cpu else "per GPU"
     head = f"  {where:<58}" + "".join(f"{name:>16}" for name in passes)
     lines = [
@@ -752,24 +698,22 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
         f"  teacher: {c.shape.parameters / 1e6:.1f}M parameters, hidden {c.shape.hidden}, {plan.loops} loops "
         f"(trained {c.shape.trained_loops}), vocab {c.vocab}",
         f"  run: {s.strategy} x {s.processes}, {s.precision}, teacher {s.teacher_dtype}, checkpoint_loops "
-        f"{on(s.checkpoint_loops)}, checkpoint_weights {on(s.checkpoint_weights)}, compile_quantizers "
+        f"{on(s.checkpoint_loops)}, compile_quantizers "
         f"{on(s.compiled)}, batch {s.batch} x {s.seq_len} per process",
         head,
     ]
     rows = [
         (f"frozen teacher weights ({s.teacher_dtype}, shared with the student)", [plan.frozen] * len(passes)),
         (f"quantization params + grads + AdamW ({millions(c.trainable)})", [plan.quant_state] * len(passes)),
-        ("fake-quant weights kept for backward", [p.weights for p in passes.values()]),
-        ("their gradients (summed over the loops)", [p.grads for p in passes.values()]),
+        ("fake-quant weights kept for the forward (no graph)", [p.weights for p in passes.values()]),
         (
-            f"activations ({'loop inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)",
+            f"activations ({'layer inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)",
             [p.kept for p in passes.values()],
         ),
     ]
     if s.checkpoint_loops:
-        rows.append(("one loop recomputed (if the largest transient)", [p.recompute for p in passes.values()]))
-    if s.checkpoint_weights:
-        rows.append(("one weight chain rebuilt (if the largest transient)", [p.chain for p in passes.values()]))
+        rows.append(("one layer recomputed (with the next row, if the larger)", [p.recompute for p in passes.values()]))
+    rows.append(("one use's backward: weight chain + its gradient", [p.use for p in passes.values()]))
     rows += [
         ("logits and loss as the backward starts (if the largest)", [p.logits for p in passes.values()]),
         ("the batch's teacher targets", [p.targets for p in passes.values()]),
@@ -779,7 +723,7 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     rows.append(("total", [plan.phases[name] for name in passes]))
     lines += [f"    {name:<56}" + "".join(f"{size(v):>16}" for v in values) for name, values in rows]
     lines += [
-        f"  setup (teacher as loaded, LAS clip initialisation): {size(plan.phases['setup'])}",
+        f"  setup (teacher as loaded, streamed LAS clip initialisation): {size(plan.phases['setup'])}",
         f"  PEAK {where}: {size(plan.peak)} ({plan.peak_phase})",
     ]
     if not s.on_cpu:

@@ -58,14 +58,14 @@ def _count(params: list[nn.Parameter]) -> int:
 def group_split(group: QuantLinearGroup) -> tuple[int, int]:
     """(shared, loop-dependent) parameter counts of one fake-quant group."""
     shared = loop = 0
-    if group.loop_transforms is not None:
-        loop += _count(list(group.loop_transforms.parameters()))
-    elif group.transform is not None:
+    if group.promoted:
+        loop += _count(group.promotion_parameters())
+        if _numel(group.act_clip) > 1:  # LAS: the per-loop clips were loop-dependent already
+            loop += _count([group.act_clip])
+        return shared, loop
+    if group.transform is not None:
         shared += _count(list(group.transform.parameters()))
-    if group.loop_weight_clip is not None:
-        loop += _count([group.loop_weight_clip])
-    else:
-        shared += _count([group.weight_clip])
+    shared += _count([group.weight_clip])
     if _numel(group.act_clip) > 1:
         loop += _count([group.act_clip])
     else:

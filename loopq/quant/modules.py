@@ -6,24 +6,50 @@ For loop t, a group with input x and linears W_1..W_k computes (paper Eq. 3 with
 
 * ``P_t`` is the group's Kronecker transform: shared across loops, or per loop once the group is *promoted*
   (SLT, §4.2);
-* ``c_t`` is the activation clipping ratio: one per loop with LAS (§4.1), else one per group;
+* ``c_t`` is the activation clipping ratio: one per loop with LAS (§4.1), else one per group (per loop once
+  promoted);
 * ``r_t`` are per-output-row weight clipping ratios (shared, or per loop once promoted).
 
-The frozen full-precision weights are referenced, never copied per loop: a promoted group holds per-loop
-*transforms and clips* only, and its per-loop quantized weights exist only at export time.
-Groups outside the loop (Parcae's prelude/coda) have a single slot and receive ``t = None``.
+**Fixed parameter layout.** A looped group that SLT may promote (``quant.slt_budget > 0``) holds its per-loop slots
+from construction on: ``loop_transforms[t]``, ``loop_weight_clip[t]`` and, without LAS, ``loop_act_clip[t]`` are
+*offsets* (zero at the start) added to an anchor buffer ``slt_anchor`` that :meth:`QuantLinearGroup.promote`
+fills with the shared values under ``no_grad`` (and flips the ``slt_promoted`` buffer). Loop t of a promoted group
+then computes with ``anchor + offset_t`` - the same function of the offsets as an independent per-loop copy of the
+shared parameters, with the same gradients - and the shared parameters stop being used. Nothing is ever added to or
+removed from the parameter set: the optimizer, the LR schedule, DDP and DeepSpeed see one layout for the whole run,
+and a resume is a plain ``load_state_dict`` (the anchors and flags are buffers in the state). Before promotion the
+offsets receive a zero gradient (the calibration fills unused gradients with zeros, as DeepSpeed's ZeRO does), so with
+no weight decay AdamW leaves them exactly at zero until the promotion.
+
+**Per-use weight backward** (``GroupOptions.per_use_backward``, the default). Each use of a group (one per loop)
+multiplies by the quantized weight inside :class:`_QuantizedUse`, which keeps nothing weight-sized for backward: its
+backward recomputes the group's weight chain Q_w(W P^{-T}; r) (:func:`weight_chain`) from the frozen weights and the
+small chain inputs (P1^-1, P2^-1, log d, clip logits), pushes this use's weight gradient through it at once and
+returns the chain inputs' gradients (transform-sized). No weight-sized tensor is kept for autograd across layers or
+loops, nor summed over loops; the no-grad quantized weight of each distinct slot is computed once per model forward
+(:meth:`QuantLinearGroup.begin_forward`) and kept in the matmul's dtype. ``per_use_backward=False`` is plain autograd
+through one quantized weight per slot (the reference the tests compare against).
+
+**Per-loop gradients for SLT.** While :attr:`QuantLinearGroup.recorder` is set, every use routes the shared
+transform's matrices through :class:`_LoopTap`, whose backward adds that loop's gradients w.r.t. (P1, P2, P1^-1,
+P2^-1) to the recorder: the per-loop parts phi_{t,l} of §4.2 come out of the training step's own backward
+(:mod:`loopq.calib.slt`).
+
+The frozen full-precision weights are referenced, never copied per loop. Groups outside the loop (Parcae's
+prelude/coda) have a single slot and receive ``t = None``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from loopq.models.base import LinearGroup
 from loopq.qspec import at_least_fp32, quantize_codes
@@ -31,16 +57,19 @@ from loopq.quant.config import QuantConfig
 from loopq.quant.fused import quantizers
 from loopq.quant.primitives import clip_logit, clip_ratio
 from loopq.quant.slots import loop_slot
-from loopq.quant.transforms import KroneckerTransform, fold_weight
+from loopq.quant.transforms import KroneckerTransform, fold_weight, kron_apply
 
-FULL_CLIP = 1.0 - 1e-4  # the initial learnable clip ratio: no clipping
+FULL_CLIP = 1.0 - 1e-4  # the initial learnable clipping ratio: no clipping
+#: the chain inputs of one slot: P1^-1, P2^-1 (or None without transform), log d (or None), weight clip logits
+ChainInputs = tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]
 
 
 class SlotTensors(NamedTuple):
     """The input-independent tensors of one parameter slot, computed once per forward."""
 
     mats: tuple[Tensor, Tensor, Tensor, Tensor] | None  # P1, P2, P1^-1, P2^-1
-    weight: Tensor  # transformed, fake-quantized [sum(out), in], fp32
+    chain: ChainInputs  # what the weight chain is computed from
+    weight: Tensor  # transformed, fake-quantized [sum(out), in], fp32 (no graph with per-use backward)
     inv_d: Tensor | None  # e^{-log d}
     act_clip: Tensor  # c_t for every activation slot
 
@@ -50,34 +79,122 @@ class GroupOptions:
     """How a group computes (not what it computes: the numbers are the same either way), fixed when it is built.
 
     ``compiled``: run the per-call quantizer chains as torch.compile-d functions (``model.compile_quantizers``);
-    ``checkpoint_weights``: recompute the weight's transform + fake-quant chain in the backward pass
-    (``model.checkpoint_weights``): autograd then keeps the fp32 quantized weight only, not the chain's ~8 fp32
-    copies of it."""
+    ``per_use_backward``: the per-use weight backward (module docstring); off, plain autograd keeps each slot's
+    quantized weight with its chain's intermediates and the weight gradient summed over loops (the reference the
+    tests compare the per-use backward against)."""
 
     compiled: bool = False
-    checkpoint_weights: bool = False
+    per_use_backward: bool = True
 
 
-class TransformPerturbation(Protocol):
-    """Per-loop matrices in place of a shared group's transform, set by an algorithm for a while
-    (:meth:`QuantLinearGroup.perturb`); SLT's sharing-gap probe is one (:class:`loopq.calib.slt.LoopProbe`). While it
-    is set every loop has its own slot, and nothing is cached across forwards."""
+def weight_chain(
+    weights: list[Tensor],
+    p1_inv: Tensor | None,
+    p2_inv: Tensor | None,
+    log_d: Tensor | None,
+    clip_logits: Tensor,
+    w_bits: int,
+    group_size: int,
+    compiled: bool = False,
+) -> Tensor:
+    """Q_w((W * d) (P1 (x) P2)^{-T}; r) for rows of the concatenated ``weights`` (Eq. 3's weight side), fp32."""
+    weight = torch.cat([at_least_fp32(w) for w in weights])
+    if p1_inv is not None and p2_inv is not None:
+        if log_d is not None:
+            weight = weight * log_d.exp()
+        weight = kron_apply(weight, p1_inv.transpose(0, 1), p2_inv.transpose(0, 1))
+    return quantizers(compiled)[1](weight, w_bits, group_size, clip_ratio(clip_logits).reshape(-1, 1, 1))
 
-    def matrices(
-        self, slot: int, shared: tuple[Tensor, Tensor, Tensor, Tensor]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+
+class _QuantizedUse(torch.autograd.Function):
+    """``F.linear(x, Q_w(...), bias)`` whose backward recomputes the weight chain and sends this use's weight
+    gradient through it at once (module docstring). ``chain`` rebuilds the fp32 quantized weight from
+    ``chain_inputs``; ``weight`` is the same value computed without a graph."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, chain: Callable[..., Tensor], *chain_inputs: Tensor
+    ) -> Tensor:
+        device = x.device.type
+        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.chain, ctx.device, ctx.x_dtype, ctx.x_shape = chain, device, x.dtype, x.shape
+        ctx.present = [t is not None for t in chain_inputs]
+        y = F.linear(x, weight.to(x.dtype), bias)
+        mm_x = x.to(ctx.autocast) if ctx.autocast is not None else x  # what the matmul read (autocast's cast)
+        ctx.save_for_backward(mm_x, *[t for t in chain_inputs if t is not None])
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        mm_x, *saved = ctx.saved_tensors
+        it = iter(saved)
+        inputs = [next(it) if present else None for present in ctx.present]
+        leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        autocast = torch.autocast(ctx.device, ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
+        with torch.enable_grad(), autocast:
+            weight = ctx.chain(*leaves).to(ctx.x_dtype)
+            mm_weight = weight.to(mm_x.dtype)
+        g = grad_y.reshape(-1, grad_y.shape[-1]).to(mm_x.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ mm_weight.detach()).reshape(ctx.x_shape).to(ctx.x_dtype)
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        grads: dict[int, Tensor | None] = {}
+        if wanted:
+            grad_w = g.transpose(0, 1) @ mm_x.reshape(-1, mm_x.shape[-1])
+            found = torch.autograd.grad(mm_weight, wanted, grad_w, allow_unused=True)
+            grads = {id(t): d for t, d in zip(wanted, found, strict=True)}
+        return grad_x, None, None, None, *[None if t is None else grads.get(id(t)) for t in leaves]
+
+
+class _LoopTap(torch.autograd.Function):
+    """Identity on (P1, P2, P1^-1, P2^-1) of one use; its backward adds the use's gradients to ``recorder``."""
+
+    @staticmethod
+    def forward(ctx: Any, recorder: LoopRecorder, slot: int, *mats: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.recorder, ctx.slot = recorder, slot
+        return tuple(m.view_as(m) for m in mats)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        ctx.recorder.add(ctx.slot, grads)
+        return None, None, *grads
+
+
+class LoopRecorder:
+    """Per-loop gradients of a shared transform's matrices (P1, P2, P1^-1, P2^-1), summed over a backward pass
+    (set :attr:`QuantLinearGroup.recorder`; :mod:`loopq.calib.slt` turns them into phi_{t,l})."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.grads: list[list[Tensor | None]] = [[None] * 4 for _ in range(slots)]
+
+    def add(self, slot: int, grads: tuple[Tensor | None, ...]) -> None:
+        row = self.grads[slot]
+        for i, g in enumerate(grads):
+            if g is not None:
+                g = g.detach()
+                row[i] = g.clone() if row[i] is None else row[i] + g
+
+    def clear(self) -> None:
+        self.grads = [[None] * 4 for _ in range(self.slots)]
 
 
 class QuantLinearGroup(nn.Module):
     """Fake-quant replacement of a :class:`LinearGroup` (same call: ``group(x, t) -> tuple of outputs``).
 
-    It owns its buffers (the frozen weights), its quantization parameters and its forward. The method's decisions
-    live in the calibration code: *which* groups are promoted and when (:mod:`loopq.calib.reselection`), the
-    sharing-gap probe's perturbations and gradients (:mod:`loopq.calib.slt`); the group only offers
-    :meth:`promote` (its parameter layout) and :meth:`perturb`."""
+    It owns its buffers (the frozen weights), its quantization parameters (in the fixed layout of the module
+    docstring) and its forward. The method's decisions live in the calibration code: *which* groups are promoted and
+    when (:mod:`loopq.calib.reselection`), the per-loop gradients' scores (:mod:`loopq.calib.slt`); the group only
+    offers :meth:`promote` and :attr:`recorder`."""
 
     def __init__(
-        self, group: LinearGroup, config: QuantConfig, num_loops: int, looped: bool, options: GroupOptions | None = None
+        self,
+        group: LinearGroup,
+        config: QuantConfig,
+        num_loops: int,
+        looped: bool,
+        options: GroupOptions | None = None,
     ) -> None:
         super().__init__()
         self.names = group.names
@@ -92,15 +209,33 @@ class QuantLinearGroup(nn.Module):
         self.looped = looped
         out = sum(self.splits)
         self.transform = KroneckerTransform(self.in_features, config.diag_scale) if config.transforms else None
-        self.loop_transforms: nn.ModuleList | None = None
         act_slots = self.slots if config.las else 1
         self.act_clip = _clip_param((act_slots,), config.learn_act_clip and config.a_bits < 16)
         self.weight_clip = _clip_param((1, out), config.learn_weight_clip and config.w_bits < 16)
+        #: whether SLT may promote this group: its per-loop slots exist from the start (module docstring)
+        self.promotable = looped and config.slt_budget > 0
+        self.loop_transforms: nn.ModuleList | None = None
         self.loop_weight_clip: nn.Parameter | None = None
-        self.act_clip_promoted = False
+        self.loop_act_clip: nn.Parameter | None = None
+        if self.promotable:
+            self.slt_anchor = nn.Module()  # the shared values at promotion (buffers: no optimizer holds them)
+            if self.transform is not None:
+                self.loop_transforms = nn.ModuleList(_zero_offsets(self.transform) for _ in range(self.slots))
+                for name, p in self.transform.named_parameters():
+                    self.slt_anchor.register_buffer(_anchor_name(name), torch.zeros_like(p))
+            self.loop_weight_clip = _offset_param((self.slots, out), self.weight_clip.requires_grad)
+            self.slt_anchor.register_buffer("weight_clip", torch.zeros(1, out))
+            if act_slots == 1:
+                self.loop_act_clip = _offset_param((self.slots,), self.act_clip.requires_grad)
+                self.slt_anchor.register_buffer("act_clip", torch.zeros(1))
+            self.register_buffer("slt_promoted", torch.zeros((), dtype=torch.bool))
+        self._promoted = False  # mirrors the slt_promoted buffer (read every forward without a device sync)
         self.options = options or GroupOptions()
-        #: an algorithm's per-loop stand-in for the shared transform matrices (:meth:`perturb`), else None
-        self.perturbation: TransformPerturbation | None = None
+        #: set by SLT scoring: per-loop gradients of the shared transform's matrices are added to it
+        self.recorder: LoopRecorder | None = None
+        #: keep each slot's quantized weight for the forward (False: recompute it per call, e.g. while the setup's
+        #: gradient-free forward streams through the groups; :func:`loopq.quant.prepare.init_clipping_from_data`)
+        self.cache_weights = True
         #: evaluate exactly as the exported kernels compute (see :meth:`kernel_forward`); a mode, like ``training``
         self.kernel_numerics = False
         self._cache: dict[int, SlotTensors] = {}
@@ -115,25 +250,52 @@ class QuantLinearGroup(nn.Module):
 
     @property
     def promoted(self) -> bool:
-        return self.loop_transforms is not None or self.loop_weight_clip is not None
+        return self._promoted
 
     def slot(self, t: int | None) -> int:
         """Loop index -> parameter slot; loops beyond the calibrated count reuse the last slot."""
         return loop_slot(t if self.looped else None, self.slots)
 
+    def transform_values(self, slot: int) -> dict[str, Tensor] | None:
+        """The transform's parameters in ``slot`` (anchor + offset_t once promoted), or None for the shared ones."""
+        if not self._promoted or self.loop_transforms is None:
+            return None
+        offsets = dict(self.loop_transforms[slot].named_parameters())
+        return {n: getattr(self.slt_anchor, _anchor_name(n)) + offsets[n] for n, _ in self.transform.named_parameters()}
+
     def transform_for(self, slot: int) -> KroneckerTransform | None:
-        return self.loop_transforms[slot] if self.loop_transforms is not None else self.transform
+        """The transform ``slot`` computes with, as a module: the shared one, or a detached copy holding the
+        promoted slot's values (for export and kernel numerics; the forward reads :meth:`transform_values`)."""
+        values = self.transform_values(slot)
+        if values is None:
+            return self.transform
+        tr = copy.deepcopy(self.transform)
+        with torch.no_grad():
+            for name, p in tr.named_parameters():
+                p.copy_(values[name])
+        return tr
+
+    def act_clip_logits(self) -> Tensor:
+        """Activation clipping logits, one per activation slot (per loop with LAS or once promoted)."""
+        if self._promoted and self.loop_act_clip is not None:
+            return self.slt_anchor.act_clip + self.loop_act_clip
+        return self.act_clip
 
     def act_clip_ratio(self, slot: int) -> Tensor:
-        """c_t of ``slot`` (one entry per loop with LAS, else one); the same op as the forward (bit-identical)."""
-        return clip_ratio(self.act_clip)[loop_slot(slot, self.act_clip.numel())]
+        """c_t of ``slot``; the same op as the forward (bit-identical)."""
+        logits = self.act_clip_logits()
+        return clip_ratio(logits)[loop_slot(slot, logits.numel())]
+
+    def weight_clip_logits(self, slot: int) -> Tensor:
+        if self._promoted and self.loop_weight_clip is not None:
+            return self.slt_anchor.weight_clip + self.loop_weight_clip[slot : slot + 1]
+        return self.weight_clip
 
     def weight_clip_ratio(self, slot: int) -> Tensor:
-        logits = self.loop_weight_clip[slot : slot + 1] if self.loop_weight_clip is not None else self.weight_clip
-        return clip_ratio(logits).reshape(-1, 1, 1)
+        return clip_ratio(self.weight_clip_logits(slot)).reshape(-1, 1, 1)
 
     def transform_matrices(self, tr: KroneckerTransform, slot: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(P1, P2, P1^-1, P2^-1) of ``slot``, perturbed while a :attr:`perturbation` is set."""
+        """(P1, P2, P1^-1, P2^-1) of ``slot``."""
         return self._slot_tensors(slot).mats  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ forward
@@ -142,7 +304,7 @@ class QuantLinearGroup(nn.Module):
         tr = self.transform_for(slot)
         weight = torch.cat([at_least_fp32(w) for w in self.weights()])
         if tr is not None:
-            _, _, p1_inv, p2_inv = self.transform_matrices(tr, slot)
+            _, _, p1_inv, p2_inv = tr.matrices()
             weight = tr.weight(weight, p1_inv, p2_inv)
         return weight
 
@@ -157,13 +319,12 @@ class QuantLinearGroup(nn.Module):
     # per-loop checkpointed bodies, whose recomputation then reuses them) and, in eval mode without gradients,
     # once per parameter version. Anything that changes a parameter in place bumps its version and invalidates.
     def _param_slot(self, slot: int) -> int:
-        """Slot of the transform/weight: all loops share slot 0 unless promoted or perturbed per loop."""
-        return slot if self.promoted or self.perturbation is not None else 0
+        """Slot of the transform/weight: all loops share slot 0 unless promoted."""
+        return slot if self._promoted else 0
 
     def _state_key(self) -> tuple:
-        probe = None if self.perturbation is None else id(self.perturbation)
         versions = tuple(p._version for p in self.parameters())
-        return self.training, torch.is_grad_enabled(), probe, versions
+        return self.training, torch.is_grad_enabled(), self._promoted, versions
 
     def _slot_tensors(self, slot: int) -> SlotTensors:
         """Everything of ``slot`` that does not depend on the input, from the cache when valid."""
@@ -174,67 +335,80 @@ class QuantLinearGroup(nn.Module):
             self._cache_state = state if self._cacheable() else None  # only begin_forward opens a training scope
         if key in self._cache:
             return self._cache[key]
-        value = self._compute_slot(key, None)
+        value = self._compute_slot(key)
         if self._cache_state is not None:
             self._cache[key] = value
         return value
 
-    def _compute_slot(self, slot: int, base: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] | None) -> SlotTensors:
-        tr = self.transform_for(slot)
-        mats = inv_d = None
-        if tr is not None:
-            inv_d = None if tr.log_d is None else (-tr.log_d).exp()
-            shared = base[id(tr)] if base is not None and id(tr) in base else tr.matrices()
-            mats = shared if self.perturbation is None else self.perturbation.matrices(slot, shared)
-        inverses = () if mats is None else (mats[2], mats[3])
-        if self.options.checkpoint_weights and torch.is_grad_enabled():
-            weight = checkpoint(self._weight_chain, slot, *inverses, use_reentrant=False)
-        else:
-            weight = self._weight_chain(slot, *inverses)
-        return SlotTensors(mats, weight, inv_d, clip_ratio(self.act_clip))
+    def _transform_tensors(self, slot: int) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor] | None, Tensor | None]:
+        """((P1, P2, P1^-1, P2^-1), log d) of ``slot``: the shared transform's, or the promoted slot's values."""
+        tr = self.transform
+        if tr is None:
+            return None, None
+        values = self.transform_values(slot)
+        if values is None:
+            return tr.matrices(), tr.log_d
+        mats, log_d = torch.func.functional_call(_Evaluate(tr), {f"tr.{k}": v for k, v in values.items()}, ())
+        return mats, log_d
 
-    def _weight_chain(self, slot: int, *inverses: Tensor) -> Tensor:
-        """Q_w(W P^{-T}; r) of ``slot`` (Eq. 3's weight side) from the frozen weights and (P1^-1, P2^-1)."""
-        weight = torch.cat([at_least_fp32(w) for w in self.weights()])
-        if inverses:
-            weight = self.transform_for(slot).weight(weight, *inverses)  # type: ignore[union-attr]
-        return quantizers(self.options.compiled)[1](weight, self.w_bits, self.group_size, self.weight_clip_ratio(slot))
+    def _compute_slot(self, slot: int) -> SlotTensors:
+        mats, log_d = self._transform_tensors(slot)
+        inv_d = None if log_d is None else (-log_d).exp()
+        chain: ChainInputs = (
+            None if mats is None else mats[2],
+            None if mats is None else mats[3],
+            log_d,
+            self.weight_clip_logits(slot),
+        )
+        if self.options.per_use_backward and torch.is_grad_enabled():
+            with torch.no_grad():
+                weight = self._chain(*chain)
+            device = weight.device.type
+            if torch.is_autocast_enabled(device):  # the matmul reads it in this dtype: keep only that (same values)
+                weight = weight.to(torch.get_autocast_dtype(device))
+        else:
+            weight = self._chain(*chain)
+        return SlotTensors(mats, chain, weight, inv_d, clip_ratio(self.act_clip_logits()))
+
+    def _chain(self, p1_inv: Tensor | None, p2_inv: Tensor | None, log_d: Tensor | None, clip: Tensor) -> Tensor:
+        return weight_chain(self.weights(), p1_inv, p2_inv, log_d, clip, self.w_bits, self.group_size,
+                            self.options.compiled)  # fmt: skip
 
     def begin_forward(self) -> None:
         """Compute every distinct slot's transform matrices and quantized weight for the coming model forward."""
         self._cache, self._cache_state = {}, None
-        if self.kernel_numerics or self._cacheable():
+        if self.kernel_numerics or self._cacheable() or not self.cache_weights:
             return  # the eval cache fills lazily and survives forwards
         if any(hasattr(p, "ds_id") for p in self.parameters()):
             return  # DeepSpeed ZeRO-3 gathers a module's parameters only inside its own forward: compute per call
-        base: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-        if self.perturbation is not None and self.transform is not None:
-            base[id(self.transform)] = self.transform.matrices()
         for key in sorted({self._param_slot(t) for t in range(self.slots)}):
-            self._cache[key] = self._compute_slot(key, base)
+            self._cache[key] = self._compute_slot(key)
         self._cache_state = self._state_key()
 
     def _cacheable(self) -> bool:
-        return not self.training and not torch.is_grad_enabled() and self.perturbation is None
+        return not self.training and not torch.is_grad_enabled() and self.cache_weights
 
     def train(self, mode: bool = True) -> QuantLinearGroup:
         self._cache, self._cache_state = {}, None
         return super().train(mode)
 
-    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         self._cache, self._cache_state = {}, None
-        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.promotable:
+            self._promoted = bool(self.slt_promoted)
 
     def __getstate__(self) -> dict:
         """Copies (``copy.deepcopy``, pickling) never carry the cache: it may hold non-leaf autograd tensors."""
         state = self.__dict__.copy()
-        state["_cache"], state["_cache_state"] = {}, None
+        state["_cache"], state["_cache_state"], state["recorder"] = {}, None, None
         return state
 
-    def quantized_input(self, x: Tensor, slot: int) -> Tensor:
-        """x P_t quantized with the loop's activation clipping."""
+    def quantized_input(self, x: Tensor, slot: int, mats: tuple[Tensor, ...] | None = None) -> Tensor:
+        """x P_t quantized with the loop's activation clipping (``mats``: the slot's matrices, e.g. tapped)."""
         cached = self._slot_tensors(slot)
-        p1, p2 = cached.mats[:2] if cached.mats is not None else (None, None)
+        mats = cached.mats if mats is None else mats
+        p1, p2 = mats[:2] if mats is not None else (None, None)
         clip = cached.act_clip[loop_slot(slot, cached.act_clip.numel())]
         return quantizers(self.options.compiled)[0](x, p1, p2, cached.inv_d, clip, self.a_bits, self.group_size)
 
@@ -242,7 +416,16 @@ class QuantLinearGroup(nn.Module):
         slot = self.slot(t)
         if self.kernel_numerics:
             return self.kernel_forward(x, slot)
-        y = F.linear(self.quantized_input(x, slot), self.effective_weight(slot).to(x.dtype), self._bias(x))
+        cached = self._slot_tensors(slot)
+        mats, chain = cached.mats, cached.chain
+        if mats is not None and self.recorder is not None and not self._promoted and torch.is_grad_enabled():
+            mats = _LoopTap.apply(self.recorder, slot, *mats)
+            chain = (mats[2], mats[3], *chain[2:])
+        xq = self.quantized_input(x, slot, mats)
+        if self.options.per_use_backward and torch.is_grad_enabled():
+            y = _QuantizedUse.apply(xq, cached.weight, self._bias(x), self._chain, *chain)
+        else:
+            y = F.linear(xq, cached.weight.to(x.dtype), self._bias(x))
         return tuple(y.split(self.splits, dim=-1))
 
     def kernel_forward(self, x: Tensor, slot: int) -> tuple[Tensor, ...]:
@@ -273,52 +456,49 @@ class QuantLinearGroup(nn.Module):
         return torch.cat(parts).to(x.dtype)
 
     # ------------------------------------------------------------------ SLT
-    def promote(self) -> list[nn.Parameter]:
-        """Make transform, weight clipping and activation clipping loop-dependent (SLT, §4.2).
-
-        Per-loop copies start equal to the shared values, so the output is unchanged at the moment of
-        promotion. The shared parameters stay registered (unused) so optimizer/checkpoint layouts stay stable.
-        Returns the new parameters (to add to the optimizer).
-        """
-        if not self.looped:
-            raise ValueError("only groups inside the loop can be promoted to loop-dependent")
+    @torch.no_grad()
+    def promote(self) -> None:
+        """Make transform, weight clipping and activation clipping loop-dependent (SLT, §4.2): the anchors take the
+        shared values and every loop computes with anchor + its offset (zero until then), so the output is unchanged
+        at the moment of promotion. No parameter is created or removed (module docstring)."""
+        if not self.promotable:
+            raise ValueError("only groups inside the loop of a student with quant.slt_budget > 0 can be promoted")
+        if self._promoted:
+            return
         self._cache, self._cache_state = {}, None
-        if self.promoted:
-            return []
-        new: list[nn.Parameter] = []
         if self.transform is not None:
-            self.loop_transforms = nn.ModuleList(copy.deepcopy(self.transform) for _ in range(self.slots))
-            new.extend(self.loop_transforms.parameters())
-        if self.weight_clip.requires_grad:
-            self.loop_weight_clip = nn.Parameter(self.weight_clip.detach().repeat(self.slots, 1))
-            new.append(self.loop_weight_clip)
-        if self.act_clip.numel() == 1 and self.act_clip.requires_grad:  # LAS off: promotion adds c_{t,l}
-            self.act_clip = nn.Parameter(self.act_clip.detach().repeat(self.slots))
-            self.act_clip_promoted = True
-            new.append(self.act_clip)
-        return new
+            for name, p in self.transform.named_parameters():
+                getattr(self.slt_anchor, _anchor_name(name)).copy_(p)
+        self.slt_anchor.weight_clip.copy_(self.weight_clip)
+        if self.loop_act_clip is not None:
+            self.slt_anchor.act_clip.copy_(self.act_clip)
+        self.slt_promoted.fill_(True)
+        self._promoted = True
 
     def promotion_parameters(self) -> list[nn.Parameter]:
-        """The parameters :meth:`promote` created (empty before promotion)."""
+        """The per-loop offsets that a promotion puts to use (they exist from the start)."""
         params = list(self.loop_transforms.parameters()) if self.loop_transforms is not None else []
-        if self.loop_weight_clip is not None:
-            params.append(self.loop_weight_clip)
-        if self.act_clip_promoted:
+        params += [p for p in (self.loop_weight_clip, self.loop_act_clip) if p is not None]
+        return params
+
+    def shared_parameters(self) -> list[nn.Parameter]:
+        """The parameters every loop uses while the group is shared (unused once it is promoted)."""
+        params = list(self.transform.parameters()) if self.transform is not None else []
+        params.append(self.weight_clip)
+        if self.loop_act_clip is not None:
             params.append(self.act_clip)
         return params
 
-    # ------------------------------------------------------------------ perturbation
-    @property
-    def perturbable(self) -> bool:
-        """A shared transform inside the loop: what a per-loop :meth:`perturb` applies to."""
-        return self.transform is not None and self.looped and not self.promoted
 
-    def perturb(self, perturbation: TransformPerturbation | None) -> None:
-        """Set (or with None, remove) per-loop stand-ins for this group's shared transform matrices."""
-        if perturbation is not None and not self.perturbable:
-            raise ValueError("only a shared transform inside the loop can be perturbed per loop")
-        self.perturbation = perturbation
-        self._cache, self._cache_state = {}, None
+class _Evaluate(nn.Module):
+    """``torch.func.functional_call`` target: a transform's matrices and log d with substituted parameters."""
+
+    def __init__(self, tr: KroneckerTransform) -> None:
+        super().__init__()
+        self.tr = tr
+
+    def forward(self) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor | None]:
+        return self.tr.matrices(), self.tr.log_d
 
 
 def begin_forward(model: nn.Module, args: object) -> None:
@@ -326,6 +506,23 @@ def begin_forward(model: nn.Module, args: object) -> None:
     for module in model.modules():
         if isinstance(module, QuantLinearGroup):
             module.begin_forward()
+
+
+def _anchor_name(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def _zero_offsets(transform: KroneckerTransform) -> KroneckerTransform:
+    """A copy of ``transform`` whose parameters are zero offsets (same shapes and trainability)."""
+    offsets = copy.deepcopy(transform)
+    with torch.no_grad():
+        for p in offsets.parameters():
+            p.zero_()
+    return offsets
+
+
+def _offset_param(shape: tuple[int, ...], learnable: bool) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape), requires_grad=learnable)
 
 
 def _clip_param(shape: tuple[int, ...], learnable: bool) -> nn.Parameter:

@@ -73,7 +73,6 @@ class PackedGroupSpec:
 
     @classmethod
     def of(cls, group: QuantLinearGroup) -> PackedGroupSpec:
-        loop_tr = group.loop_transforms
         tr = group.transform
         return cls(
             names=tuple(group.names),
@@ -83,8 +82,8 @@ class PackedGroupSpec:
             looped=group.looped,
             slots=group.slots,
             weight_slots=group.slots if group.promoted else 1,
-            transform_slots=len(loop_tr) if loop_tr is not None else int(tr is not None),
-            act_slots=group.act_clip.numel(),
+            transform_slots=(group.slots if group.promoted else 1) if tr is not None else 0,
+            act_slots=group.act_clip_logits().numel(),
             diag_scale=tr is not None and tr.log_d is not None,
             bias=any(b is not None for b in group.biases()),
         )

@@ -25,7 +25,7 @@ from loopq.quant import baselines
 from loopq.quant.config import METHODS, QuantConfig, QuantConfigError
 from loopq.quant.cta import TransitionAdapters
 from loopq.quant.modules import GroupOptions, QuantLinearGroup, begin_forward
-from loopq.quant.primitives import best_clip_ratio, clip_logit, row_clip_errors
+from loopq.quant.primitives import clip_errors, clip_grid, clip_logit, row_clip_errors
 
 #: (group, weight of the RMSNorm feeding it or None, config, generator) -> sets up the group's transform in place
 GroupSetup = Callable[[QuantLinearGroup, Tensor | None, QuantConfig, torch.Generator], None]
@@ -193,29 +193,34 @@ def init_diagonal_from_data(teacher: LoopLM, student: LoopLM, input_ids: Tensor,
 def init_clipping_from_data(student: LoopLM, input_ids: Tensor, max_tokens: int = 4096) -> dict[str, list[float]]:
     """Initialise every activation clip c_{t,l} from loop t's own activations, and weight clips per row.
 
-    Runs the student once (transforms as initialised), records each group's transformed input per loop slot,
-    and picks the MSE-optimal clipping ratio on a grid for each slot (LAS init: loop-dependent statistics give
-    loop-dependent scales). Weight clips: per output row, the MSE-optimal ratio on the same grid.
-    Returns the chosen activation ratios per group.
+    Runs the student once (transforms as initialised) and, at each group call, scores the loop slot's transformed
+    input (its first ``max_tokens`` tokens) against every ratio of the grid: the MSE-optimal clipping ratio per slot
+    (LAS init: loop-dependent statistics give loop-dependent scales; without LAS the mean error over all slots).
+    Streamed: a call's input is scored and dropped, and the groups compute their quantized weights per call, so the
+    setup keeps neither the recorded inputs nor every group's quantized weight. Weight clips: per output row, the
+    MSE-optimal ratio on the same grid. Returns the chosen activation ratios per group.
     """
     groups = quant_groups(student)
-    samples: dict[str, dict[int, Tensor]] = {name: {} for name in groups}
+    errors: dict[str, dict[int, tuple[Tensor, int]]] = {name: {} for name in groups}
     handles = []
     for name, group in groups.items():
-        handles.append(group.register_forward_pre_hook(_recorder(name, group, samples, max_tokens)))
+        group.cache_weights = False
+        handles.append(group.register_forward_pre_hook(_scorer(name, group, errors, max_tokens)))
     try:
         student(input_ids)
     finally:
         for h in handles:
             h.remove()
+        for group in groups.values():
+            group.cache_weights = True
     chosen: dict[str, list[float]] = {}
     for name, group in groups.items():
-        chosen[name] = _init_act_clip(group, samples[name])
+        chosen[name] = _init_act_clip(group, errors[name])
         _init_weight_clip(group)
     return chosen
 
 
-def _recorder(name: str, group: QuantLinearGroup, samples: dict[str, dict[int, Tensor]], max_tokens: int):
+def _scorer(name: str, group: QuantLinearGroup, errors: dict[str, dict[int, tuple[Tensor, int]]], max_tokens: int):
     def hook(module: QuantLinearGroup, args: tuple) -> None:
         x, t = args[0], args[1] if len(args) > 1 else None
         slot = module.slot(t)
@@ -224,19 +229,24 @@ def _recorder(name: str, group: QuantLinearGroup, samples: dict[str, dict[int, T
         if tr is not None:
             p1, p2, _, _ = tr.matrices()
             flat = tr.activation(flat, p1, p2)
-        samples[name][slot] = flat.float()
+        if module.act_clip.requires_grad:
+            errors[name][slot] = (clip_errors(flat.float(), module.a_bits, module.group_size), flat.numel())
 
     return hook
 
 
-def _init_act_clip(group: QuantLinearGroup, per_slot: dict[int, Tensor]) -> list[float]:
+def _init_act_clip(group: QuantLinearGroup, per_slot: dict[int, tuple[Tensor, int]]) -> list[float]:
     if not group.act_clip.requires_grad or not per_slot:
         return []
+    grid = clip_grid(per_slot[next(iter(per_slot))][0].device)
     ratios = []
     for i in range(group.act_clip.numel()):
-        data = per_slot.get(i) if group.act_clip.numel() > 1 else torch.cat(list(per_slot.values()))
-        data = data if data is not None else next(iter(per_slot.values()))
-        ratios.append(best_clip_ratio(data, group.a_bits, group.group_size))
+        if group.act_clip.numel() > 1:
+            err = (per_slot.get(i) or next(iter(per_slot.values())))[0]
+        else:  # one clip for every loop: the mean error over all slots' elements
+            total = sum(n for _, n in per_slot.values())
+            err = sum(e.double() * n for e, n in per_slot.values()) / total
+        ratios.append(float(grid[int(torch.argmin(err))]))
     group.act_clip.copy_(clip_logit(torch.tensor(ratios, device=group.act_clip.device)))
     return ratios
 

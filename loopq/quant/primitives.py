@@ -75,13 +75,23 @@ def clip_logit(ratio: float | Tensor) -> Tensor:
     return torch.log(r) - torch.log1p(-r)
 
 
+def clip_grid(device: torch.device | None = None) -> Tensor:
+    """The clipping ratios the MSE searches try: 0.55 to 1.0 in 10 steps."""
+    return torch.linspace(0.55, 1.0, 10, device=device)
+
+
+def clip_errors(x: Tensor, bits: int, group_size: int, grid: Tensor | None = None) -> Tensor:
+    """The fake-quant MSE of the sample ``x`` at every clipping ratio of ``grid`` (:func:`clip_grid`)."""
+    grid = clip_grid(x.device) if grid is None else grid
+    return torch.stack([(fake_quant(x, bits, group_size, float(c)) - x).pow(2).mean() for c in grid])
+
+
 def best_clip_ratio(x: Tensor, bits: int, group_size: int, grid: Tensor | None = None) -> float:
     """The clipping ratio on ``grid`` that minimises the fake-quant MSE of the sample ``x`` (init for LAS)."""
     if bits >= 16:
         return 1.0 - 1e-4
-    grid = torch.linspace(0.55, 1.0, 10, device=x.device) if grid is None else grid
-    errors = torch.stack([(fake_quant(x, bits, group_size, float(c)) - x).pow(2).mean() for c in grid])
-    return float(grid[int(torch.argmin(errors))])
+    grid = clip_grid(x.device) if grid is None else grid
+    return float(grid[int(torch.argmin(clip_errors(x, bits, group_size, grid)))])
 
 
 @torch.no_grad()

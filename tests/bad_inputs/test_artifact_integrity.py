@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from loopq.artifacts import load_artifact, read_artifact_meta, student_meta, write_student
 from loopq.artifacts.layout import EXPORT_META, EXPORT_WEIGHTS, STUDENT_META, STUDENT_WEIGHTS, TOKENIZER_FILES
@@ -136,5 +137,7 @@ def test_a_legacy_student_is_read_with_a_warning(copies, capsys):
     meta = json.loads(path.read_text())
     legacy = {k: v for k, v in meta.items() if k not in (SEAL, "files")} | {"format": "loopq-student-v1"}
     path.write_text(json.dumps(legacy))
+    weights = copies / "student0" / STUDENT_WEIGHTS  # a v1 student's weights header said v1, as its description
+    save_file(load_file(weights), weights, metadata={"format": "loopq-student-v1"})
     assert load_artifact(copies / "student0").bits == "w4a4"
     assert "format loopq-student-v1 is not content-verified" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from loopq.artifacts import layout
 from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.seal import seal
-from loopq.calib.checkpoint_io import CheckpointError, checkpoint_problem, newest_intact
+from loopq.calib.checkpoint_io import CheckpointError, checkpoint_problem, newest_intact, write_sidecar
 from loopq.calib.stop_on_signal import StopOnSignal, exit_status
 from loopq.commands import evaluate, export, fit, pretrain, run, testbed
 from loopq.errors import GuardError, LoopQError
@@ -95,7 +95,7 @@ def test_export_into_a_directory_it_reads_is_refused(teacher, student, tmp_path,
 def test_export_may_replace_an_earlier_export_but_no_other_model(tmp_path):
     earlier = tmp_path / "exported"
     earlier.mkdir()
-    (earlier / layout.EXPORT_META).write_text("{}")
+    (earlier / layout.EXPORT_META).write_text(json.dumps(seal({"format": layout.EXPORT_FORMAT, "files": {}})))
     (earlier / "model.safetensors").write_bytes(b"packed")
     assert layout.check_output_dir(earlier, [TINY], replaces=("export",)) == earlier
     with pytest.raises(GuardError, match=r"--out .*stress: holds a stress variant that this command would overwrite"):
@@ -269,9 +269,9 @@ def test_deepspeed_directory_checkpoints_are_checked_by_their_sidecar(tmp_path):
         (directory / "checkpoint").mkdir(parents=True)
         write_ckpt(directory / "checkpoint" / "mp_rank_00_model_states.pt", 3, 10**18)
         os.utime(directory, ns=(10**18 + i, 10**18 + i))
-    (whole / "loopq.json").write_text('{"promoted": []}')  # the sidecar is written after DeepSpeed's files
+    write_sidecar(whole, {"promoted": []})  # the sealed sidecar is written after DeepSpeed's files
     assert newest_intact(fit.checkpoints_in([folder])) == whole
-    assert "loopq.json unreadable" in checkpoint_problem(unfinished)
+    assert "loopq.json: missing - the save did not finish" in checkpoint_problem(unfinished)
 
 
 def test_loopq_run_resumes_from_the_newest_intact_checkpoint_of_its_own_attempt(ckpt_dir):

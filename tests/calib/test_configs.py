@@ -67,14 +67,16 @@ def test_baseline_config_parses_as_a_static_configuration(path: Path):
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "pretrain").glob("*.yaml")), ids=lambda p: p.stem)
 def test_pretrain_configs_parse(path):
-    from loopq.commands.pretrain import PretrainCLI, PretrainDataModule, TeacherPretrainer
+    from loopq.commands.pretrain import PretrainCLI, PretrainDataModule, pretrainer_class
 
     class Parse(PretrainCLI):
         def instantiate_classes(self) -> None:
             pass
 
-    cli = Parse(TeacherPretrainer, PretrainDataModule, run=False, args=["--config", str(path)])
+    args = ["--config", str(path)]
+    cli = Parse(pretrainer_class(args), PretrainDataModule, run=False, args=args)
     assert cli.config.model.vocab_size == cli.config.data.vocab_size == 2048
+    assert cli.config.architecture == path.stem.removeprefix("tiny-").removeprefix("small-").split("-")[0]
 
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "stress").glob("*.yaml")), ids=lambda p: p.stem)

@@ -10,10 +10,9 @@ from tests.helpers import assert_same_tensors, read_student, run_fit
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("full")
-    run_fit(root)
-    return root
+def uninterrupted(tiny_calibration):
+    """The suite's shared tiny calibration (tests/conftest.py): the plain run_fit of FIT_CONFIGS, read-only."""
+    return tiny_calibration
 
 
 def test_fit_writes_student_logs_and_selections(uninterrupted):
@@ -85,3 +84,12 @@ def test_calibration_text_shorter_than_a_sample_is_named(tmp_path):
     short.write_text("Too short to make even one calibration sample.")
     out = run_fit(tmp_path, "--data.sources", f"[{short}]", check=False)
     assert out.returncode != 0 and "shorter than one sample of seq_len=32" in out.stderr
+
+
+def test_promotions_never_edit_the_optimizer_or_the_scheduler(tmp_path):
+    """The SLT layout is fixed: across two promotions (after steps 1 and 4) the optimizer's groups and parameters and
+    the LambdaLR's base LRs and lambdas stay the objects ``configure_optimizers`` made."""
+    guard = json.dumps({"class_path": "tests.calib.optimizer_guard.OptimizerGuard"})
+    run_fit(tmp_path, "--trainer.callbacks+", guard)
+    record = json.loads((tmp_path / "optimizer_guard.json").read_text())
+    assert record["checks"] == 8 and record["promoted"] == [0, 1, 1, 1, 2, 2, 2, 2]

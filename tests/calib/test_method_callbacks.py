@@ -7,7 +7,7 @@ import pytest
 from loopq.calib.diagnostics import PerLoopDiagnostics
 from loopq.calib.module import LoopQCalibration, method_callbacks
 from loopq.calib.mu import AdaptiveMu, mu_update_due
-from loopq.calib.reselection import SharingGapReselection, round_due
+from loopq.calib.reselection import SharingGapReselection, recording_due, round_due
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig
 from tests.helpers import read_student, run_fit
@@ -67,58 +67,9 @@ def test_a_config_without_callbacks_still_runs_loopq(tmp_path):
     assert json.dumps(config["trainer.callbacks"]) == "[]"
 
 
-def test_probing_in_chunks_gives_the_scores_of_one_pass():
-    """``probe_groups`` bounds the probe step's memory (loopq.planning.memory); the per-loop gradients, hence S_l, are
-    the same whichever groups share the pass (all 8 looped groups at once, or 3 + 3 + 2)."""
-    import torch
-
-    from loopq.calib.slt import sharing_gap_scores
-    from loopq.calib.targets import compute_targets
-
-    module = LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2))
-    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
-    module.targets = compute_targets(module.teacher, ids, 1000, module.num_loops)
-    batches = [[torch.arange(2), ids]]
-    whole = sharing_gap_scores(module, batches)
-    chunked = sharing_gap_scores(module, batches, chunk=3)
-    assert len(whole) == 8 and chunked.keys() == whole.keys()
-    assert list(chunked.values()) == pytest.approx(list(whole.values()), rel=1e-4)
-    with pytest.raises(ValueError, match="probe_groups"):
-        SharingGapReselection(probe_groups=-1)
-
-
-def test_a_probe_that_runs_out_of_memory_halves_its_chunk_and_keeps_the_scores(capsys):
-    """The first GPU run of the 2.6B config ran out of memory in the SLT probe (24 groups per pass). Here a pass of
-    more than 3 probed groups "runs out of memory": 8 -> 4 -> 2 groups per pass, same scores as one pass, and the
-    callback keeps the size that fit for its later rounds."""
-    import torch
-
-    from loopq.calib.slt import ProbeMemoryError, probe_scores, sharing_gap_scores
-    from loopq.calib.targets import compute_targets
-    from loopq.quant import looped_quant_groups
-
-    module = LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2))
-    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
-    module.targets = compute_targets(module.teacher, ids, 1000, module.num_loops)
-    batches = [[torch.arange(2), ids]]
-    whole = sharing_gap_scores(module, batches)
-    real = module.compute_loss
-
-    def limited(batch, limit=3):
-        if sum(g.perturbation is not None for g in looped_quant_groups(module.student).values()) > limit:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(batch)
-
-    module.compute_loss = limited
-    found = probe_scores(module, batches)
-    assert found.fitted == 2 and "probing 4 at a time" in capsys.readouterr().out
-    assert list(found.scores.values()) == pytest.approx(list(whole.values()), rel=1e-4)
-    assert all(g.perturbation is None for g in looped_quant_groups(module.student).values())  # nothing left set
-    callback = SharingGapReselection(probe_groups=8)
-    trainer = type("T", (), {"world_size": 1})()
-    assert callback.score(trainer, module, batches).keys() == whole.keys() and callback.probe_groups == 2
-    module.compute_loss = lambda batch: limited(batch, limit=0)
-    with pytest.raises(ProbeMemoryError, match="one group per pass"):
-        probe_scores(module, batches)
-    with pytest.raises(ProbeMemoryError, match="slt_probe_groups"):
-        probe_scores(module, batches, reduce=lambda flat: flat, chunk=4)
+def test_recording_window_by_hand():
+    """The gradients of the ``probe_batches`` steps ending at a due round are scored (at most ``every_n_steps``)."""
+    rec = [s for s in range(30) if recording_due(s, 0, 4, start_step=3, every_n_steps=10, window=2)]
+    assert rec == [2, 3, 12, 13, 22, 23]
+    assert [s for s in range(8) if recording_due(s, 0, 4, 0, every_n_steps=3, window=9)] == list(range(8))
+    assert not recording_due(12, selected=4, budget=4, start_step=3, every_n_steps=10, window=2)

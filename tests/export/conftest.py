@@ -6,6 +6,7 @@ weight clips per row), CTA adapters away from the identity and one promoted grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +71,29 @@ def export_student(teacher_dir: Path, a_bits: int, root: Path) -> LoopLM:
     return load_quantized(root / "export")
 
 
+@pytest.fixture(scope="session")
+def export_dirs(tmp_path_factory) -> Callable[[str, int, Path], Path]:
+    """``(arch, a_bits, teacher_dir) -> root`` holding ``student/`` and ``export/`` of :func:`export_student`, built
+    once per process on first use and shared by every module (the directories are only read); the models are loaded
+    fresh by each module's :func:`exported`, so no module sees another's in-memory changes."""
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(arch: str, a_bits: int, teacher_dir: Path) -> Path:
+        if (arch, a_bits) not in built:
+            root = tmp_path_factory.mktemp(f"{arch}-w4a{a_bits}")
+            export_student(teacher_dir, a_bits, root)
+            built[arch, a_bits] = root
+        return built[arch, a_bits]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-w4a{b}" for a, b in CASES])
-def exported(request, fixtures, tmp_path_factory) -> Exported:
+def exported(request, fixtures, export_dirs) -> Exported:
     arch, a_bits = request.param
     teacher_dir = fixtures / ARCHS[arch]
-    root = tmp_path_factory.mktemp(f"{arch}-w4a{a_bits}")
-    model = export_student(teacher_dir, a_bits, root)
+    root = export_dirs(arch, a_bits, teacher_dir)
+    model = load_quantized(root / "export")
     student, meta = load_student(root / "student")
     return Exported(arch, a_bits, teacher_dir, root / "student", root / "export", student, meta, model)
 

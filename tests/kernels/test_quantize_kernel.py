@@ -50,14 +50,20 @@ def test_ties_and_near_ties(bits, transform, device):
     assert torch.equal(unpack_int4(codes) if bits == 4 else codes, prim_codes)
 
 
-def test_missing_factor_is_identity(device):
+@pytest.mark.parametrize("exact", [True, None])
+def test_missing_factor_is_identity(exact, device):
+    """A missing factor is the identity on every quantizer path: the call without ``left`` gives, bit for bit, what
+    the same path gives with an explicit identity (the exact path and the default one, which on CUDA is the ``tl.dot``
+    path and so is compared with itself, not with the exact kernel); the exact path also equals the torch backend."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(4, 96, generator=gen).to(device)
     right = torch.randn(12, 12, generator=gen).to(device)
-    (codes, scales), (ref_codes, ref_scales) = _both(x, None, right, 0.9, 4)
-    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
-    explicit = quantize_activation(x, torch.eye(8, device=device), right, 0.9, 4, backend="triton")
-    assert torch.equal(codes, explicit[0]) and torch.equal(scales, explicit[1])
+    missing = quantize_activation(x, None, right, 0.9, 4, backend="triton", exact=exact)
+    explicit = quantize_activation(x, torch.eye(8, device=device), right, 0.9, 4, backend="triton", exact=exact)
+    assert all(torch.equal(a, b) for a, b in zip(missing, explicit, strict=True))
+    if exact:
+        ref = quantize_activation(x, None, right, 0.9, 4, backend="torch")
+        assert all(torch.equal(a, b) for a, b in zip(missing, ref, strict=True))
 
 
 @cuda_only

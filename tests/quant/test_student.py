@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from loopq.calib.slt import LoopProbe
+from loopq.calib.slt import loop_gradients, recording, shared_inverses
 from loopq.models import load_looplm
 from loopq.quant import (
     GroupOptions,
@@ -80,8 +80,10 @@ def test_promotion_leaves_output_unchanged(teacher):
     name = next(iter(looped_quant_groups(student)))
     group = quant_groups(student)[name]
     before = run(student, ids).logits
-    new = group.promote()
-    assert new and all(p.requires_grad for p in new)
+    params = [id(p) for p in student.parameters()]
+    group.promote()
+    assert group.promoted and [id(p) for p in student.parameters()] == params  # the layout is fixed
+    assert all(p.requires_grad for p in group.promotion_parameters())
     torch.testing.assert_close(run(student, ids).logits, before, atol=0, rtol=0)
     with torch.no_grad():  # the per-loop copies are now independent
         group.loop_transforms[0].left.log_s.add_(0.1)
@@ -192,11 +194,10 @@ def test_probe_gradients_are_per_loop_parts_of_the_shared_gradient(fixtures):
     expected = p1.grad - p1_inv.T @ p1_inv.grad @ p1_inv.T
     student.zero_grad()
 
-    probe = LoopProbe.of(group)
-    group.perturb(probe)
-    loss().backward()
-    phi = probe.gradients()
-    group.perturb(None)
+    inverses = shared_inverses(group)
+    with recording({"g": group}) as recorders:
+        loss().backward()
+    phi = loop_gradients(recorders["g"], inverses)
     n1 = p1.shape[0]
     assert phi.shape[0] == teacher.default_num_loops
     assert not torch.allclose(phi[0], phi[1]), "loops pull the shared transform differently"
@@ -298,23 +299,3 @@ def test_compiled_quantizers_match_eager(fixtures):
     assert compiled.keys() == eager.keys()
     for name, grad in eager.items():
         torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_only_a_shared_looped_transform_is_perturbed(fixtures):
-    """A per-loop perturbation stands in for a shared transform inside the loop; a promoted group already has
-    per-loop transforms and is refused, and removing a perturbation restores the unperturbed forward exactly."""
-    teacher = load_looplm(fixtures / "ouro-tiny")
-    student = prepare(teacher, QuantConfig(transform_init="random")).eval()
-    ids = ids_for(teacher)
-    group = next(iter(looped_quant_groups(student).values()))
-    with torch.no_grad():
-        before = student(ids).logits
-        group.perturb(LoopProbe.of(group))  # zero deltas: the same numbers, one slot per loop
-        probed = student(ids).logits
-        group.perturb(None)
-        after = student(ids).logits
-    torch.testing.assert_close(probed, before, atol=0, rtol=0)
-    torch.testing.assert_close(after, before, atol=0, rtol=0)
-    group.promote()
-    with pytest.raises(ValueError, match="only a shared transform inside the loop"):
-        group.perturb(LoopProbe.of(group))

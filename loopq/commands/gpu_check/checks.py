@@ -1,20 +1,26 @@
-"""The stages of the GPU check, each returning one :class:`~loopq.commands.gpu_check.table.StageResult`.
+"""The stages of the GPU check, each returning one :class:`~loopq.commands.gpu_check.table.StageResult`, in the order
+they run (:data:`STAGES`, most important first; their time limits: :mod:`loopq.commands.gpu_check.registry`). The
+driver, :mod:`loopq.commands.gpu_check.driver`, runs each in its own process and keeps what it recorded if cut.
 
 1. ``environment``: torch / triton / CUDA versions, the GPU, its compute capability and memory, its known peaks.
-2. ``kernel-tests``: ``pytest tests/kernels`` in a subprocess with ``TRITON_INTERPRET=0``: the same tests CI runs
+2. ``calibration``: ``python -m loopq.fit --config configs/tiny.yaml`` on cuda (fp32, as the config calibrates) for a
+   few steps, and at the same time the same command for one step on the CPU: every logged loss finite, a student
+   written, and the first step's loss on cuda within :data:`FIRST_LOSS_TOLERANCE` of the CPU's (same data, same
+   seed, same initialisation: the devices differ only in summation order and the odd rounding tie).
+3. ``kernel-tests``: ``pytest tests/kernels`` in a subprocess with ``TRITON_INTERPRET=0``: the same tests CI runs
    in the interpreter, now on CUDA tensors through the compiled kernels (``LOOPQ_KERNEL_DEVICE=cuda`` makes them
    fail rather than fall back to CPU), plus the CUDA-only ones (bf16, Ouro's widths).
-3. ``kernel-bench``: :mod:`loopq.commands.gpu_check.kernel_bench` at Ouro-1.4B's shapes: checked, then timed.
-4. ``calibration``: ``python -m loopq.fit --config configs/tiny.yaml`` for a few steps with ``--trainer.accelerator
-   gpu --trainer.precision bf16-mixed`` in a subprocess: every logged loss finite, a student written.
-5. ``step``: one fake-quant W4A4 student forward+backward of a randomly initialised Ouro-1.4B-shaped model (hidden
-   2048, MLP 5632, 16 heads of 128, vocabulary 49152, 4 loops; :data:`STEP_LAYERS` of its 24 layers) at batch
-   4 x 256 tokens under bf16 autocast (as ``bf16-mixed`` runs it), against the FP model's forward+backward, with
-   peak CUDA memory. Random weights cost the same time as trained ones.
+4. ``kernel-bench``: :mod:`loopq.commands.gpu_check.kernel_bench` at Ouro-1.4B's shapes, M = 1, 16, 256, 4096:
+   checked against a float64 reference computed in bounded memory, then timed; each row recorded as it ends.
+5. ``e2e``: ``bench/e2e.py`` - prefill and decode (growing cache, static cache, CUDA graphs) of the packed W4A4 /
+   W4A8 models against BF16 at Ouro-1.4B's layer shape, judged by issue 28's goals (:func:`e2e_result`).
 6. ``pipeline`` and 7. ``paper-shape``: the user's flow on cuda - export, evaluation and generation agreeing with the
    CPU, and ``configs/ouro2.6b.yaml`` at real shape against its memory plan (:mod:`loopq.commands.gpu_check.flow`).
-8. ``e2e``: ``bench/e2e.py`` - prefill and decode (growing cache, static cache, CUDA graphs) of the packed W4A4 /
-   W4A8 models against BF16 at Ouro-1.4B's layer shape, judged by issue 28's goals (:func:`e2e_result`).
+8. ``profile``: one fake-quant W4A4 student forward+backward of a randomly initialised Ouro-1.4B-shaped model
+   (hidden 2048, MLP 5632, 16 heads of 128, vocabulary 49152, 4 loops; :data:`STEP_LAYERS` of its 24 layers) at
+   batch 4 x 256 tokens under bf16 autocast (as ``bf16-mixed`` runs it), against the FP model's forward+backward,
+   with peak CUDA memory and a ``torch.profiler`` table of the student step. Random weights cost the same time as
+   trained ones.
 """
 
 from __future__ import annotations
@@ -22,15 +28,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
+import re
 import statistics
-import subprocess
 import sys
-import time
-import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +45,9 @@ import triton
 from loopq.artifacts.student import check_student_dir, read_student_meta
 from loopq.commands.gpu_check import flow, kernel_bench
 from loopq.commands.gpu_check.peaks import peaks_for
+from loopq.commands.gpu_check.proc import run_watched
+from loopq.commands.gpu_check.stage import Context
 from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, StageResult
-from loopq.errors import one_line
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import REPO_ROOT
 from loopq.quant import GroupOptions, QuantConfig, prepare
@@ -54,15 +59,11 @@ CALIBRATION_STEPS, QUICK_CALIBRATION_STEPS = 20, 5
 STEP_LAYERS, QUICK_STEP_LAYERS = 4, 2
 STEP_BATCH, STEP_SEQ = 4, 256
 STUDENT = QuantConfig(w_bits=4, a_bits=4, group_size=32, las=True, slt_budget=4, cta=True, cta_rank=8)
-SUBPROCESS_TIMEOUT_S = 1800
-
-
-@dataclass(frozen=True)
-class Context:
-    """What every stage may use: ``quick`` (fewer shapes and steps) and a scratch directory removed afterwards."""
-
-    quick: bool
-    workdir: Path
+#: relative difference allowed between the first step's loss on cuda and on the CPU: both fp32 from the same data,
+#: seed and teacher; what differs is summation order (cuBLAS against the CPU's BLAS, ~1e-6 relative per logit) and a
+#: 4-bit code flipped where a value lies on a rounding tie - far below this, while a wrong device path (a tensor
+#: left on the CPU, a dtype, a kernel) moves the loss by whole percents. To be confirmed on the first GPU run.
+FIRST_LOSS_TOLERANCE = 0.005
 
 
 # ------------------------------------------------------------------------------------------------- 1 environment
@@ -112,6 +113,18 @@ def kernel_tests_result(returncode: int, counts: dict[str, int] | None, output: 
     return StageResult("kernel-tests", FAIL if bad else OK, summary, details={**counts, "returncode": returncode})
 
 
+#: a progress line of ``pytest -q``: one character per test, then the percentage done
+PYTEST_PROGRESS = re.compile(r"^([.FEsxX]+)\s+\[\s*\d+%\]$")
+
+
+def pytest_progress(output: str) -> dict[str, int]:
+    """Counts so far from ``pytest -q``'s progress lines: passed (``.``), failed (``F``), errors (``E``), skipped
+    (``s``), xfailed / xpassed (``x`` / ``X``)."""
+    marks = "".join(m.group(1) for line in output.splitlines() if (m := PYTEST_PROGRESS.match(line.strip())))
+    names = {".": "passed", "F": "failures", "E": "errors", "s": "skipped", "x": "xfailed", "X": "xpassed"}
+    return {name: marks.count(mark) for mark, name in names.items()}
+
+
 def kernel_tests(ctx: Context) -> StageResult:
     if not KERNEL_TESTS.is_dir():
         return StageResult("kernel-tests", FAIL, f"{KERNEL_TESTS} not found: run the check from a LoopQ checkout")
@@ -119,10 +132,14 @@ def kernel_tests(ctx: Context) -> StageResult:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(KERNEL_TESTS), f"--junitxml={report}"]
     if ctx.quick:
         cmd += ["-m", "not slow"]  # the ahead-of-time PTX compile test; the compiled kernels run anyway
-    env = {**os.environ, "TRITON_INTERPRET": "0", "LOOPQ_KERNEL_DEVICE": "cuda", "PYTHONPATH": pythonpath()}
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False
-    )
+    env = {"TRITON_INTERPRET": "0", "LOOPQ_KERNEL_DEVICE": "cuda"}
+
+    def poll(out: str) -> None:
+        counts = pytest_progress(out)
+        line = f"so far {counts['passed']} passed, {counts['failures']} failed, {counts['errors']} errors"
+        ctx.record(line, progress=counts, output_tail=tail(out, 20))
+
+    proc = run_watched(cmd, ctx.remaining(), env, poll)
     counts = junit_counts(report) if report.is_file() else None
     result = kernel_tests_result(proc.returncode, counts, f"{proc.stderr}\n{proc.stdout}")
     if result.status == FAIL:
@@ -133,8 +150,12 @@ def kernel_tests(ctx: Context) -> StageResult:
 # ----------------------------------------------------------------------------------------------- 3 kernel bench
 def kernel_bench_stage(ctx: Context) -> StageResult:
     peaks = peaks_for(torch.cuda.get_device_name())
-    tokens = kernel_bench.QUICK_TOKENS if ctx.quick else kernel_bench.TOKENS
-    rows = kernel_bench.measure(kernel_bench.SHAPES, tokens)
+
+    def on_row(rows: list[kernel_bench.KernelRow]) -> None:
+        _, summary = kernel_bench.summarize(rows, peaks)
+        ctx.record(f"{len(rows)} rows measured: {summary}", rows=[kernel_bench.as_dict(r) for r in rows])
+
+    rows = kernel_bench.measure(kernel_bench.SHAPES, kernel_bench.TOKENS, on_row=on_row)
     print(kernel_bench.format_rows(rows, peaks))
     status, summary = kernel_bench.summarize(rows, peaks)
     return StageResult("kernel-bench", status, summary, details={"rows": [kernel_bench.as_dict(r) for r in rows]})
@@ -150,37 +171,76 @@ def read_losses(root: Path) -> list[float]:
     return losses
 
 
-def calibration_result(returncode: int, root: Path, steps: int, stderr: str) -> StageResult:
-    """The stage's verdict: ``loopq.fit`` exited 0, logged losses that are all finite, and wrote a student."""
+def fit_failure(what: str, returncode: int, stderr: str) -> str:
+    """The line of a ``loopq.fit`` that exited non-zero: its last ``error:`` line, else its last line."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    last = (errors or stderr.strip().splitlines() or ["no output"])[-1]
+    return f"{what} exited with status {returncode}: {last}"
+
+
+def first_loss_agrees(cuda: float, cpu: float, tolerance: float = FIRST_LOSS_TOLERANCE) -> bool:
+    """Whether the first step's loss on cuda is within ``tolerance`` (relative) of the CPU's."""
+    return math.isfinite(cuda) and math.isfinite(cpu) and abs(cuda / cpu - 1) <= tolerance
+
+
+def calibration_result(
+    returncode: int, root: Path, steps: int, stderr: str, cpu_losses: list[float] | None = None
+) -> StageResult:
+    """The stage's verdict: ``loopq.fit`` on cuda exited 0, logged losses that are all finite, wrote a student, and
+    (when the CPU's one-step losses are given) its first loss is within :data:`FIRST_LOSS_TOLERANCE` of the CPU's."""
     if returncode != 0:
-        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        last = (errors or stderr.strip().splitlines() or ["no output"])[-1]
-        return StageResult("calibration", FAIL, f"loopq.fit exited with status {returncode}: {last}")
+        return StageResult("calibration", FAIL, fit_failure("loopq.fit", returncode, stderr))
     losses = read_losses(root)
     if not losses or not all(math.isfinite(v) for v in losses):
         return StageResult("calibration", FAIL, f"logged losses missing or not finite: {losses}")
     student = root / "student"
     check_student_dir(student)
     meta = read_student_meta(student)
-    summary = (
-        f"{steps} steps of configs/tiny.yaml on cuda, bf16-mixed: loss {losses[0]:.4g} -> {losses[-1]:.4g} "
+    parts = [
+        f"{steps} steps of configs/tiny.yaml on cuda (fp32): loss {losses[0]:.4g} -> {losses[-1]:.4g} "
         f"(all {len(losses)} finite), student written ({meta['format']})"
-    )
-    return StageResult("calibration", OK, summary, details={"losses": losses})
+    ]
+    details: dict[str, Any] = {"losses": losses}
+    status = OK
+    if cpu_losses is not None:
+        cpu = cpu_losses[0] if cpu_losses else float("nan")
+        details["cpu_first_loss"] = cpu
+        agrees = first_loss_agrees(losses[0], cpu)
+        status = OK if agrees else FAIL
+        parts.append(
+            f"step-1 loss cuda {losses[0]:.6g} vs cpu {cpu:.6g} ({100 * abs(losses[0] / cpu - 1):.3f} %, tolerance "
+            f"{100 * FIRST_LOSS_TOLERANCE:g} %)"
+        )
+    return StageResult("calibration", status, "; ".join(parts), details=details)
 
 
-def calibration(ctx: Context) -> StageResult:
-    root = ctx.workdir / "calibration"
-    steps = QUICK_CALIBRATION_STEPS if ctx.quick else CALIBRATION_STEPS
+def fit_command(root: Path, accelerator: str, steps: int) -> list[str]:
+    """``loopq.fit`` of the tiny config for ``steps`` steps on ``accelerator``, a loss logged every step."""
     cmd = [sys.executable, "-m", "loopq.fit", "--config", TINY_CONFIG, "--trainer.default_root_dir", str(root)]
-    cmd += ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.precision", "bf16-mixed"]
+    cmd += ["--trainer.accelerator", accelerator, "--trainer.devices", "1"]
     cmd += ["--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1"]
-    cmd += ["--trainer.enable_progress_bar", "false"]
-    env = {**os.environ, "PYTHONPATH": pythonpath()}
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False
-    )
-    result = calibration_result(proc.returncode, root, steps, proc.stderr)
+    return [*cmd, "--trainer.enable_progress_bar", "false"]
+
+
+def calibration(ctx: Context, compare_cpu: bool = True) -> StageResult:
+    """The tiny config on cuda for a few steps and, in parallel, one step on the CPU (module docstring)."""
+    root, cpu_root = ctx.workdir / "calibration", ctx.workdir / "calibration-cpu"
+    steps = QUICK_CALIBRATION_STEPS if ctx.quick else CALIBRATION_STEPS
+
+    def poll(out: str) -> None:
+        ctx.record(losses=read_losses(root))
+
+    with ThreadPoolExecutor(2) as pool:
+        cuda_run = pool.submit(run_watched, fit_command(root, "gpu", steps), ctx.remaining(), None, poll)
+        cpu_run = pool.submit(run_watched, fit_command(cpu_root, "cpu", 1), ctx.remaining()) if compare_cpu else None
+        proc = cuda_run.result()
+        cpu_proc = cpu_run.result() if cpu_run is not None else None
+    if cpu_proc is not None and cpu_proc.returncode != 0:
+        print(tail(cpu_proc.stderr, 40))
+        line = fit_failure("loopq.fit on the cpu", cpu_proc.returncode, cpu_proc.stderr)
+        return StageResult("calibration", FAIL, line)
+    cpu_losses = read_losses(cpu_root) if cpu_proc is not None else None
+    result = calibration_result(proc.returncode, root, steps, proc.stderr, cpu_losses)
     if result.status == FAIL:
         print(tail(proc.stderr, 40))
     return result
@@ -260,9 +320,11 @@ def step(ctx: Context) -> StageResult:
     ids = torch.randint(0, config.vocab_size, (STEP_BATCH, STEP_SEQ), generator=torch.Generator().manual_seed(0))
     ids, losses = ids.cuda(), []
     times = {"student_ms": cuda_median_ms(train_step(student, ids, losses), iters, warmup)}
+    ctx.record(f"W4A4 student fwd+bwd {times['student_ms']:.1f} ms", **times)
     details: dict[str, object] = {"layers": layers, "batch": STEP_BATCH, "seq": STEP_SEQ, "quant": asdict(STUDENT)}
     details["student_peak_gib"] = peak_gib(train_step(student, ids, losses))
     details["student_profile"] = profile_step(train_step(student, ids, losses))
+    ctx.record(**details)
     if not ctx.quick:
         # model.compile_quantizers: true, as configs/ouro1.4b.yaml calibrates (the same parameters, compiled chains)
         compiled = prepare(teacher, STUDENT, options=GroupOptions(compiled=True)).cuda()
@@ -298,15 +360,10 @@ def step_result(times: dict[str, float], details: dict[str, object], layers: int
     finite = all(math.isfinite(v) for v in losses)
     if not finite:
         parts.append(f"NON-FINITE loss in {losses}")
-    return StageResult("step", OK if finite else FAIL, "; ".join(parts), details=details)
+    return StageResult("profile", OK if finite else FAIL, "; ".join(parts), details=details)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
-def pythonpath() -> str:
-    """``PYTHONPATH`` for a child process: this checkout first, so it runs the same ``loopq`` as this one."""
-    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-
-
 def tail(text: str, lines: int) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
@@ -317,10 +374,10 @@ def pipeline_stage(ctx: Context) -> StageResult:
     that stage was skipped or failed)."""
     student = ctx.workdir / "calibration" / "student"
     if not student.is_dir():
-        calibration(ctx)
+        calibration(ctx, compare_cpu=False)
     if not student.is_dir():
         return StageResult("pipeline", FAIL, "no calibrated student: the calibration on cuda failed (see above)")
-    return flow.pipeline(ctx.workdir / "pipeline", student, TINY_TEACHER)
+    return flow.pipeline(ctx.workdir / "pipeline", student, TINY_TEACHER, record=ctx.record, timeout=ctx.remaining)
 
 
 def paper_shape_stage(ctx: Context) -> StageResult:
@@ -328,7 +385,7 @@ def paper_shape_stage(ctx: Context) -> StageResult:
     layers)."""
     layers = 8 if ctx.quick else None
     steps = flow.QUICK_PAPER_STEPS if ctx.quick else flow.PAPER_STEPS
-    return flow.paper_shape(ctx.workdir / "paper-shape", steps, layers)
+    return flow.paper_shape(ctx.workdir / "paper-shape", steps, layers, record=ctx.record, timeout=ctx.remaining)
 
 
 # ------------------------------------------------------------------------------------------ 8 end to end
@@ -343,7 +400,7 @@ def e2e_stage(ctx: Context) -> StageResult:
     out = ctx.workdir / "e2e.json"
     shape = ["--layers", "1", "--prompt_len", "256", "--steps", "8"] if ctx.quick else ["--layers", "4"]
     cmd = [sys.executable, str(REPO_ROOT / "bench" / "e2e.py"), "--device", "cuda", *shape, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": pythonpath()})
+    proc = run_watched(cmd, ctx.remaining(), poll=lambda out: ctx.record(output_tail=tail(out, 30)))
     print(tail(proc.stdout, 30))
     if proc.returncode != 0 or not out.is_file():
         return StageResult("e2e", FAIL, f"bench/e2e.py exit status {proc.returncode}: {tail(proc.stderr, 3)}")
@@ -373,28 +430,15 @@ def e2e_result(payload: dict[str, Any]) -> StageResult:
     return StageResult("e2e", BELOW_GOAL if missed else OK, "; ".join([*parts, goals]), details=payload)
 
 
-#: the stages in the order they run (``--skip`` takes these names)
+#: the stage functions, in the order they run (their limits and the order the driver reads:
+#: :data:`loopq.commands.gpu_check.registry.LIMITS`)
 STAGES: dict[str, Callable[[Context], StageResult]] = {
     "environment": environment,
+    "calibration": calibration,
     "kernel-tests": kernel_tests,
     "kernel-bench": kernel_bench_stage,
-    "calibration": calibration,
-    "pipeline": pipeline_stage,
-    "step": step,
-    "paper-shape": paper_shape_stage,
     "e2e": e2e_stage,
+    "pipeline": pipeline_stage,
+    "paper-shape": paper_shape_stage,
+    "profile": step,
 }
-
-
-def run_stage(name: str, ctx: Context) -> StageResult:
-    """Run stage ``name``, timed; an exception is the stage's failure (traceback on stderr), not the check's end."""
-    print(f"[gpu_check] {name} ...", flush=True)
-    began = time.perf_counter()
-    try:
-        result = STAGES[name](ctx)
-    except Exception as err:
-        traceback.print_exc()
-        result = StageResult(name, FAIL, f"{type(err).__name__}: {one_line(err)}")
-    result.seconds = time.perf_counter() - began
-    print(f"[gpu_check] {name}: {result.status} ({result.seconds:.1f} s)", flush=True)
-    return result

@@ -4,7 +4,8 @@ paper's command at its real shape with its memory measured against ``--print_pla
 ``pipeline``: the student the ``calibration`` stage calibrated on cuda (or a fresh one) is exported
 (``python -m loopq.export``), then the FP teacher, the fake-quant student and the export are each evaluated on
 WikiText-2 (:data:`PIPELINE_WINDOWS` windows) with ``python -m loopq.evaluate --device cpu`` and ``--device cuda``,
-and ``python -m loopq.generate --exported ... --device`` continues a prompt on both. The stage fails when a command
+and ``python -m loopq.generate --exported ... --device`` continues a prompt on both (the CPU's commands and the
+cuda ones run side by side). The stage fails when a command
 fails or a perplexity differs between the devices by more than :data:`PPL_TOLERANCE` (relative); greedy tokens that
 differ are reported (a near-tie of two logits may flip under another summation order) but do not fail it.
 
@@ -18,18 +19,22 @@ and fails beyond :data:`PLAN_TOLERANCE`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 
+from loopq.commands.gpu_check.proc import run_watched
 from loopq.commands.gpu_check.table import FAIL, OK, StageResult
 from loopq.files import atomic_write
 from loopq.paths import REPO_ROOT, data_dir
@@ -48,7 +53,9 @@ GIB = 2**30
 
 
 # ------------------------------------------------------------------------------------------------- commands
-def run_command(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_command(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = SUBPROCESS_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
     """``python -m <args>`` from the repository root with this checkout first on ``PYTHONPATH``."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
@@ -57,9 +64,17 @@ def run_command(args: list[str], env: dict[str, str] | None = None) -> subproces
         env={**os.environ, "PYTHONPATH": path, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
+        timeout=timeout,
         check=False,
     )
+
+
+def no_record(summary: str | None = None, **details: Any) -> None:
+    """The default ``record`` of a stage run outside the GPU check: nothing is kept."""
+
+
+def no_limit() -> float:
+    return SUBPROCESS_TIMEOUT_S
 
 
 def failed(stage: str, what: str, proc: subprocess.CompletedProcess[str]) -> StageResult:
@@ -97,10 +112,19 @@ def agreement(ppl: dict[str, dict[str, float]], tokens: dict[str, str], devices:
     return StageResult("pipeline", status, summary, details={"ppl": ppl, "generated": tokens})
 
 
-def pipeline(workdir: Path, student: Path, teacher: str, devices: tuple[str, str] = ("cpu", "cuda")) -> StageResult:
-    """Export ``student``, evaluate teacher / student / export and generate on both ``devices`` (module docstring)."""
+def pipeline(
+    workdir: Path,
+    student: Path,
+    teacher: str,
+    devices: tuple[str, str] = ("cpu", "cuda"),
+    record: Callable[..., None] = no_record,
+    timeout: Callable[[], float] = no_limit,
+) -> StageResult:
+    """Export ``student``, evaluate teacher / student / export and generate on both ``devices`` (module docstring);
+    the two devices' commands run side by side, each perplexity ``record``-ed as it arrives; ``timeout()`` gives a
+    command's time limit."""
     exported = workdir / "exported"
-    proc = run_command(["loopq.export", "--ckpt", str(student), "--out", str(exported)])
+    proc = run_command(["loopq.export", "--ckpt", str(student), "--out", str(exported)], timeout=timeout())
     if proc.returncode != 0:
         return failed("pipeline", "loopq.export", proc)
     ppl: dict[str, dict[str, float]] = {}
@@ -110,18 +134,27 @@ def pipeline(workdir: Path, student: Path, teacher: str, devices: tuple[str, str
         "student": ("--student", str(student)),
         "export": ("--exported", str(exported)),
     }
-    for device in devices:
+
+    def on_device(device: str) -> StageResult | None:
         for name, (flag, path) in models.items():
             out = workdir / f"{name}-{device}.json"
-            proc = run_command(evaluate_args(flag, path, device, out))
+            proc = run_command(evaluate_args(flag, path, device, out), timeout=timeout())
             if proc.returncode != 0:
                 return failed("pipeline", f"loopq.evaluate {flag} --device {device}", proc)
             ppl.setdefault(name, {})[device] = json.loads(out.read_text())["wikitext2_ppl"]
+            record(ppl=ppl)
         gen = ["loopq.generate", "--exported", str(exported), "--prompt", PROMPT, "--max_new_tokens", "16"]
-        proc = run_command([*gen, "--device", device])
+        proc = run_command([*gen, "--device", device], timeout=timeout())
         if proc.returncode != 0:
             return failed("pipeline", f"loopq.generate --device {device}", proc)
         tokens[device] = proc.stdout.strip()
+        record(generated=tokens)
+        return None
+
+    with ThreadPoolExecutor(len(set(devices))) as pool:
+        failures = [f for f in pool.map(on_device, dict.fromkeys(devices)) if f is not None]
+    if failures:
+        return failures[0]
     return agreement(ppl, tokens, devices)
 
 
@@ -178,13 +211,13 @@ def write_random_teacher(directory: Path, layers: int | None = None, shard_gb: f
 
 PLAN_LINES = {
     "step": re.compile(r"^\s+total\s+([\d.]+) (GiB|MiB)"),
-    "setup": re.compile(r"setup \(teacher as loaded, LAS clip initialisation\): ([\d.]+) (GiB|MiB)"),
+    "setup": re.compile(r"setup \(teacher as loaded, (?:streamed )?LAS clip initialisation\): ([\d.]+) (GiB|MiB)"),
 }
 
 
 def plan_peaks(text: str) -> dict[str, float]:
-    """GiB of ``--print_plan``'s output: ``step`` (training step), ``probe`` (SLT probe step, when planned), ``setup``
-    and ``peak``."""
+    """GiB of ``--print_plan``'s output: ``step`` (training step), ``setup`` and ``peak`` (``probe``: the SLT probe
+    step of plans printed before the per-use backward, when present)."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         total = PLAN_LINES["step"].match(line)
@@ -224,8 +257,15 @@ def plan_verdict(planned: dict[str, float], measured: dict[str, dict[str, int]],
     return StageResult("paper-shape", status, summary, details={"plan_gib": planned, "measured_bytes": measured})
 
 
-def paper_shape(workdir: Path, steps: int = PAPER_STEPS, layers: int | None = None) -> StageResult:
-    """The paper's command at real shape, its peaks against its plan (module docstring)."""
+def paper_shape(
+    workdir: Path,
+    steps: int = PAPER_STEPS,
+    layers: int | None = None,
+    record: Callable[..., None] = no_record,
+    timeout: Callable[[], float] = no_limit,
+) -> StageResult:
+    """The paper's command at real shape, its peaks against its plan (module docstring); the plan and each step's
+    peaks ``record``-ed as they come."""
     teacher = write_random_teacher(workdir / "ouro-2.6b-random", layers)
     peaks = workdir / "peaks.json"
     sources = json.dumps(["calibration/*.txt"])  # the shared calibration prose (LOOPQ_SHARED / LOOPQ_DATA)
@@ -235,12 +275,20 @@ def paper_shape(workdir: Path, steps: int = PAPER_STEPS, layers: int | None = No
         "--data.sources", sources, "--data.num_samples", "64", "--trainer.max_steps", str(steps),
         "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
-    plan = run_command([*args, "--print_plan"])
+    plan = run_command([*args, "--print_plan"], timeout=timeout())
     if plan.returncode != 0:
         return failed("paper-shape", "loopq.fit --print_plan", plan)
     planned = plan_peaks(plan.stdout)
+    record(f"plan: peak {planned['peak']:.1f} GiB", plan_gib=planned)
     callback = {"class_path": "loopq.commands.gpu_check.flow.PeakMemory", "init_args": {"path": str(peaks)}}
-    proc = run_command([*args, "--trainer.callbacks+", json.dumps(callback)])
+    cmd = [sys.executable, "-m", *args, "--trainer.callbacks+", json.dumps(callback)]
+
+    def poll(out: str) -> None:
+        if peaks.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                record(measured_bytes=json.loads(peaks.read_text()))
+
+    proc = run_watched(cmd, timeout(), poll=poll)
     if proc.returncode != 0:
         return failed("paper-shape", "loopq.fit", proc)
     return plan_verdict(planned, json.loads(peaks.read_text()), steps)

@@ -4,7 +4,7 @@ Shapes are Ouro-1.4B's linears as the exported model runs them (:data:`SHAPES`, 
 fused gate+up, ``down_proj``) at M tokens per call (:data:`TOKENS`: decode, a small batch, a calibration-size and a
 prefill-size call). Every row is first **checked** - the Triton quantizer must reproduce the torch reference's
 codes and scales bit for bit, the Triton GEMM's fp32 output must lie within the fp32 rounding bound of the float64
-value of the same codes (:func:`loopq.kernels.reference.gemm_fp64`: neither the prefill tile kernel of M > 16,
+value of the same codes (:func:`gemm_fp64_chunked`, in bounded memory: neither the prefill tile kernel of M > 16,
 which sums several groups per step with FMA, nor the split-K decode kernel of M <= 16 follows the reference's
 order; see :mod:`loopq.kernels`) - then **timed** with
 ``triton.testing.do_bench`` (median, L2 flushed before every call, so weights are read from memory as in a real
@@ -30,17 +30,20 @@ from torch import Tensor
 from loopq.commands.gpu_check.peaks import DevicePeaks, fraction, gemm_tera_ops, percent, weight_tb_s
 from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, grid
 from loopq.kernels import gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight, unpack_int4
-from loopq.kernels.reference import gemm_fp64
 from loopq.quant.transforms import kron_factors
 
 #: (N, K) of Ouro-1.4B's linears: fused q/k/v, o_proj, fused gate/up, down_proj
 SHAPES: tuple[tuple[int, int], ...] = ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
 TOKENS: tuple[int, ...] = (1, 16, 256, 4096)
-QUICK_TOKENS: tuple[int, ...] = (1, 256)
 CLIP = 0.9
 INT4_WEIGHT_BYTES = 0.5 + 2 / 32  # a packed int4 code + its share of one fp16 scale per 32 weights
 BF16_WEIGHT_BYTES = 2.0
 GEMMS = ((4, gemm_w4a4), (8, gemm_w4a8))
+#: float64 working memory the GEMM reference may hold at once, whatever M and N (:func:`reference_rows`)
+REFERENCE_BYTES = 2**30
+#: [rows, N] float64 tensors alive at once in :func:`gemm_fp64_chunked`: value, magnitude, and per group the
+#: scale product, the dot and their product
+REFERENCE_TENSORS = 5
 
 
 @dataclass
@@ -84,6 +87,44 @@ def transform_factors(
     return tuple((torch.eye(n) + 0.1 * torch.randn(n, n, generator=gen)).to(device) for n in (n1, n2))  # type: ignore[return-value]
 
 
+def reference_rows(m: int, n: int, budget: int = REFERENCE_BYTES) -> int:
+    """Rows of the M tokens per chunk of :func:`gemm_fp64_chunked` so that its ``[rows, N]`` float64 working tensors
+    (:data:`REFERENCE_TENSORS` of them) fit in ``budget`` bytes (at least one row)."""
+    return max(1, min(m, budget // (REFERENCE_TENSORS * 8 * n)))
+
+
+def gemm_fp64_chunked(
+    a_codes: Tensor, a_scales: Tensor, w_codes: Tensor, w_scales: Tensor, budget: int = REFERENCE_BYTES
+) -> tuple[Tensor, Tensor]:
+    """The float64 value of the GEMM of int8-stored codes and its fp32 rounding bound, ``[M, N]`` each, in bounded
+    memory: the kernels' contract (``loopq.kernels``): ``ref64 = sum_g dot_g s_a s_w`` and ``bound = gamma_{G+1}
+    sum_k |a_k w_k s_a s_w|``, ``gamma_n = n u / (1 - n u)``, ``u = 2^-24`` (G per-group terms each rounded twice,
+    summed by at most G - 1 fp32 additions in any order). A kernel's fp32 ``out`` is correct when
+    ``|out - ref64| <= bound``. Computed :func:`reference_rows` tokens at a time and one 32-group at a time, so no
+    ``[G, M, N]`` tensor is built (at M = 4096, N = 11264 that is ~22 GiB in float64); besides the two outputs and
+    the float64 weight codes it holds at most ``budget`` bytes."""
+    m, groups = a_scales.shape
+    n = w_codes.shape[0]
+    w = w_codes.double().reshape(n, groups, -1)
+    w_abs, sw = w.abs(), w_scales.double()
+    ref = torch.empty(m, n, dtype=torch.float64, device=a_codes.device)
+    bound = torch.empty_like(ref)
+    nu = (groups + 1) * 2.0**-24
+    rows = reference_rows(m, n, budget)
+    for start in range(0, m, rows):
+        a = a_codes[start : start + rows].double().reshape(-1, groups, w.shape[2])
+        sa = a_scales[start : start + rows].double()
+        value = torch.zeros(a.shape[0], n, dtype=torch.float64, device=a.device)
+        magnitude = torch.zeros_like(value)
+        for g in range(groups):
+            s = sa[:, g, None] * sw[None, :, g]
+            value += (a[:, g] @ w[:, g].T) * s
+            magnitude += (a[:, g].abs() @ w_abs[:, g].T) * s.abs()
+        ref[start : start + rows] = value
+        bound[start : start + rows] = nu / (1 - nu) * magnitude
+    return ref, bound
+
+
 def check_row(
     n: int,
     k: int,
@@ -96,8 +137,8 @@ def check_row(
     """Triton against the torch backend on ``device`` for one shape (with the online transform unless told not):
     the exact quantizer (``exact=True``) bit-exact (the default fast ``tl.dot`` path on CUDA has a bound, not
     bit-exactness: the ``kernel-tests`` stage checks it against its float64 oracle), GEMMs (fed the reference's codes,
-    so a quantizer error is not counted twice) within ``gemm_fp64``'s fp32 bound of the float64 GEMM; ``max_abs_err``
-    is the largest |Triton - torch|."""
+    so a quantizer error is not counted twice) within :func:`gemm_fp64_chunked`'s fp32 bound of the float64 GEMM;
+    ``max_abs_err`` is the largest |Triton - torch|."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     left, right = transform_factors(k, gen, device, transform)
@@ -111,7 +152,7 @@ def check_row(
         got = gemm(*ref, w, sw, torch.float32, backend="triton")
         err = (got - gemm(*ref, w, sw, torch.float32, backend="torch")).abs()
         row.max_abs_err = max(row.max_abs_err, float(err.max()))
-        ref64, bound = gemm_fp64(unpack_int4(ref[0]) if bits == 4 else ref[0], ref[1], unpack_int4(w), sw)
+        ref64, bound = gemm_fp64_chunked(unpack_int4(ref[0]) if bits == 4 else ref[0], ref[1], unpack_int4(w), sw)
         if not bool(((got.double() - ref64).abs() <= bound).all()):
             row.problems.append(f"W4A{bits} GEMM off by up to {float(err.max()):.2e}")
     return row
@@ -142,16 +183,22 @@ def measure(
     tokens: Iterable[int],
     transform: bool = True,
     log: Callable[[str], None] = print,
+    on_row: Callable[[list[KernelRow]], None] | None = None,
 ) -> list[KernelRow]:
-    """Check and time every (N, K) x M on CUDA; a row that fails its check is not timed."""
-    rows = []
-    for n, k in shapes:
-        for m in tokens:
+    """Check and time every M x (N, K) on CUDA, smallest M first (the decode rows, then the larger and slower
+    ones); a row that fails its check is not timed. ``on_row`` gets the rows so far after each one (the GPU check
+    records them, so a stage cut short keeps what it measured)."""
+    rows: list[KernelRow] = []
+    shapes = list(shapes)
+    for m in tokens:
+        for n, k in shapes:
             row = check_row(n, k, m, "cuda", transform=transform)
             if not row.problems:
                 time_row(row, transform)
             log(f"  N={n} K={k} M={m}: {'; '.join(row.problems) or 'exact'}")
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 

@@ -1,8 +1,10 @@
 """What a stage of the GPU check reports, the one table they make, and the exit status it implies (pure functions).
 
 A stage ends ``ok``, ``FAIL`` (a mismatch, an error, a non-finite loss), ``below goal`` (correct, but a speed goal
-of the acceptance is missed: reported, not a failure) or ``skipped`` (``--skip``). The check exits 1 when any stage
-failed, else 0.
+of the acceptance is missed: reported, not a failure), ``cut`` (stopped at its time limit or by a signal; the rows it
+had measured are kept) or ``skipped`` (``--skip`` / ``--only``, or the budget had too little time left for it). A
+results file written while a stage runs shows it as ``running`` with what it has measured so far. The check exits 1
+when any stage failed, was cut or is still running, else 0.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-OK, FAIL, BELOW_GOAL, SKIPPED = "ok", "FAIL", "below goal", "skipped"
-STATUSES = (OK, FAIL, BELOW_GOAL, SKIPPED)
+OK, FAIL, BELOW_GOAL, SKIPPED, CUT, RUNNING = "ok", "FAIL", "below goal", "skipped", "cut", "running"
+STATUSES = (OK, FAIL, BELOW_GOAL, SKIPPED, CUT, RUNNING)
+#: statuses that make the check's exit status 1: nothing proven where the stage did not finish
+UNFINISHED = (FAIL, CUT, RUNNING)
 
 
 @dataclass
@@ -31,17 +35,23 @@ class StageResult:
 
 
 def exit_status(results: Sequence[StageResult]) -> int:
-    """1 if any stage failed, else 0 (a missed speed goal or a skipped stage is not a failure)."""
-    return 1 if any(r.status == FAIL for r in results) else 0
+    """1 if any stage failed, was cut or is running, else 0 (a missed speed goal or a skipped stage is not a
+    failure)."""
+    return 1 if any(r.status in UNFINISHED for r in results) else 0
 
 
 def verdict(results: Sequence[StageResult]) -> str:
-    """The line under the table: which stages failed, or that none did (and which missed a goal)."""
+    """The line under the table: which stages failed or were cut, or that none did (and which missed a goal or were
+    skipped)."""
     failed = [r.stage for r in results if r.status == FAIL]
+    cut = [r.stage for r in results if r.status in (CUT, RUNNING)]
     below = [r.stage for r in results if r.status == BELOW_GOAL]
-    if failed:
-        return f"GPU check FAILED: {', '.join(failed)} (exit status 1)"
-    return "GPU check passed" + (f"; below goal: {', '.join(below)}" if below else "")
+    skipped = [r.stage for r in results if r.status == SKIPPED]
+    notes = [f"below goal: {', '.join(below)}"] * bool(below) + [f"skipped: {', '.join(skipped)}"] * bool(skipped)
+    if failed or cut:
+        what = [f"FAILED: {', '.join(failed)}"] * bool(failed) + [f"cut: {', '.join(cut)}"] * bool(cut)
+        return f"GPU check {'; '.join(what + notes)} (exit status 1)"
+    return "; ".join(["GPU check passed", *notes])
 
 
 def grid(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Collection[int] = ()) -> str:
@@ -60,3 +70,18 @@ def format_table(results: Sequence[StageResult]) -> str:
     """The check's one table (stage, status, seconds, key numbers) and its verdict line."""
     rows = [[r.stage, r.status, f"{r.seconds:.1f}", r.summary] for r in results]
     return grid(("stage", "status", "seconds", "key numbers"), rows, right={2}) + "\n" + verdict(results)
+
+
+def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table (``|`` in a cell escaped)."""
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)])
+
+
+def markdown_table(results: Sequence[StageResult]) -> str:
+    """The stage table in Markdown, and the verdict line."""
+    rows = [[r.stage, r.status, f"{r.seconds:.1f}", r.summary] for r in results]
+    return markdown(("stage", "status", "seconds", "key numbers"), rows) + "\n\n" + verdict(results)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loopq.artifacts.ownership import begin, finish
 from loopq.commands.report.figures import (
     SWEEP_FIELDS,
     plot_loop_errors,
@@ -15,10 +16,20 @@ from loopq.commands.report.figures import (
     plot_mu,
     plot_slt,
     plot_sweep,
+    plot_validation,
     series_points,
     slt_matrix,
 )
 from loopq.commands.report.inputs import Result, Run
+from loopq.commands.report.output import (
+    KIND,
+    REPORT,
+    check_report_dir,
+    owned_files,
+    remove_stale,
+    report_files,
+    write_manifest,
+)
 from loopq.commands.report.tables import (
     DASH,
     DEFAULT_BLOCKS,
@@ -28,8 +39,17 @@ from loopq.commands.report.tables import (
     subset_table,
     table1,
     table_results,
+    validation_table,
 )
 from loopq.files import atomic_write
+
+#: how to read the held-out validation (loopq.calib.validation)
+VALIDATION_HELP = (
+    "KL: the student's full-vocabulary KL to the teacher per token on windows no calibration step saw (`heldout`: "
+    "the calibration sources; `extra`: `data.val_sources`). Falling KL means the calibration generalises; a lowest "
+    "KL well before the last step, with the training loss still falling, means it fits its calibration text. ppl: "
+    "the student's perplexity after the last loop, FP's in parentheses."
+)
 
 
 def build_report(
@@ -40,8 +60,12 @@ def build_report(
     blocks: Sequence[str] = DEFAULT_BLOCKS,
     loops_override: int | None = None,
 ) -> Path:
-    """Write ``out/report.md`` and the figures; returns the markdown path."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write ``out/report.md`` and the figures, then their sealed manifest; returns the markdown path. ``out`` is
+    checked first (:func:`~loopq.commands.report.output.check_report_dir`): only an earlier report's files are
+    replaced."""
+    check_report_dir(out, [run.name for run in runs])
+    previous = owned_files(out)
+    begin(out, KIND, report_files([run.name for run in runs]))
     notes = [n for run in runs for n in run.notes]
     figures: list[tuple[str, Path]] = []
 
@@ -93,6 +117,9 @@ def build_report(
     for run in runs:
         if run.mu:
             figures.append((f"mu_t over calibration, `{run.name}`", plot_mu(run, out)))
+    for run in runs:
+        if run.val_steps:
+            figures.append((f"held-out validation, `{run.name}`", plot_validation(run, out)))
 
     figures.sort(key=lambda fig: int(m.group(1)) if (m := re.match(r"Fig\. (\d+)", fig[0])) else 99)
     md = ["# LoopQ report", ""]
@@ -119,12 +146,19 @@ def build_report(
     md += subset_table([*results, *sweeps])
     if runs:
         md += ["", "## Calibration runs", "", *runs_table(runs)]
+    if any(run.val_steps for run in runs):
+        validated = [r for r in runs if r.val_steps]
+        md += ["", "## Held-out validation", "", VALIDATION_HELP, "", *validation_table(validated)]
     md += ["", "## Figures", ""]
     md += [f"- [{title}]({path.name})" for title, path in figures] or ["_No figures._"]
     for title, path in figures:
         md += ["", f"### {title}", "", f"![{title}]({path.name})"]
     if notes:
         md += ["", "## Notes", ""] + [f"- {note}" for note in notes]
-    report = out / "report.md"
-    atomic_write(report, lambda tmp: tmp.write_text("\n".join(md) + "\n"))  # last: figures exist when it does
+    report = out / REPORT
+    atomic_write(report, lambda tmp: tmp.write_text("\n".join(md) + "\n"))  # after the figures it links
+    written = [REPORT, *(path.name for _, path in figures)]
+    write_manifest(out, written)
+    remove_stale(out, previous, written)
+    finish(out)
     return report

@@ -15,13 +15,32 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from loopq.commands.report.inputs import Result, Run, slug
+from loopq.commands.report.inputs import Result, Run, last_loop_column, slug, val_sets
 from loopq.files import atomic_write
 
 #: SLT candidate groups per shared layer, in model order (Ouro); other architectures use the names found
 OURO_KINDS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_gate", "mlp.down_proj")
 #: sweep field of a result -> (figure file, figure number)
 SWEEP_FIELDS = {"slt_budget": ("fig4_ppl_vs_slt_budget.png", 4), "num_samples": ("fig6_ppl_vs_num_samples.png", 6)}
+
+
+#: figures of every report (the sweeps' are in SWEEP_FIELDS); :func:`run_figures` names those of one run
+LOOP_SWEEP_FIGURE = "fig5_ppl_vs_loops.png"
+
+
+def run_figures(name: str) -> dict[str, str]:
+    """The file names of one run's figures, by figure: loop errors (Fig. 2), SLT selection (Fig. 3) and mu_t."""
+    return {
+        "errors": f"fig2_loop_errors_{slug(name)}.png",
+        "slt": f"fig3_slt_selection_{slug(name)}.png",
+        "mu": f"mu_{slug(name)}.png",
+    }
+
+
+def figure_files(run_names: Sequence[str]) -> list[str]:
+    """Every figure a report of runs named ``run_names`` may write."""
+    fixed = [LOOP_SWEEP_FIGURE, *(name for name, _ in SWEEP_FIELDS.values())]
+    return fixed + [file for name in run_names for file in run_figures(name).values()]
 
 
 def save(fig: Figure, path: Path) -> Path:
@@ -60,7 +79,7 @@ def plot_loop_errors(run: Run, out: Path) -> Path:
     ax.set_ylabel("loop")
     ax.set_title(f"{run.name}: layer x loop error (step {run.errors_step})", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / f"fig2_loop_errors_{slug(run.name)}.png")
+    return save(fig, out / run_figures(run.name)["errors"])
 
 
 def slt_matrix(run: Run) -> tuple[np.ndarray, list[str], list[str]]:
@@ -94,7 +113,7 @@ def plot_slt(run: Run, out: Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title(f"{run.name}: SLT selection ({len(run.promoted)} groups)", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / f"fig3_slt_selection_{slug(run.name)}.png")
+    return save(fig, out / run_figures(run.name)["slt"])
 
 
 def plot_mu(run: Run, out: Path) -> Path:
@@ -110,7 +129,27 @@ def plot_mu(run: Run, out: Path) -> Path:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return save(fig, out / f"mu_{slug(run.name)}.png")
+    return save(fig, out / run_figures(run.name)["mu"])
+
+
+def plot_validation(run: Run, out: Path) -> Path:
+    """Held-out curves over calibration: the student's full-vocabulary KL to the teacher (left) and its last-loop
+    perplexity against FP's (right), per held-out set. KL rising while the training loss falls is overfitting."""
+    fig = Figure(figsize=(9.0, 3.2))
+    kl_ax, ppl_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for name in val_sets(run):
+        kl_ax.plot(run.val_steps, run.val[f"val/{name}/kl_full"], marker="o", markersize=3, label=name)
+        line = ppl_ax.plot(run.val_steps, run.val[last_loop_column(run, name)], marker="o", markersize=3, label=name)
+        fp = run.val[last_loop_column(run, name, "fp_ppl_loop")]
+        ppl_ax.plot(run.val_steps, fp, linestyle="--", color=line[0].get_color(), label=f"{name} FP")
+    for ax, label in ((kl_ax, "KL(teacher || student) per token"), (ppl_ax, "last-loop perplexity")):
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{run.name}: held-out validation", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out / f"validation_{slug(run.name)}.png")
 
 
 def series_points(
@@ -160,7 +199,7 @@ def plot_loop_sweep(
         ax.set_xlabel("loops at inference")
         ax.set_title(model, fontsize=9)
     fig.tight_layout()
-    return save(fig, out / "fig5_ppl_vs_loops.png")
+    return save(fig, out / LOOP_SWEEP_FIGURE)
 
 
 def plot_sweep(series: dict[tuple[Any, ...], list[tuple[float, float]]], key: str, other: str, out: Path) -> Path:

@@ -14,7 +14,7 @@ import glob
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,9 @@ class Run:
     meta: dict[str, Any] | None = None
     mu_steps: list[int] = field(default_factory=list)
     mu: list[list[float]] = field(default_factory=list)  # [row][t]
+    #: held-out validation (loopq.calib.validation): ``val/<set>/<metric>`` column -> values at ``val_steps``
+    val_steps: list[int] = field(default_factory=list)
+    val: dict[str, list[float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -186,12 +189,28 @@ def read_loop_errors(path: Path) -> tuple[int | None, list[list[float]]] | None:
 def read_mu(paths: Sequence[Path]) -> tuple[list[int], list[list[float]]]:
     """``(steps, mu)`` from the ``mu/t*`` columns of ``metrics.csv`` files in version order; a resumed version
     replaces the rows it logged again."""
+    steps, _, rows = read_series(paths, r"mu/t\d+", lambda c: int(c[4:]), "mu/t*")
+    return steps, rows
+
+
+def read_val(paths: Sequence[Path]) -> tuple[list[int], dict[str, list[float]]]:
+    """``(steps, {column: values})`` of the ``val/<set>/<metric>`` columns (validation passes), as :func:`read_mu`."""
+    steps, columns, rows = read_series(paths, r"val/\w+/\w+", lambda c: c, "val/*")
+    return steps, {c: [row[i] for row in rows] for i, c in enumerate(columns)}
+
+
+def read_series(
+    paths: Sequence[Path], pattern: str, order: Callable[[str], Any], what: str
+) -> tuple[list[int], list[str], list[list[float]]]:
+    """Steps, column names and rows of the columns matching ``pattern`` in ``metrics.csv`` files (version order; a
+    resumed version replaces the rows it logged again; several rows of one step: the last values)."""
     steps: list[int] = []
     rows: list[list[float]] = []
+    cols: list[str] = []
     for path in paths:
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
-            cols = sorted((c for c in reader.fieldnames or [] if re.fullmatch(r"mu/t\d+", c)), key=lambda c: int(c[4:]))
+            cols = sorted((c for c in reader.fieldnames or [] if re.fullmatch(pattern, c)), key=order)
             new_steps, new_rows = [], []
             for line_no, row in enumerate(reader, start=2):
                 if not cols or any(row.get(c) in (None, "") for c in cols):
@@ -200,12 +219,12 @@ def read_mu(paths: Sequence[Path]) -> tuple[list[int], list[list[float]]]:
                     new_rows.append([float(row[c]) for c in cols])
                     new_steps.append(int(float(row["step"])))
                 except (KeyError, TypeError, ValueError):
-                    raise ReportInputError(f"{path}: line {line_no}: bad 'step' or 'mu/t*' value") from None
+                    raise ReportInputError(f"{path}: line {line_no}: bad 'step' or '{what}' value") from None
         if new_steps:
             keep = [i for i, s in enumerate(steps) if s < new_steps[0]]
             steps, rows = [steps[i] for i in keep] + new_steps, [rows[i] for i in keep] + new_rows
-    last = dict(zip(steps, rows, strict=True))  # several logging rows of one step: the last values
-    return list(last), list(last.values())
+    last = dict(zip(steps, rows, strict=True))
+    return list(last), cols, list(last.values())
 
 
 def load_run(path: Path, name: str) -> Run:
@@ -230,9 +249,22 @@ def load_run(path: Path, name: str) -> Run:
         run.notes.append(f"run `{name}`: no `lightning_logs/version_*/loop_errors.jsonl` entry")
     metrics = [v / "metrics.csv" for v in version_dirs(path / "csv") if (v / "metrics.csv").is_file()]
     run.mu_steps, run.mu = read_mu(metrics)
+    run.val_steps, run.val = read_val(metrics)
     if not run.mu:
         run.notes.append(f"run `{name}`: no `mu/t*` values in `csv/version_*/metrics.csv`")
     return run
+
+
+def val_sets(run: Run) -> list[str]:
+    """The held-out sets a run validated on (``val/<set>/...`` columns): ``heldout`` first, then the others."""
+    names = dict.fromkeys(column.split("/")[1] for column in run.val)
+    return sorted(names, key=lambda name: name != "heldout")  # the calibration text's own held-out set first
+
+
+def last_loop_column(run: Run, name: str, prefix: str = "ppl_loop") -> str:
+    """The ``val/<name>/<prefix><T>`` column of the last loop."""
+    loops = [int(c.rsplit(prefix, 1)[1]) for c in run.val if c.startswith(f"val/{name}/{prefix}")]
+    return f"val/{name}/{prefix}{max(loops)}"
 
 
 def run_names(paths: Sequence[Path]) -> list[str]:

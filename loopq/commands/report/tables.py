@@ -9,7 +9,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from loopq.commands.report.inputs import PTQ_COLUMN, Result, Run
+from loopq.commands.report.inputs import PTQ_COLUMN, Result, Run, last_loop_column, val_sets
 from loopq.metrics.tasks import PAPER_METRICS
 
 COLUMNS: list[str] = [*PAPER_METRICS, PTQ_COLUMN]
@@ -162,10 +162,31 @@ def subset_table(results: Sequence[Result]) -> list[str]:
 
 
 def runs_table(runs: Sequence[Run]) -> list[str]:
-    lines = ["| Run | Teacher | T | SLT promoted (in order) | final mu_t |", "|---|---|---:|---|---|"]
+    header = "| Run | Teacher | Architecture | T | SLT promoted (in order) | final mu_t |"
+    lines = [header, "|---|---|---|---:|---|---|"]
     for run in runs:
         promoted = ", ".join(f"{i}. `{n}`" for i, n in enumerate(run.promoted, start=1)) or DASH
         mu = ", ".join(f"{v:.3f}" for v in run.mu[-1]) if run.mu else DASH
         loops = DASH if run.calibrated_loops is None else run.calibrated_loops
-        lines.append(f"| `{run.name}` | {run.teacher or DASH} | {loops} | {promoted} | {mu} |")
+        arch = (run.meta or {}).get("arch") or DASH
+        lines.append(f"| `{run.name}` | {run.teacher or DASH} | {arch} | {loops} | {promoted} | {mu} |")
+    return lines
+
+
+def validation_table(runs: Sequence[Run]) -> list[str]:
+    """Per run and held-out set: KL to the teacher and last-loop perplexity (FP) at the first and last validation
+    pass, and the step of the lowest KL (a best step well before the end means the student overfits)."""
+    lines = [
+        "| Run | Held-out set | steps | KL first -> last | lowest KL at step | ppl first -> last (FP) |",
+        "|---|---|---|---|---:|---|",
+    ]
+    for run in runs:
+        for name in val_sets(run):
+            kl = run.val[f"val/{name}/kl_full"]
+            ppl, fp = run.val[last_loop_column(run, name)], run.val[last_loop_column(run, name, "fp_ppl_loop")]
+            best = run.val_steps[min(range(len(kl)), key=kl.__getitem__)]
+            lines.append(
+                f"| `{run.name}` | {name} | {run.val_steps[0]}-{run.val_steps[-1]} | {kl[0]:.4f} -> {kl[-1]:.4f} | "
+                f"{best} | {ppl[0]:.2f} -> {ppl[-1]:.2f} ({fp[-1]:.2f}) |"
+            )
     return lines

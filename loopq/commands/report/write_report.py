@@ -13,14 +13,16 @@ Inputs:
   are read in version order.
 * ``--sweeps``: result JSONs with an extra ``slt_budget`` (Fig. 4) and/or ``num_samples`` (Fig. 6) field.
 
-Output in ``--out``: ``report.md`` (Table 1 at W4A4/W4A8, per-loop WikiText-2 perplexity, the evaluation subset
-sizes, notes on anything skipped, links to the figures) and PNG figures:
+Output in ``--out`` (:mod:`~loopq.commands.report.output`: a folder that may hold other files, of which only an
+earlier report's are replaced; a model directory is refused): ``report.md`` (Table 1 at W4A4/W4A8, per-loop
+WikiText-2 perplexity, the evaluation subset sizes, notes on anything skipped, links to the figures) and PNG figures:
 
 * ``fig2_loop_errors_<run>.png``: relative l2 error per shared layer and loop (last diagnostics entry),
 * ``fig3_slt_selection_<run>.png``: SLT selection order per layer and group kind,
 * ``fig4_ppl_vs_slt_budget.png`` / ``fig6_ppl_vs_num_samples.png``: perplexity vs SLT budget / calibration set size,
 * ``fig5_ppl_vs_loops.png``: perplexity vs loop count (calibrated count dashed),
-* ``mu_<run>.png``: the adaptive mu_t over training.
+* ``mu_<run>.png``: the adaptive mu_t over training;
+* ``loopq_report.json``: the sealed manifest of the files above, which lets the next report replace them.
 
 Grouping: a result's *model* is its ``variant`` field if present, else the teacher of the student or export
 directory named in ``model`` (read from its ``loopq_quant.json`` / ``loopq_export.json`` when that path exists
@@ -34,10 +36,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loopq.artifacts.layout import RUN_LOCK
 from loopq.commands.report.build import build_report
 from loopq.commands.report.inputs import ReportInputError, expand, load_result, load_run, run_names
+from loopq.commands.report.output import check_report_dir
 from loopq.commands.report.tables import DEFAULT_BLOCKS
 from loopq.errors import OneLineParser
+from loopq.locks import DirectoryLock
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,13 +58,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
+    run_paths = [Path(p) for p in args.runs]
+    names = run_names(run_paths)
+    check_report_dir(args.out, names)  # before anything is read: a user's report.md is never replaced
     result_paths = expand(args.results)
     if not result_paths:
         raise ReportInputError(f"--results {' '.join(args.results)}: no files")
     results = [load_result(p) for p in result_paths]
     sweeps = [load_result(p) for p in expand(args.sweeps)]
-    run_paths = [Path(p) for p in args.runs]
-    runs = [load_run(p, name) for p, name in zip(run_paths, run_names(run_paths), strict=True)]
-    report = build_report(results, runs, sweeps, args.out, [b.lower() for b in args.bits], args.loops)
+    runs = [load_run(p, name) for p, name in zip(run_paths, names, strict=True)]
+    with DirectoryLock(args.out, RUN_LOCK, "loopq.report", "--out"):  # one writer at a time
+        report = build_report(results, runs, sweeps, args.out, [b.lower() for b in args.bits], args.loops)
     print(f"report written to {report}")
     return report

@@ -1,0 +1,194 @@
+"""What the GPU check brings to a bare GPU machine with no network (``scripts/gpu_carry.sh`` builds it here).
+
+A device call takes the repository's tree plus at most 64 MiB in all, so the carry is the least the check's stages
+need beyond the machine's image (:data:`IMAGE_LIST`, recorded there):
+
+* ``wheels/``: cp312 wheels of the :data:`CARRIED` distributions, the only ones the stages import that the image
+  lacks: LightningCLI's ``jsonargparse[signatures]`` (with ``docstring_parser`` and ``typeshed_client``) for
+  ``loopq.fit`` / ``evaluate`` / ``export`` / ``generate``, and DeepSpeed (with ``hjson`` and pydantic 2) for the
+  paper config's ``LoopQDeepSpeedStrategy``. Their versions are the tested pins of ``constraints.txt``. Installed
+  there offline into a target directory (``pip install --no-index --no-deps --target``), as wheels, since Lightning
+  reads DeepSpeed's and jsonargparse's installed metadata.
+* ``data.tar.xz``: the slices of the shared data the stages read (:data:`DATA`): the start of each calibration text
+  (``calibration``, ``paper-shape``), the start of WikiText-2's test text (``pipeline`` reads its first
+  ``PIPELINE_WINDOWS`` windows) and the SmolLM2 tokenizer (``paper-shape``), unpacked there into the folder
+  ``LOOPQ_SHARED`` points at.
+* ``MANIFEST.json``: the commit it was built from, each file's size and SHA-256.
+
+``python -m loopq.commands.gpu_check.carry pins`` prints the pins, ``data --out DIR`` writes the data and the
+manifest, ``size DIR`` prints the tree + carry size against :data:`LIMIT_BYTES`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+from loopq.errors import OneLineParser, UsageError, run_cli
+from loopq.files import atomic_write
+from loopq.paths import REPO_ROOT, data_dir
+
+IMAGE_LIST = Path(__file__).with_name("gpu_image.txt")
+CONSTRAINTS = REPO_ROOT / "constraints.txt"
+#: distributions the stages import that the GPU image lacks (PEP 503 names)
+CARRIED = (
+    "jsonargparse",
+    "docstring-parser",
+    "typeshed-client",
+    "deepspeed",
+    "hjson",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+)
+#: the carry's folder, git-ignored (``.gitignore``), named in the device call's ``carry``
+CARRY_DIR = REPO_ROOT / ".gpu-carry"
+#: the device call's limit is 64 MiB; 4 MiB stay free for files added between building the carry and the call
+LIMIT_BYTES = 60 * 2**20
+#: the shared data the stages read, relative to the data folder: (path, bytes kept from its start, None: whole file)
+DATA: tuple[tuple[str, int | None], ...] = (
+    ("calibration/debian-handbook-en.txt", 64 * 1024),
+    ("calibration/simplebooks-92-valid.txt", 64 * 1024),
+    ("calibration/tinyshakespeare_input.txt", 64 * 1024),
+    ("wikitext2/wiki.test.raw", 64 * 1024),
+    ("tokenizers/smollm2/SmolLM2-135M-Instruct-Tokenizer.json", None),
+)
+
+
+def canonical(name: str) -> str:
+    """A distribution's PEP 503 name: lowercase, runs of ``-``, ``_``, ``.`` as one ``-``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_image(path: Path = IMAGE_LIST) -> dict[str, str | None]:
+    """The recorded image: canonical name -> version (None where only the name was recorded)."""
+    image: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split()
+            image[canonical(name)] = None if version == "-" else version
+    return image
+
+
+def pins(constraints: Path = CONSTRAINTS) -> list[str]:
+    """``name==version`` of every :data:`CARRIED` distribution, from ``constraints.txt`` (one error names a missing
+    pin)."""
+    found = {}
+    for line in constraints.read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line)
+        if match and canonical(match.group(1)) in CARRIED:
+            found[canonical(match.group(1))] = f"{match.group(1)}=={match.group(2)}"
+    missing = [name for name in CARRIED if name not in found]
+    if missing:
+        raise UsageError(f"{constraints}: no pin for {', '.join(missing)}; add name==version lines for them")
+    return [found[name] for name in CARRIED]
+
+
+def head(data: bytes, limit: int | None) -> bytes:
+    """The first ``limit`` bytes of ``data`` cut after its last newline within them (all of it for None or when it
+    is shorter), so no line is cut in half."""
+    if limit is None or len(data) <= limit:
+        return data
+    cut = data.rfind(b"\n", 0, limit)
+    return data[: cut + 1] if cut >= 0 else data[:limit]
+
+
+def data_archive(source: Path) -> bytes:
+    """The :data:`DATA` slices of ``source`` (a data folder) as an xz tar under ``data/`` (so that its parent is a
+    ``LOOPQ_SHARED``), deterministic: fixed order, times and owners."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz", preset=9) as tar:
+        for relative, limit in DATA:
+            path = source / relative
+            if not path.is_file():
+                raise UsageError(f"{path}: not found; set LOOPQ_SHARED (or LOOPQ_DATA) to the shared data")
+            payload = head(path.read_bytes(), limit)
+            info = tarfile.TarInfo(f"data/{relative}")
+            info.size, info.mode = len(payload), 0o644
+            tar.addfile(info, io.BytesIO(payload))
+    return buffer.getvalue()
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def commit() -> str | None:
+    """The checkout's commit (``+dirty`` when tracked files changed), None outside a git checkout."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO_ROOT, capture_output=True, text=True)
+    except OSError:
+        return None
+    if rev.returncode != 0:
+        return None
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def tree_bytes(root: Path = REPO_ROOT) -> int:
+    """Bytes of what a device call sends besides the carry: tracked files and untracked ones git does not ignore."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    )
+    files = {root / name for name in listed.stdout.decode().split("\0") if name}
+    return sum(path.stat().st_size for path in files if path.is_file() and not path.is_symlink())
+
+
+def carry_bytes(carry: Path) -> int:
+    return sum(path.stat().st_size for path in carry.rglob("*") if path.is_file())
+
+
+def write_manifest(carry: Path) -> dict[str, object]:
+    """``MANIFEST.json`` of a built carry: the commit, each file's size and SHA-256, and the total."""
+    files = sorted(p for p in carry.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
+    manifest = {
+        "commit": commit(),
+        "files": {str(p.relative_to(carry)): {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files},
+        "bytes": sum(p.stat().st_size for p in files),
+    }
+    atomic_write(carry / "MANIFEST.json", lambda tmp: tmp.write_text(json.dumps(manifest, indent=1) + "\n"))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m loopq.commands.gpu_check.carry", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("pins", help="name==version of the carried wheels")
+    data = sub.add_parser("data", help="write DIR/data.tar.xz and DIR/MANIFEST.json")
+    data.add_argument("--out", type=Path, required=True)
+    size = sub.add_parser("size", help="tree + carry bytes against the limit; exit 1 beyond it")
+    size.add_argument("carry", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "pins":
+        print("\n".join(pins()))
+        return 0
+    if args.command == "data":
+        archive = data_archive(data_dir())
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.out / "data.tar.xz", lambda tmp: tmp.write_bytes(archive))
+        write_manifest(args.out)
+        return 0
+    tree, carry = tree_bytes(), carry_bytes(args.carry)
+    mib = 2**20
+    print(
+        f"tree {tree / mib:.1f} MiB + carry {carry / mib:.1f} MiB = {(tree + carry) / mib:.1f} MiB "
+        f"(limit {LIMIT_BYTES / mib:.0f} MiB)"
+    )
+    return 0 if tree + carry <= LIMIT_BYTES else 1
+
+
+def _exit_with_status() -> None:
+    raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    run_cli(_exit_with_status)

@@ -1,0 +1,56 @@
+"""The commands a GPU-check stage runs: from the repository root, this checkout first on ``PYTHONPATH``, under a
+time limit, with a callback every few seconds while they run (a stage records its partial rows from it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import IO
+
+from loopq.paths import REPO_ROOT
+
+
+def pythonpath() -> str:
+    """``PYTHONPATH`` for a child process: this checkout first, so it runs the same ``loopq`` as this one."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def run_watched(
+    cmd: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    poll: Callable[[str], None] | None = None,
+    every: float = 2.0,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` from the repository root (``env`` added to this environment, ``PYTHONPATH`` as
+    :func:`pythonpath`), calling ``poll`` with its standard output so far every ``every`` seconds while it runs and
+    once at its end; its output captured. Beyond ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired``
+    raised."""
+    full_env = {**os.environ, "PYTHONPATH": pythonpath(), **(env or {})}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                proc.wait(timeout=max(0.01, min(every, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if poll is not None:
+                    poll(_written(out))
+                if time.monotonic() >= deadline:
+                    proc.kill()
+                    proc.wait()
+                    raise subprocess.TimeoutExpired(cmd, timeout) from None
+        stdout = _written(out)
+        if poll is not None:
+            poll(stdout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, _written(err))
+
+
+def _written(file: IO[str]) -> str:
+    """What the child wrote to ``file`` so far, read without moving the offset it shares with the child."""
+    fd = file.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")

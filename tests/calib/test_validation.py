@@ -1,0 +1,176 @@
+"""Held-out validation (loopq/calib/validation.py): the windows are held out, the metrics are token-weighted
+torchmetrics whose values equal a direct computation over the whole set, and DDP with uneven shards gives the
+single-process numbers."""
+
+import csv
+import itertools
+import json
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from loopq.calib.module import LoopQCalibration
+from loopq.calib.validation import LoopPerplexity, ValidationMetrics, measure, token_mean
+from loopq.data.calibration import CalibrationDataModule, rank_shard
+from loopq.data.stream import disjoint_starts, spread_windows
+from loopq.data.text import DataError
+from loopq.metrics.perplexity import perplexity
+from loopq.paths import REPO_ROOT
+from loopq.quant import QuantConfig
+from tests.helpers import assert_same_tensors, read_student, run_fit
+
+TINY = str(REPO_ROOT / "loopq" / "assets" / "tiny-ouro")
+VALIDATE = ["--data.val_samples", "5", "--data.val_sources", "[wikitext2/wiki.valid.tokens]"]
+
+
+# ---------------------------------------------------------------------------------------------------- windows
+def test_rank_shards_cover_every_window_once_with_masked_padding():
+    windows = torch.arange(5).unsqueeze(1).expand(5, 3)
+    (ids0, mask0), (ids1, mask1) = rank_shard(windows, 0, 2), rank_shard(windows, 1, 2)
+    assert ids0[:, 0].tolist() == [0, 2, 4] and mask0.tolist() == [True, True, True]
+    assert ids1[:, 0].tolist() == [1, 3, 0] and mask1.tolist() == [True, True, False]
+    real = sorted(ids0[mask0][:, 0].tolist() + ids1[mask1][:, 0].tolist())
+    assert real == [0, 1, 2, 3, 4]
+
+
+def test_validation_windows_overlap_no_calibration_window_nor_each_other():
+    taken = torch.tensor([0, 100, 250, 400])
+    starts = disjoint_starts(600, 12, 20, seed=3, taken=taken, key="data.val_samples")
+    every = sorted([*taken.tolist(), *starts.tolist()])
+    assert len(starts) == 12 and all(b - a >= 20 for a, b in itertools.pairwise(every))
+
+
+def test_too_many_validation_windows_are_refused_naming_the_key():
+    with pytest.raises(DataError, match=r"data\.val_samples=10: only \d windows .* lower it or add text"):
+        disjoint_starts(200, 10, 20, seed=0, taken=torch.tensor([0, 50, 100]), key="data.val_samples")
+
+
+def test_spread_windows_by_hand():
+    stream = torch.arange(100)
+    assert spread_windows(stream, 3, 10)[:, 0].tolist() == [0, 40, 90]  # windows 0, 4 (4.5 rounds to even), 9
+    assert spread_windows(stream, 50, 30).shape == (3, 30)  # fewer windows than asked: all of them
+
+
+def test_validation_leaves_the_calibration_windows_as_they_were():
+    plain = CalibrationDataModule(TINY, num_samples=16, seq_len=32, holdout_samples=2)
+    with_val = CalibrationDataModule(TINY, num_samples=16, seq_len=32, holdout_samples=2, val_samples=5)
+    plain.setup(), with_val.setup()
+    assert torch.equal(plain.samples, with_val.samples) and torch.equal(plain.holdout, with_val.holdout)
+    assert plain.val_sets == {} and with_val.val_sets["heldout"].shape == (5, 32)
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def test_token_weighted_means_are_global_token_means():
+    """Batch means weighted by their token counts = the mean over all tokens (not the mean of batch means)."""
+    metric, values = token_mean(), [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0])]
+    for v in values:
+        metric.update(v.mean(), v.numel())
+    assert float(metric.compute()) == pytest.approx(16 / 4, rel=1e-12)  # not (2 + 10) / 2
+
+
+def test_loop_perplexity_by_hand():
+    metric = LoopPerplexity(2)
+    metric.update(torch.tensor([2.0, 1.0]), 2)
+    metric.update(torch.tensor([4.0, 3.0]), 4)
+    assert metric.compute().tolist() == pytest.approx([math.exp(1.0), math.exp(4 / 6)])
+
+
+def fresh_module_and_data(batch_size: int = 2) -> tuple[LoopQCalibration, CalibrationDataModule]:
+    module = LoopQCalibration(TINY, QuantConfig(w_bits=4, a_bits=4, group_size=32, slt_budget=0))
+    data = CalibrationDataModule(
+        TINY, num_samples=16, seq_len=32, batch_size=batch_size, holdout_samples=2, val_samples=5,
+        val_sources=["wikitext2/wiki.valid.tokens"],
+    )  # fmt: skip
+    return module, data
+
+
+def validate(module, data) -> dict[str, float]:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    return trainer.validate(module, datamodule=data, verbose=False)[0]
+
+
+def test_validation_metrics_equal_a_direct_computation_over_the_whole_set():
+    """Batches of 2 over 5 windows, reduced by torchmetrics = one pass over all 5 windows; the perplexities are
+    loopq.metrics.perplexity's (the evaluation's own implementation)."""
+    module, data = fresh_module_and_data()
+    got = validate(module, data)
+    for name, windows in data.val_sets.items():
+        terms, kl_sum, _, _ = measure(module.teacher, module.student, windows, module.mu, module.hparams, 4)
+        for key, value in terms.items():
+            assert got[f"val/{name}/{key}"] == pytest.approx(float(value), rel=1e-5), key
+        assert got[f"val/{name}/kl_full"] == pytest.approx(float(kl_sum) / windows.numel(), rel=1e-5)
+        fp = perplexity(module.teacher, windows.flatten(), 32, batch_size=5, per_loop=True)
+        student = perplexity(module.student, windows.flatten(), 32, batch_size=5, per_loop=True)
+        for t in range(4):
+            assert got[f"val/{name}/fp_ppl_loop{t + 1}"] == pytest.approx(fp.per_loop[t], rel=1e-5)
+            assert got[f"val/{name}/ppl_loop{t + 1}"] == pytest.approx(student.per_loop[t], rel=1e-5)
+    assert got["val/heldout/kl_full"] > 0 and got["val/extra/ppl_loop4"] != got["val/heldout/ppl_loop4"]
+
+
+def test_metric_states_are_not_checkpointed():
+    module, _ = fresh_module_and_data()
+    assert not any(key.startswith("val_metrics") for key in module.state_dict())
+    assert isinstance(module.val_metrics["heldout"], ValidationMetrics)
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+def val_rows(root) -> dict[int, dict[str, float]]:
+    """step -> the val/ metrics logged at that step (CSV logger)."""
+    rows: dict[int, dict[str, float]] = {}
+    with open(next((root / "csv").glob("version_*/metrics.csv"))) as f:
+        for row in csv.DictReader(f):
+            vals = {k: float(v) for k, v in row.items() if k.startswith("val/") and v}
+            if vals:
+                rows.setdefault(int(row["step"]), {}).update(vals)
+    return rows
+
+
+def test_ddp_validation_with_uneven_shards_equals_one_process(tmp_path):
+    """5 windows per set on 2 processes (3 + 2, the short shard padded with a masked row) vs 1 process; float64 so
+    that the two calibrations themselves agree (test_distributed.py) and only validation is compared."""
+    run = ["--trainer.precision", "64-true", "--trainer.max_steps", "2", "--trainer.val_check_interval", "1", *VALIDATE]
+    run_fit(tmp_path / "one", *run)
+    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp_find_unused_parameters_true", "--data.batch_size", "1"]
+    run_fit(tmp_path / "two", *run, *ddp, procs=2)
+    one, two = val_rows(tmp_path / "one"), val_rows(tmp_path / "two")
+    assert sorted(one) == sorted(two) and len(one) == 2
+    assert len(one[min(one)]) == 2 * (6 + 2 * 4)  # 2 sets x (5 loss terms, kl_full, 2 x 4 perplexities)
+    for step, values in one.items():
+        for key, value in values.items():
+            assert two[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+
+
+def test_validation_changes_no_bit_and_a_checkpoint_reproduces_the_logged_values(tmp_path):
+    """Validating every 3 steps leaves the student bit-identical to a run without validation (the README's number
+    stays); ``trainer.validate(ckpt_path=...)`` restores a checkpoint (promoted SLT groups, mu_t included) and
+    measures what the calibration logged at that step."""
+    run_fit(tmp_path / "plain", "--trainer.max_steps", "6")
+    best = {"monitor": "val/heldout/kl_full", "mode": "min", "save_top_k": 1, "filename": "best"}
+    chooser = json.dumps({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": best})
+    run_fit(tmp_path, "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", *VALIDATE,
+            "--trainer.callbacks+", chooser)  # fmt: skip
+    (plain, meta_plain), (validated, meta) = read_student(tmp_path / "plain"), read_student(tmp_path)
+    assert_same_tensors(plain, validated, atol=0)
+    assert meta_plain["promoted"] == meta["promoted"] and meta_plain["mu"] == meta["mu"]
+    logged = val_rows(tmp_path)
+    step = max(logged)  # Lightning logs validation at global_step - 1: the checkpoint of step 6
+    ckpt = next((tmp_path / "checkpoints").glob(f"*step={step + 1}.ckpt"))
+    hparams = {k: v for k, v in torch.load(ckpt, weights_only=True)["hyper_parameters"].items() if k[0] != "_"}
+    module = LoopQCalibration(**{**hparams, "quant": QuantConfig(**hparams["quant"])})
+    data = CalibrationDataModule(
+        TINY, num_samples=16, seq_len=32, batch_size=2, holdout_samples=2, val_samples=5,
+        val_sources=["wikitext2/wiki.valid.tokens"],
+    )  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    got = trainer.validate(module, datamodule=data, ckpt_path=str(ckpt), verbose=False)[0]
+    assert module.promoted  # the checkpoint's SLT selection was replayed
+    for key, value in logged[step].items():
+        assert got[key] == pytest.approx(value, rel=1e-5), key
+    # ModelCheckpoint(monitor=...) chooses by the held-out KL: its checkpoint is the step of the lowest logged KL
+    states = torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=True)["callbacks"]
+    chosen = next(v for k, v in states.items() if "val/heldout/kl_full" in k)
+    assert float(chosen["best_model_score"]) == pytest.approx(min(r["val/heldout/kl_full"] for r in logged.values()))

@@ -1,0 +1,66 @@
+"""``python -m loopq.run`` end to end on each looped family of the paper other than Ouro (LoopFormer, Parcae), so the
+flow cannot silently break for them again. The teachers are the shared upstream-parity fixtures (random weights,
+contexts of 64 and 128 positions: shorter than the 256-token windows the flow used to hard-code) with a small BPE
+trained here; a few calibration steps, a few WikiText-2 windows, no lm-eval task."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopq.commands.run import DEFAULT_PPL_SEQ_LEN, PipelineError, window_length
+from loopq.data.text import read_training_text, resolve_sources
+from loopq.data.tokenizer import train_bpe
+from loopq.paths import REPO_ROOT
+
+#: fixture -> (architecture, its positions: LoopFormer block_size 64, Parcae's RoPE table 128)
+FAMILIES = {"loopformer-tiny": ("loopformer", 64), "parcae-tiny": ("parcae", 128)}
+
+
+def teacher_with_tokenizer(fixtures: Path, data: Path, name: str, out: Path) -> Path:
+    """The fixture copied with a 120-token byte-level BPE (ids < the fixtures' vocab of 256) beside it."""
+    teacher = out / name
+    shutil.copytree(fixtures / name, teacher)
+    text = read_training_text(resolve_sources(["calibration/tinyshakespeare_input.txt"], data))
+    train_bpe([t[:200_000] for t in text], 120).save(str(teacher / "tokenizer.json"))
+    return teacher
+
+
+def test_window_length_is_the_default_cut_to_the_context():
+    assert window_length(2048) == DEFAULT_PPL_SEQ_LEN
+    assert window_length(64) == 64
+    assert window_length(64, 32) == 32
+    with pytest.raises(PipelineError, match="--ppl_seq_len 65: longer than the teacher's 64 positions"):
+        window_length(64, 65)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_run_end_to_end_on_each_architecture(name, fixtures, data, tmp_path):
+    arch, context = FAMILIES[name]
+    teacher = teacher_with_tokenizer(fixtures, data, name, tmp_path)
+    root = tmp_path / "run"
+    cmd = [
+        *(sys.executable, "-m", "loopq.run", "--config", "configs/tiny.yaml"),
+        *("--config", "tests/configs/fit-test.yaml", "--trainer.max_steps", "2"),
+        *("--model.teacher", str(teacher), "--trainer.default_root_dir", str(root)),
+        *("--ppl_windows", "2", "--tasks"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=300)
+    assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    assert f"teacher {teacher} ({arch}), WikiText-2 windows of {context} tokens" in out.stdout
+    numbers = re.search(r"^\[loopq\] WikiText-2 perplexity .*: FP (\S+) \| RTN (\S+) \| LoopQ (\S+)$", out.stdout, re.M)
+    assert numbers, out.stdout[-2000:]
+    for method, printed in zip(("fp", "rtn-w4a4", "loopq-w4a4"), numbers.groups(), strict=True):
+        result = json.loads((root / "results" / f"{method}.json").read_text())
+        assert result["wikitext2_windows"] == 2 and float(printed) == round(result["wikitext2_ppl"], 2)
+        assert 1 < result["wikitext2_ppl"] < 1e6  # a finite perplexity of a real (if random) model
+    export = json.loads((root / "pipeline.json").read_text())["stages"]["export"]["summary"]
+    assert export["seq_len"] == context and export["windows"] == 8
+    report = (root / "report" / "report.md").read_text()
+    assert f"| `run` | {name} | {arch} |" in report  # the calibration-runs table names the architecture
