@@ -106,18 +106,14 @@ def check_yaml(text: str, source: str) -> None:
 
 def check_arguments(argv: list[str]) -> None:
     """:func:`check_yaml` on every command-line value that holds YAML structure (a flow collection, an anchor or
-    alias, a line break), named by its option; a refusal is a :class:`~loopq.errors.UsageError`."""
-    from loopq.errors import UsageError
-
+    alias, a line break), named by its option; a refusal is a :class:`ConfigYAMLError` (a user error of
+    :mod:`loopq.errors`, which imports this module: this one imports nothing of ``loopq``)."""
     option = "a command-line value"
     for arg in argv:
         name, eq, inline = arg.partition("=") if arg.startswith("--") else ("", "", arg)
         value = inline if eq or not arg.startswith("--") else ""
         if value and (value.lstrip()[:1] in ("{", "[") or any(mark in value for mark in ("&", "*", "\n"))):
-            try:
-                check_yaml(value, f"{name or option} value")
-            except ConfigYAMLError as err:
-                raise UsageError(str(err)) from None
+            check_yaml(value, f"{name or option} value")
         option = arg if arg.startswith("--") and not eq else "a command-line value"
 
 

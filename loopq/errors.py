@@ -31,6 +31,7 @@ from typing import NoReturn
 
 from safetensors import SafetensorError
 
+from loopq.config_yaml import ConfigYAMLError
 from loopq.numerics import reproducible_cpu
 
 DEBUG_FLAG = "--debug"
@@ -67,6 +68,7 @@ class GuardError(LoopQError):
 #: failures that mean bad input rather than a bug (:class:`LoopQError` covers every package error class)
 USER_ERRORS: tuple[type[BaseException], ...] = (
     LoopQError,
+    ConfigYAMLError,  # an alias bomb or a duplicate key in a config or option value (loopq.config_yaml)
     UnicodeDecodeError,  # a text file that is not text, e.g. a binary file passed as JSON
     FileNotFoundError,
     NotADirectoryError,
@@ -159,7 +161,7 @@ def check_config_files(argv: list[str]) -> None:
     naming the file (:func:`loopq.config_yaml.check_yaml`)."""
     import yaml
 
-    from loopq.config_yaml import ConfigYAMLError, check_yaml
+    from loopq.config_yaml import check_yaml
 
     for path in config_files(argv):
         try:

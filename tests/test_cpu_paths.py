@@ -42,28 +42,30 @@ def test_a_users_own_setting_wins_and_native_keeps_the_libraries_choice():
     assert probe(AS_COMMAND, LOOPQ_NATIVE_CPU="1") == probe(REPORT)
 
 
-#: where the README's number was measured: AMD EPYC (AVX2 and AVX-512), the pinned paths (docs/results.md)
+#: the CPU paths the README's number was measured with (the pin of loopq/numerics.py)
 DOCUMENTED_PATHS = "aten AVX2, MKL_CBWR AVX2, ONEDNN_MAX_CPU_ISA AVX2"
+#: CPU model (``/proc/cpuinfo``) -> the step-0 sharing gap S_l the README's main command prints there
+#: (configs/tiny.yaml, seed 0). Session 15 (per-use weight backward, issue 37) measured it on this Intel Xeon with
+#: AVX-512, where the README's run printed LoopQ 223.56; the AMD EPYCs of sessions 13-14 printed 2420.7086 before
+#: that change and are not measured since, so they are not listed.
+DOCUMENTED_STEP0 = {"Intel(R) Xeon(R) Processor": "2299.4664"}
 
 
-def documented_machine() -> bool:
+def documented_score() -> str | None:
     env = environment()
-    return "AMD" in env["cpu"] and env["cpu_paths"] == DOCUMENTED_PATHS
+    return DOCUMENTED_STEP0.get(env["cpu"]) if env["cpu_paths"] == DOCUMENTED_PATHS else None
 
 
-#: the step-0 sharing gap S_l of the README's main command (configs/tiny.yaml, seed 0), as it prints it
-README_STEP0_SCORE = "[loopq] step 0: SLT promoted ['model.layers.0.mlp.down_proj'] (S = [2420.7086])"
-
-
-@pytest.mark.skipif(not documented_machine(), reason="README number documented for AMD EPYC with the pinned paths only")
+@pytest.mark.skipif(
+    documented_score() is None, reason="README number documented for another CPU (docs/reproducibility.md)"
+)
 def test_calibration_takes_the_paths_the_readme_number_came_from(tmp_path):
-    """The README's LoopQ number (223.57) reproduces on a machine only where calibration sums in the same fp32 order.
-    Step 0's sharing gap is the cheapest sensitive witness (a 1e-7 relative change of the weights moves it by up to
-    17 %, docs/results.md): printed 2420.7086 on the project's AVX2 EPYC and, with the pin, on an AVX-512 EPYC
-    (session 14), where ``LOOPQ_NATIVE_CPU=1`` gives 2103.556 and the end-to-end LoopQ number moves. A failure here
-    means this machine's calibrations are other samples of the seed distribution than the documented ones. Elsewhere
-    (another vendor, ``LOOPQ_NATIVE_CPU=1``) it is skipped: a correct install whose number differs is not a failure;
-    the run records its paths in provenance (``environment.cpu_paths``)."""
+    """The README's LoopQ number reproduces on a machine only where calibration sums in the same fp32 order. Step 0's
+    sharing gap is the cheapest sensitive witness (a 1e-7 relative change of the weights moves it by up to 17 %,
+    docs/results.md). A failure here means this machine, of a documented model with the pinned paths, calibrates
+    another sample of the seed distribution than the documented one. Elsewhere (another CPU model,
+    ``LOOPQ_NATIVE_CPU=1``) it is skipped: a correct install whose number differs is not a failure; the run records
+    its CPU and paths in provenance (``environment.cpu``, ``environment.cpu_paths``)."""
     out = subprocess.run(
         [sys.executable, "-m", "loopq.fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "1",
          "--trainer.default_root_dir", str(tmp_path)],
@@ -71,4 +73,5 @@ def test_calibration_takes_the_paths_the_readme_number_came_from(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     step0 = [line for line in out.stdout.splitlines() if line.startswith("[loopq] step 0:")]
-    assert step0 == [README_STEP0_SCORE], f"{step0}: this AMD machine with the documented paths calibrates otherwise"
+    want = f"[loopq] step 0: SLT promoted ['model.layers.0.mlp.down_proj'] (S = [{documented_score()}])"
+    assert step0 == [want], f"{step0}: this documented CPU with the pinned paths calibrates otherwise"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopq.artifacts.layout import STUDENT_META
+from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META
+from loopq.artifacts.seal import FILES, seal
 from loopq.commands import experiments, fit
 from loopq.provenance import record
 from loopq.stages import Manifest
@@ -132,5 +133,6 @@ def test_a_calibration_resumes_only_a_checkpoint_of_its_own_config(monkeypatch, 
     assert started == [None, str(tmp_path / "run" / "checkpoints" / "last.ckpt")]
     # a student of this teacher and config is reused as it is
     calibration.student.mkdir()
-    (calibration.student / STUDENT_META).write_text(json.dumps({"provenance": own}))
+    sealed = seal({"format": STUDENT_FORMAT, "provenance": own, FILES: {}})  # as write_student seals its description
+    (calibration.student / STUDENT_META).write_text(json.dumps(sealed))
     assert experiments.calibrate(calibration) == calibration.student and len(started) == 2

@@ -19,7 +19,19 @@ ENTRY_POINTS: dict[str, str] = {
 
 #: top-level parts of ``loopq`` by layer, from the ground up (a part may import its own layer and those below)
 LAYERS: list[set[str]] = [
-    {"errors", "paths", "files", "locks", "provenance", "qspec", "stats", "stages", "devices", "numerics"},
+    {
+        "errors",
+        "paths",
+        "files",
+        "locks",
+        "provenance",
+        "qspec",
+        "stats",
+        "stages",
+        "devices",
+        "numerics",
+        "config_yaml",
+    },
     {"models", "kernels"},
     {"quant", "data"},
     {"calib", "artifacts"},

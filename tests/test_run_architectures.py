@@ -12,22 +12,36 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from loopq.commands.run import DEFAULT_PPL_SEQ_LEN, PipelineError, window_length
 from loopq.data.text import read_training_text, resolve_sources
-from loopq.data.tokenizer import train_bpe
+from loopq.data.tokenizer import EOS_TOKEN
 from loopq.paths import REPO_ROOT
 
 #: fixture -> (architecture, its positions: LoopFormer block_size 64, Parcae's RoPE table 128)
 FAMILIES = {"loopformer-tiny": ("loopformer", 64), "parcae-tiny": ("parcae", 128)}
 
 
+def small_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A character-level BPE of at most ``vocab_size`` ids (``<|endoftext|>`` = 0, ``<unk>`` = 1): the fixtures'
+    vocabulary of 256 rows cannot hold a byte-level BPE (256 byte tokens + end-of-text), and the teacher check
+    refuses a tokenizer that can produce an id the model has no row for."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, "<unk>"], limit_alphabet=80)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
 def teacher_with_tokenizer(fixtures: Path, data: Path, name: str, out: Path) -> Path:
-    """The fixture copied with a 120-token byte-level BPE (ids < the fixtures' vocab of 256) beside it."""
+    """The fixture copied with a 120-token BPE (ids < the fixtures' vocab of 256) beside it."""
     teacher = out / name
     shutil.copytree(fixtures / name, teacher)
     text = read_training_text(resolve_sources(["calibration/tinyshakespeare_input.txt"], data))
-    train_bpe([t[:200_000] for t in text], 120).save(str(teacher / "tokenizer.json"))
+    tok = small_bpe([t[:200_000] for t in text], 120)
+    assert tok.get_vocab_size(with_added_tokens=True) <= 120
+    tok.save(str(teacher / "tokenizer.json"))
     return teacher
 
 

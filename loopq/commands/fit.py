@@ -123,11 +123,12 @@ class LoopQCLI(LightningCLI):
             raise SystemExit(0)
         check_ckpt_path(self.config.get("ckpt_path"))
         self.check_teacher(str(self.config.model.teacher))  # first: a run left in the run directory is read below
+        model = self.config.model
+        # resolved before the resume check compares this config with the checkpoint's (which records it resolved)
+        model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
         if self.refuse_finished:
             check_resumable(self.config)
         check_calibration(self.config)
-        model = self.config.model
-        model.teacher_dtype = resolve_teacher_dtype(model.teacher_dtype, self.config.trainer.precision)
         # a resume is checked against its checkpoint's record instead (check_resume, with its own override)
         overridden = self.config.get("force") or self.config.get("allow_config_change") or self.config.get("ckpt_path")
         if self.check_student and not overridden:
@@ -295,8 +296,14 @@ def check_resumable(config: Any) -> None:
     if ckpt_path == "last":
         found = newest_intact(checkpoints_in([root / "checkpoints"]), quiet=True)
         ckpt_path = None if found is None else str(found)
-    if ckpt_path is not None:
-        check_not_finished(ckpt_path, config.trainer.max_steps, student_dir(config))
+    if ckpt_path is None:
+        return
+    step = checkpoint_record(ckpt_path)[1]
+    if isinstance(step, int) and step >= config.trainer.max_steps and not config.get("allow_config_change"):
+        # another teacher or config is the more basic problem: say that first, as a resume that is not finished does
+        teacher = teacher_fingerprint(resolve_model_dir(config.model.teacher))
+        check_resume(ckpt_path, record(teacher, fit_settings(config)))
+    check_not_finished(ckpt_path, config.trainer.max_steps, student_dir(config))
 
 
 def check_not_finished(ckpt_path: str, max_steps: int, student: Path) -> None:

@@ -178,7 +178,7 @@ def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Ten
 def config_from_native(config_class: type[ConfigT], native: Mapping[str, Any]) -> ConfigT:
     """The config dataclass from a native ``config.json`` dict: its fields by name; every other key is kept verbatim
     in the dataclass's ``extra`` field, so that :func:`config_to_native` writes it back."""
-    from loopq.models.checks import check_config_types
+    from loopq.models.config_checks import check_config_types
 
     check_config_types(config_class, native)
     known = {f.name for f in fields(config_class)} - {"extra"}  # type: ignore[arg-type]
@@ -224,7 +224,7 @@ class LoopLM(nn.Module):
     #: keys that mark a native ``config.json`` as this architecture's; written on save, checked by :meth:`matches`
     config_tags: ClassVar[dict[str, str]] = {}
     #: config fields whose sum is the number of stored layers (bounded by the weight files before building:
-    #: :func:`loopq.models.checks.check_layer_count`)
+    #: :func:`loopq.models.config_checks.check_layer_count`)
     layer_count_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models.base import LoopLM, LoopLMError
-from loopq.models.checks import check_finite, check_layer_count
+from loopq.models.config_checks import check_finite, check_layer_count
 from loopq.models.shards import INDEX_FILE, SINGLE_FILE, Weights, read_sharded, read_single
 
 

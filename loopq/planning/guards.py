@@ -19,7 +19,7 @@ the model's looped linear groups and norms. A loop count above twice the trained
 estimate; an estimate above the available memory is refused unless ``LOOPQ_ALLOW_LOW_MEMORY=1``. Decoding
 (:func:`check_decode_loops`) refuses more than :data:`MAX_DECODE_LOOP_FACTOR` x the trained loops, or a KV cache
 beyond the free memory. The model these estimates read is built on the meta device only after its config passed
-:mod:`loopq.models.checks` (types, layer count and shapes against the weight files' headers).
+:mod:`loopq.models.config_checks` (types, layer count and shapes against the weight files' headers).
 
 **Zero or negative work** (:func:`check_steps`, :func:`check_optimiser`, :func:`check_strategy`): trainer settings
 under which no optimizer step runs, non-positive or non-finite learning rates, and unknown strategy names are refused
@@ -44,7 +44,7 @@ from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, mo
 from loopq.data.calibration import calibration_stream, check_enough_tokens
 from loopq.errors import GuardError, LoopLMError, UsageError, article
 from loopq.models.base import LoopLM, RMSNorm
-from loopq.models.checks import check_against_header
+from loopq.models.config_checks import check_against_header
 from loopq.models.loading import architecture_for, read_config
 
 #: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
@@ -279,7 +279,7 @@ def meta_teacher(teacher: str | os.PathLike[str]) -> LoopLM | None:
     """A local teacher directory's model built on the meta device (nothing allocated, no weight read), after its
     config.json values are type-checked and the config is checked against the weight files' headers - layer count
     first, so that a config claiming a million layers is refused before any is built
-    (:mod:`loopq.models.checks`); None for a hub id or a path that is not a model: the loader reports those."""
+    (:mod:`loopq.models.config_checks`); None for a hub id or a path that is not a model: the loader reports those."""
     directory = Path(teacher)
     if not (directory / "config.json").is_file():
         return None

@@ -63,7 +63,7 @@ from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
 from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.models.base import LoopLM, RMSNorm
-from loopq.models.checks import check_against_header
+from loopq.models.config_checks import check_against_header
 from loopq.models.loading import architecture_for
 from loopq.planning.guards import LoopShape, activation_bytes, activation_factor, loop_shape, trajectory_bytes
 from loopq.quant import QuantConfig, prepare
@@ -206,7 +206,7 @@ def published_config(teacher: str) -> tuple[str, dict[str, Any]] | None:
 
 def teacher_config(teacher: str, plan_config: str | None = None) -> tuple[str, dict[str, Any]]:
     """(where it came from, native config) of the teacher: ``plan_config``, the teacher directory's ``config.json``
-    (checked against its weight files' headers first: :func:`~loopq.models.checks.check_against_header`), or
+    (checked against its weight files' headers first: :func:`~loopq.models.config_checks.check_against_header`), or
     :data:`PUBLISHED`; never its weights' values, never the hub."""
     if plan_config:
         return plan_config, read_json(Path(plan_config), PlanError, "pass the teacher's config.json")
