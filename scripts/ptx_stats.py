@@ -4,10 +4,12 @@
 
 Triton compiles each kernel ahead of time (``triton.compile`` for ``sm_<arch>``, its bundled ``ptxas -v`` for
 registers and spills; no GPU needed) and :mod:`loopq.kernels.ptx` reads the PTX. Per decode GEMM launch shape
-(M = 1, 2, 4, 8, 16 tokens): the main K loop's PTX instructions per thread, the weight code bytes that thread loads
-per iteration and their ratio (instructions per weight byte), ``shfl`` / ``bar.sync`` inside the loop, the widths of
-the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile: ``cp.async.wait_group`` depths
-inside its loops, registers, spills. Per fast quantizer: registers, spills. ``docs/benchmarks.md`` quotes its table;
+(M = 1, 2, 4, 8, 16 tokens; 16 runs the BLOCK_M = 8 binary): the seconds ``triton.compile`` took (about 0 where an
+earlier row compiled the same variant: Triton's cache), the main K loop's PTX instructions per thread, the weight
+code bytes that thread loads per iteration and their ratio (instructions per weight byte), ``shfl`` / ``bar.sync``
+inside the loop, the widths of the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile:
+``cp.async.wait_group`` depths inside its loops, registers, spills. Per fast quantizer: registers, spills.
+``docs/benchmarks.md`` quotes its table;
 ``tests/kernels/test_ptx_stats.py`` asserts the acceptance limits on the same numbers.
 """
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,39 +28,28 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from loopq.kernels import decode_kernel, gemm_kernel, ptx
-from tests.kernels.gpu_compile import compile_fast_quantizer, compile_gemm, ptxas_usage
+from tests.kernels.gpu_compile import compile_decode, compile_fast_quantizer, compile_gemm, ptxas_usage
 
 DECODE_M = (1, 2, 4, 8, 16)
 #: the weight codes are loaded with the evict-first hint, their scales with ``ld.global.cg`` (``decode_kernel``)
 CODE_MARK, SCALE_MARK = "evict_first", ".cg."
 
 
-def compile_decode(target: GPUTarget, block_m: int) -> str:
-    """PTX of :func:`decode_kernel._decode_kernel` as ``gemm_tiled`` launches it for ``block_m`` tokens (bf16 out,
-    with a bias, 16-byte aligned pointers: torch allocations)."""
-    sig = {"a_ptr": "*i32", "sa_ptr": "*fp32", "w_ptr": "*i32", "sw_ptr": "*fp16", "bias_ptr": "*fp32"}
-    sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "G": "i32"}
-    const = {"HAS_BIAS": True, "BLOCK_M": block_m, "ASM": True}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    src = ASTSource(
-        decode_kernel._decode_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned
-    )
-    options = {"num_warps": decode_kernel.NUM_WARPS, "enable_fp_fusion": False}
-    return triton.compile(src, target=target, options=options).asm["ptx"]
-
-
-def decode_row(arch: int, block_m: int) -> dict:
-    code = compile_decode(GPUTarget("cuda", arch, 32), block_m)
+def decode_row(arch: int, m: int) -> dict:
+    start = time.perf_counter()
+    code = compile_decode(GPUTarget("cuda", arch, 32), m).asm["ptx"]
+    seconds = time.perf_counter() - start
     loop = ptx.main_loop(code, CODE_MARK)
     code_bytes = loop.load_bytes(CODE_MARK)
     regs, spills = ptxas_usage(code, arch)
     return {
         "kernel": "decode",
         "arch": arch,
-        "M": block_m,
+        "M": m,
+        **decode_kernel.specialization(m),
+        "compile_s": round(seconds, 1),
         "loop_instructions": len(loop.body),
         "code_bytes": sum(code_bytes),
         "per_byte": round(len(loop.body) / sum(code_bytes), 2),
@@ -108,13 +100,14 @@ def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tupl
 def markdown(rows: list[dict]) -> str:
     decode = [r for r in rows if r["kernel"] == "decode"]
     out = [
-        "| arch | M | loop instr. | code B / iter. | instr. / B | shfl | bar.sync | code load B | scale load B | "
-        "dp4a | regs | spills |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arch | M | BLOCK_M | unroll | compile s | loop instr. | code B / iter. | instr. / B | shfl | bar.sync | "
+        "code load B | scale load B | dp4a | regs | spills |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode:
         out.append(
-            f"| sm_{r['arch']} | {r['M']} | {r['loop_instructions']} | {r['code_bytes']} | {r['per_byte']} | "
+            f"| sm_{r['arch']} | {r['M']} | {r['BLOCK_M']} | {r['UNROLL']} | {r['compile_s']} | "
+            f"{r['loop_instructions']} | {r['code_bytes']} | {r['per_byte']} | "
             f"{r['shfl']} | {r['bar_sync']} | {r['code_load_bytes']} | {r['scale_load_bytes']} | {r['dp4a']} | "
             f"{r['registers']} | {r['spills']} |"
         )

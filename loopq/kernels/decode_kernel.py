@@ -19,12 +19,18 @@ weight byte per thread at M = 1):
 * **the int8 dot is ``dp4a``** (four int8 products + accumulate per instruction) on the activation's int8 codes,
   written by the quantizer in the matching order (per group its 16 even k, then its 16 odd k:
   :func:`loopq.kernels.packing.deinterleave_groups`), loaded as 16-byte words; each decoded weight word serves all
-  M tokens;
+  the program's tokens;
 * **no reduction across threads inside the K loop**: every thread accumulates its own groups in fp32 registers; the
   8 lanes of a row are added once, after the loop;
 * **one launch, no split-K**: the K dimension is spread over the 8 lanes of a program instead, and the grid is
   ``N / 8`` programs (256 to 1408 on Ouro-1.4B's shapes, all issued in one wave of loads); the program writes the
-  output dtype and adds the bias itself.
+  output dtype and adds the bias itself;
+* **a few compiled variants, each small**: a program holds ``BLOCK_M`` = 1, 2, 4 or 8 tokens in each thread's
+  registers as one ``[BLOCK_M, 8, 8, 4]`` block (M rounded up to a power of two; rows past M re-read the last
+  token and are not stored); 9..16 tokens run two 8-token programs per tile, adjacent in launch order so the
+  second reads the weight from L2. Up to 2 tokens a chunk's 8 groups are straight-line code (all 8 weight loads in
+  flight); from 4 on they are a loop, so that one group's activations are live at a time (no spills) and each
+  variant compiles in seconds instead of the minutes that unrolling 16 tokens x 8 groups took.
 
 Rounding contract (not bit-exact with :mod:`loopq.kernels.reference`, which adds the groups left to right): every
 group's integer dot is exact; each term ``t_g = dot_g * (s_a s_w)`` is rounded twice and the G terms are summed in
@@ -52,6 +58,13 @@ from loopq.kernels.packing import CHUNK_GROUPS, GROUP_SIZE, SCALE_RUN, TILE_LANE
 
 #: the decode path serves calls of at most this many tokens (``loopq.kernels.ops`` dispatches on it)
 MAX_M = 16
+#: the most tokens a program holds in registers: a launch of M tokens runs ``cdiv(M, BLOCK_M)`` programs per tile
+#: (adjacent in launch order, so the second reads the tile's weight from L2)
+MAX_BLOCK_M = 8
+#: up to this many tokens a chunk's 8 groups are straight-line code (8 weight loads in flight per thread); larger
+#: blocks loop over them, which keeps one group's activation registers live (no spills at 8 tokens) and the
+#: compiled code small (each variant compiles in seconds)
+UNROLL_M = 2
 #: threads of a program: TILE_ROWS x TILE_LANES = 64
 NUM_WARPS = TILE_ROWS * TILE_LANES // 32
 _ROWS, _LANES, _RUN, _CHUNK = (tl.constexpr(v) for v in (TILE_ROWS, TILE_LANES, SCALE_RUN, CHUNK_GROUPS))
@@ -90,74 +103,95 @@ def _pick(tile, i: tl.constexpr):
 @triton.jit
 def _chunk(
     acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    MASKED: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """``acc[m, r, j] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the thread's 8 groups
-    ``g = 64 c + 8 i + j`` of chunk ``c``; ``MASKED`` (the last chunk only) skips groups past ``G``."""
+    ``g = 64 c + 8 i + j`` of chunk ``c``, for all BLOCK_M tokens at once (``rm``: ``[BLOCK_M, 1, 1]``, held in
+    each thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL``: the 8 groups
+    as straight-line code (all 8 weight loads in flight, each scale picked by register renaming), else a loop
+    (one group's registers live at a time, the scale picked with 8 selects)."""
     sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8
     sw = tl.load(sw_tile + sw_off, cache_modifier=".cg").to(tl.float32)  # 16 B, L2 only (read once)
-    for i in tl.static_range(_RUN):
-        g = c * _CHUNK + i * _LANES + j  # [1, J, 1]
-        w_off = ((c * _RUN + i) * (_ROWS * _LANES) + r * _LANES + j) * 4 + w4
-        if MASKED:
-            live = g < G
-            wv = tl.load(w_tile + w_off, mask=live, other=0, eviction_policy="evict_first")
-        else:
-            wv = tl.load(w_tile + w_off, eviction_policy="evict_first")
-        lo = ((wv & _LO) + _BIAS) ^ _SIGN  # [R, J, 4] words of sign-extended int8 codes: even k
-        hi = (((wv >> 4) & _LO) + _BIAS) ^ _SIGN  # odd k
-        sw_i = _pick(sw, i)  # [R, J]
-        for m in tl.static_range(BLOCK_M):
-            row = tl.minimum(m, M - 1)  # rows past M read the last one; their outputs are not stored
-            a_row = a_ptr + row * (G * 8) + g * 8 + w4  # int32 words: 8 per group, 4 even-k then 4 odd-k
-            if MASKED:
-                a_even = tl.load(a_row, mask=live, other=0)
-                a_odd = tl.load(a_row + 4, mask=live, other=0)
-                sa = tl.load(sa_ptr + row * G + g, mask=live, other=0.0)
-            else:
-                a_even = tl.load(a_row)
-                a_odd = tl.load(a_row + 4)
-                sa = tl.load(sa_ptr + row * G + g)
-            dot = tl.sum(_dp4a(lo, a_even, _dp4a(hi, a_odd, tl.zeros_like(lo), ASM), ASM), axis=2)  # [R, J]
-            term = dot.to(tl.float32) * (tl.reshape(sa, [1, _LANES]) * sw_i)
-            acc = tl.where(rm == m, acc + term[None, :, :], acc)
+    row = tl.minimum(rm, M - 1)  # rows past M read the last one; their outputs are not stored
+    if UNROLL:
+        for i in tl.static_range(_RUN):
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, w4, row, MASKED, ASM)
+    else:
+        for i in range(_RUN):
+            sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=2)
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED, ASM)
     return acc
+
+
+@triton.jit
+def _group(
+    acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED: tl.constexpr, ASM: tl.constexpr
+):  # fmt: skip
+    """The ``i``-th group of chunk ``c`` (``g = 64 c + 8 i + j``) for thread ``(r, j)``, all tokens: one 16-byte
+    weight load, two 16-byte activation loads and one scale load per token, 8 ``dp4a`` per token."""
+    g = c * _CHUNK + i * _LANES + j  # [1, J, 1]
+    w_off = ((c * _RUN + i) * (_ROWS * _LANES) + r * _LANES + j) * 4 + w4
+    # [BLOCK_M, R, J, 4] addresses: thread (r, j) reads its lane's activation words for every token; the scales
+    # are [BLOCK_M, R, J, 1] (not [BLOCK_M, R, J], which Triton could lay out like the [R, J, 8] weight scales)
+    rows4 = row[:, :, :, None]
+    a_row = tl.broadcast_to(a_ptr + rows4 * (G * 8) + (g * 8 + w4)[None, :, :, :], [row.shape[0], _ROWS, _LANES, 4])
+    sa_row = tl.broadcast_to(sa_ptr + rows4 * G + g[None, :, :, :], [row.shape[0], _ROWS, _LANES, 1])
+    if MASKED:
+        live = g < G
+        wv = tl.load(w_tile + w_off, mask=live, other=0, eviction_policy="evict_first")
+        a_even = tl.load(a_row, mask=live[None, :, :, :], other=0)
+        a_odd = tl.load(a_row + 4, mask=live[None, :, :, :], other=0)
+        sa = tl.load(sa_row, mask=live[None, :, :, :], other=0.0)
+    else:
+        wv = tl.load(w_tile + w_off, eviction_policy="evict_first")
+        a_even = tl.load(a_row)
+        a_odd = tl.load(a_row + 4)
+        sa = tl.load(sa_row)
+    lo = ((wv & _LO) + _BIAS) ^ _SIGN  # [R, J, 4] words of sign-extended int8 codes: even k
+    hi = (((wv >> 4) & _LO) + _BIAS) ^ _SIGN  # odd k
+    dot = _dp4a(lo[None, :, :, :], a_even, _dp4a(hi[None, :, :, :], a_odd, tl.zeros_like(a_even), ASM), ASM)
+    return acc + tl.sum(dot, axis=3, keep_dims=True).to(tl.float32) * (sa * sw_i[None, :, :, None])
 
 
 @triton.jit
 def _decode_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, M, N, G,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Program ``t``: output rows ``8 t .. 8 t + 7`` for all M tokens (see the module docstring)."""
-    tile = tl.program_id(0).to(tl.int64)
+    """Program ``p``: output rows ``8 t .. 8 t + 7`` of tile ``t = p // B`` for tokens ``BLOCK_M b ..`` of token
+    block ``b = p % B``, ``B = cdiv(M, BLOCK_M)`` (see the module docstring)."""
+    token_blocks = tl.cdiv(M, BLOCK_M)
+    tile = (tl.program_id(0) // token_blocks).to(tl.int64)
+    first = (tl.program_id(0) % token_blocks) * BLOCK_M
     r = tl.arange(0, _ROWS)[:, None, None]
     j = tl.arange(0, _LANES)[None, :, None]
     w4 = tl.arange(0, 4)[None, None, :]
     s8 = tl.arange(0, _RUN)[None, None, :]
-    rm = tl.arange(0, BLOCK_M)[:, None, None]
+    rm = first + tl.arange(0, BLOCK_M)[:, None, None]
     blocks = tl.cdiv(G, _LANES)  # 16-byte code blocks of 8 groups per tile row
     chunks = tl.cdiv(G, _CHUNK)
     w_tile = w_ptr + tile * (blocks * (_ROWS * _LANES * 4))  # int32 words
     sw_tile = sw_ptr + tile * (chunks * (_ROWS * _CHUNK))
-    acc = tl.zeros([BLOCK_M, _ROWS, _LANES], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, _ROWS, _LANES, 1], dtype=tl.float32)
     full = G // _CHUNK
     for c in range(full):
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm, BLOCK_M, False, ASM)
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm, False, UNROLL, ASM)
     if full < chunks:
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, M, G, r, j, w4, s8, rm, BLOCK_M, True, ASM)
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, R]: the lanes of each row, once, after the loop
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, M, G, r, j, w4, s8, rm, True, UNROLL, ASM)
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, R]: the lanes of each row, once, after the loop
     rn = tile * _ROWS + tl.arange(0, _ROWS)
-    om = tl.arange(0, BLOCK_M)
+    om = first + tl.arange(0, BLOCK_M)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
     mask = (om < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + om[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def block_m(m: int) -> int:
-    """Tokens a launch is compiled for: M rounded up to a power of two (1, 2, 4, 8, 16)."""
-    return triton.next_power_of_2(m)
+def specialization(m: int) -> dict[str, int | bool]:
+    """The constexprs a launch for ``m`` tokens compiles with: ``BLOCK_M``, M rounded up to a power of two and
+    capped at :data:`MAX_BLOCK_M` (so 4 variants serve 1..16 tokens), and ``UNROLL`` up to :data:`UNROLL_M`."""
+    bm = min(triton.next_power_of_2(m), MAX_BLOCK_M)
+    return {"BLOCK_M": bm, "UNROLL": bm <= UNROLL_M}
 
 
 def gemm_tiled(
@@ -169,9 +203,10 @@ def gemm_tiled(
     out_dtype: torch.dtype,
     bias: Tensor | None = None,
 ) -> Tensor:
-    """One launch of :func:`_decode_kernel`. ``a_codes``: int8 ``[M, K]`` in the decode order
-    (:func:`loopq.kernels.packing.deinterleave_groups`), ``a_scales`` fp32 ``[M, K/32]``; the weight in the kernel
-    layout (:func:`loopq.kernels.packing.tile_weight`) of ``n`` rows; ``bias`` fp32 ``[n]`` or None."""
+    """One launch of :func:`_decode_kernel` (``N / 8 * cdiv(M, BLOCK_M)`` programs). ``a_codes``: int8 ``[M, K]``
+    in the decode order (:func:`loopq.kernels.packing.deinterleave_groups`), ``a_scales`` fp32 ``[M, K/32]``; the
+    weight in the kernel layout (:func:`loopq.kernels.packing.tile_weight`) of ``n`` rows; ``bias`` fp32 ``[n]`` or
+    None."""
     m, k = a_codes.shape
     if not 0 < m <= MAX_M:
         raise ValueError(f"the decode GEMM takes 1..{MAX_M} rows (got M={m}); use loopq.kernels.gemm_kernel")
@@ -179,7 +214,8 @@ def gemm_tiled(
     if n == 0:
         return out
     groups = k // GROUP_SIZE
-    _decode_kernel[(w_codes.shape[0],)](
+    spec = specialization(m)
+    _decode_kernel[(w_codes.shape[0] * triton.cdiv(m, spec["BLOCK_M"]),)](
         a_codes.contiguous().view(torch.int32),
         a_scales.contiguous(),
         w_codes.view(torch.int32),
@@ -190,7 +226,7 @@ def gemm_tiled(
         n,
         groups,
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m(m),
+        **spec,
         ASM=a_codes.is_cuda and isinstance(_decode_kernel, triton.runtime.JITFunction),
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,

@@ -27,8 +27,9 @@ from loopq.kernels.packing import TILE_ROWS
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
 #: the fast quantizer at Ouro-1.4B's input widths (``kron_factors``: 2048 = 32 x 64, 5632 = 64 x 88), int4 and int8
 FAST_QUANT_CONFIGS = tuple((k, n1, n2, bits) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)) for bits in (4, 8))
-#: the decode kernel's launch shapes checked here (tokens per launch, the compiled BLOCK_M)
-DECODE_M = (1, 4, 16)
+#: tokens per launch whose decode kernels are checked here: one of each compiled variant (BLOCK_M 1, 2, 4, 8;
+#: 9..16 tokens run the BLOCK_M = 8 binary, two programs per tile)
+DECODE_M = (1, 2, 4, 8)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -65,12 +66,12 @@ def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig
     return triton.compile(src, target=target, options=options)
 
 
-def compile_decode(target: GPUTarget, block_m: int):
-    """:func:`decode_kernel._decode_kernel` as ``gemm_tiled`` launches it for ``block_m`` tokens (bf16 output, a
-    bias, 16-byte aligned pointers as torch allocates them)."""
+def compile_decode(target: GPUTarget, m: int):
+    """:func:`decode_kernel._decode_kernel` as ``gemm_tiled`` launches it for ``m`` tokens (its
+    :func:`~decode_kernel.specialization`, bf16 output, a bias, 16-byte aligned pointers as torch allocates them)."""
     sig = {"a_ptr": "*i32", "sa_ptr": "*fp32", "w_ptr": "*i32", "sw_ptr": "*fp16", "bias_ptr": "*fp32"}
     sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "G": "i32"}
-    const = {"HAS_BIAS": True, "BLOCK_M": block_m, "ASM": True}
+    const = {"HAS_BIAS": True, **decode_kernel.specialization(m), "ASM": True}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     src = ASTSource(
         decode_kernel._decode_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned
@@ -135,12 +136,12 @@ def main(arch: int) -> None:
             print(name, f"a{4 if a_int4 else 8}", "warp_group_dot", ttgir.count("ttng.warp_group_dot "), end=" ")
             print("wgmma", ptx.count("wgmma.mma_async"), "mma.sync", ptx.count("mma.sync.aligned"), end=" ")
             print("int8", ptx.count(".s32.s8.s8"), "cp.async", ptx.count("cp.async.c"), "regs", regs, "spills", spills)
-    for block_m in DECODE_M:
-        ptx = compile_decode(target, block_m).asm["ptx"]
+    for m in DECODE_M:
+        ptx = compile_decode(target, m).asm["ptx"]
         sizes = weight_load_bytes(ptx)
         regs, spills = ptxas_usage(ptx, arch)
         wide, narrow = sum(b >= 8 for b in sizes), sum(b < 8 for b in sizes)
-        print(f"decode m{block_m} weight loads", max(sizes, default=0), "B wide", wide, "narrow", narrow, end=" ")
+        print(f"decode m{m} weight loads", max(sizes, default=0), "B wide", wide, "narrow", narrow, end=" ")
         print("dp4a", ptx.count("dp4a.s32.s32"), "regs", regs, "spills", spills)
     for n, k in SHAPES:
         print(f"decode-grid N={n} K={k} M=1 programs {triton.cdiv(n, TILE_ROWS)}")

@@ -3,8 +3,9 @@ codes, bias and output dtype in the epilogue, and a quantized linear of two laun
 
 The bound is ``loopq.kernels.reference.gemm_fp64``'s: ``|out - ref64| <= gamma_{G+1} sum_k |a_k w_k s_a s_w|``
 (G groups, ``gamma_n = n 2^-24 / (1 - n 2^-24)``), derived in :mod:`loopq.kernels.decode_kernel`. Shapes are small
-for the interpreter but cover M = 1, 3 (padded to 4) and 16, a K of only a masked tail chunk (5 groups), one full
-chunk (64 groups) and a full chunk plus a tail (66), N not a multiple of the 8-row tile.
+for the interpreter but cover M = 1, 2 (unrolled), 3 (padded to 4), 11 and 16 (two 8-token programs per tile, the
+second one partly past M), a K of only a masked tail chunk (5 groups), one full chunk (64 groups) and a full chunk
+plus a tail (66), N not a multiple of the 8-row tile.
 """
 
 import pytest
@@ -18,7 +19,13 @@ from loopq.kernels.reference import gemm_fp64, quantize_activation
 from tests.kernels.cases import cuda_only
 
 #: (M, N, K)
-CASES = {"m1-tail": (1, 40, 160), "m3-chunk+tail": (3, 13, 2112), "m16-tail": (16, 9, 64), "m2-chunk": (2, 8, 2048)}
+CASES = {
+    "m1-tail": (1, 40, 160),
+    "m3-chunk+tail": (3, 13, 2112),
+    "m11-tail": (11, 9, 96),
+    "m16-tail": (16, 9, 64),
+    "m2-chunk": (2, 8, 2048),
+}
 
 
 def operands(m, n, k, bits, device, seed=0):

@@ -48,7 +48,7 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     assert len(fast) == 4 and {s.split(" ")[2] for s in fast} == {"32x64", "64x88"}, fast
     assert all(re.search(r" fma [1-9]\d* tf32 0 regs \d+ spills 0$", s) for s in fast), fast
     decode = [s for s in lines if s.startswith("decode m")]
-    assert len(decode) == 3
+    assert len(decode) == 4
     assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 dp4a [1-9]\d* ", s) for s in decode), decode
     assert all(re.search(r" spills 0$", s) for s in decode), decode
     programs = [int(s.rsplit(" ", 1)[1]) for s in lines if s.startswith("decode-grid")]
