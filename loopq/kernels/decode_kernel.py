@@ -107,17 +107,21 @@ def _chunk(
 ):  # fmt: skip
     """``acc[m, r, j] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the thread's 8 groups
     ``g = 64 c + 8 i + j`` of chunk ``c``, for all BLOCK_M tokens at once (``rm``: ``[BLOCK_M, 1, 1]``, held in
-    each thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL``: the 8 groups
-    as straight-line code (all 8 weight loads in flight, each scale picked by register renaming), else a loop
-    (one group's registers live at a time, the scale picked with 8 selects)."""
+    each thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
+    only): the 8 groups as straight-line code (all 8 weight loads in flight, each scale picked by register
+    renaming), else a loop (one group's registers live at a time, the scale picked with 8 selects; in the last
+    chunk only over the 16-byte blocks that exist, so a K of a few groups costs a few steps)."""
     sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8
     sw = tl.load(sw_tile + sw_off, cache_modifier=".cg").to(tl.float32)  # 16 B, L2 only (read once)
     row = tl.minimum(rm, M - 1)  # rows past M read the last one; their outputs are not stored
-    if UNROLL:
+    if UNROLL and not MASKED:
         for i in tl.static_range(_RUN):
             acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, w4, row, MASKED, ASM)
     else:
-        for i in range(_RUN):
+        steps = _RUN
+        if MASKED:
+            steps = tl.cdiv(G - c * _CHUNK, _LANES)  # the last chunk's groups that exist
+        for i in range(steps):
             sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=2)
             acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED, ASM)
     return acc
