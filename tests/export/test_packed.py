@@ -182,7 +182,7 @@ def _checked_decode(gemm_tiled, calls: list):
     return run
 
 
-@pytest.mark.slow  # the interpreter runs every decode GEMM of two whole-model forwards: 4-22 min on 2 shared cores
+@pytest.mark.slow  # the interpreter runs the 48 decode GEMMs of two whole-model forwards: ~40 s on 2 shared cores
 @pytest.mark.skipif(not triton_interpreted(), reason="needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
 def test_decode_forward_within_the_bound(exported, monkeypatch):
     """Whole-model forwards of 4 tokens and of 1 token on the Triton backend's decode GEMM (the export
