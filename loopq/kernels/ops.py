@@ -94,7 +94,7 @@ def gemm_w4a4(
     """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``.
 
     With ``backend="triton"``, M > 16 runs the prefill tile kernel (:mod:`loopq.kernels.gemm_kernel`) and
-    1 <= M <= 16 the split-K decode kernel (:mod:`loopq.kernels.decode_kernel`); the fp32 output of both is within
+    1 <= M <= 16 the decode kernel (:mod:`loopq.kernels.decode_kernel`); the fp32 output of both is within
     ``reference.gemm_fp64``'s rounding bound of the float64 value of the same codes, not bit-exact with the torch
     backend. The same holds for :func:`gemm_w4a8`.
     """
