@@ -20,7 +20,7 @@ Every entry point takes ``backend="torch" | "triton"`` (``None``: triton on CUDA
 backend (:mod:`loopq.kernels.reference`) is the CPU path and the test oracle; the Triton quantizer
 (:mod:`loopq.kernels.quantize_kernel`) follows its fp32 operation order with FMA contraction disabled, so it
 reproduces it bit for bit. The GEMMs add the groups in other orders (the prefill one with FMA): the prefill tile GEMM
-(:mod:`loopq.kernels.gemm_kernel`, calls of more than 16 tokens) and the split-K decode GEMM
+(:mod:`loopq.kernels.gemm_kernel`, calls of more than 16 tokens) and the decode GEMM
 (:mod:`loopq.kernels.decode_kernel`, 1 to 16 tokens) give fp32 outputs within the rounding bound of
 :func:`loopq.kernels.reference.gemm_fp64` of the float64 value of the same codes, not bit-exact.
 """

@@ -1,253 +1,238 @@
-"""Triton kernel #3: the decode GEMM, ``out[M, N] = A[M, K] W[N, K]^T`` for M <= 16 tokens, split over K.
+"""Triton kernel #3: the decode GEMM, ``out[M, N] = A[M, K] W[N, K]^T (+ bias)`` for M <= 16 tokens.
 
 At decode the GEMM is bound by reading the weight: 0.5625 bytes per weight (an int4 code plus its share of one fp16
-scale per 32) against BF16's 2, so up to 3.56x a BF16 matmul if every SM streams weight bytes. The tile kernel
-(:mod:`loopq.kernels.gemm_kernel`) gives a 2048-row linear only ``2048 / BLOCK_N`` programs, and pads M = 1 to a
-16-row tensor-core dot. This kernel instead
+scale per 32) against BF16's 2, so up to 3.56x a BF16 matmul - but only if the loop that consumes each weight byte
+is cheaper than the memory system delivering it (an H100 SM issues ~4 warp-instructions per clock, about
+0.3 warp-instructions per weight byte at 3.35 TB/s). The kernel is built so that the compiled loop is that cheap
+(``scripts/ptx_stats.py`` counts it, ``tests/kernels/test_ptx_stats.py`` holds it to <= 8 PTX instructions per
+weight byte per thread at M = 1):
 
-* splits K: program ``(i, s)`` owns output columns ``[i BLOCK_N, (i + 1) BLOCK_N)`` and the groups
-  ``[s G_s, (s + 1) G_s)``; :func:`decode_config` picks ``BLOCK_N`` and ``G_s`` per shape so that M = 1 launches
-  about :data:`TARGET_PROGRAMS` programs, at most one split per iteration (Ouro-1.4B: 512 to 768, against 64 to 352
-  for the tile kernel);
-* reads ``BLOCK_G`` groups per iteration, ``BLOCK_G * 16`` contiguous bytes of each weight row (16-byte aligned:
-  rows are ``K / 2`` bytes, a multiple of 16, so the loads compile to ``ld.global.v4``, or 16-byte ``cp.async``
-  where the tensor-core loop is pipelined), with ``evict_first`` since each weight byte is read once;
-* for M <= 4 multiplies on CUDA cores: activations and weights are packed alike (the low nibble holds the even k),
-  so ``dot = sum_j lo(a_j) lo(w_j) + hi(a_j) hi(w_j)`` needs no re-interleaving, and no row is padded; for
-  4 < M <= 16 it unpacks the groups to natural K order for a batched 16-row int8 tensor-core dot, one per group;
-* writes fp32 partial sums ``[S, M, N]`` that :func:`_reduce_kernel` adds in split order (deterministic, no
-  atomics) while casting to the output dtype; with one split the kernel writes the output itself.
+* **the weight is laid out at export for the threads** (:func:`loopq.kernels.packing.tile_weight`): a program owns
+  8 output rows and runs 64 threads ``(r, j)``; thread ``(r, j)`` takes groups ``g = 64 c + 8 i + j``, so at each
+  ``i`` of chunk ``c`` the 64 threads read one contiguous 1 KB block, 16 bytes (one group, one ``ld.global.v4``)
+  each, and the 8 fp16 scales a thread needs for the chunk are one 16-byte load too;
+* **nibbles are decoded with three or four integer ops per 4-byte word**: ``lo = w & 0x0F0F0F0F`` holds the four
+  even-k codes of the word as offset-binary nibbles ``u = code + 8`` (the layout stores them so);
+  ``(lo + 0x78787878) ^ 0x80808080`` turns each byte into the sign-extended int8 ``u - 8`` without carries between
+  bytes (``u + 0x78`` lies in 0x78..0x87, and ``^ 0x80`` maps that to ``u - 8`` modulo 256); ``hi`` the same after
+  ``>> 4``;
+* **the int8 dot is ``dp4a``** (four int8 products + accumulate per instruction) on the activation's int8 codes,
+  written by the quantizer in the matching order (per group its 16 even k, then its 16 odd k:
+  :func:`loopq.kernels.packing.deinterleave_groups`), loaded as 16-byte words; each decoded weight word serves all
+  the program's tokens;
+* **no reduction across threads inside the K loop**: every thread accumulates its own groups in fp32 registers; the
+  8 lanes of a row are added once, after the loop;
+* **one launch, no split-K**: the K dimension is spread over the 8 lanes of a program instead, and the grid is
+  ``N / 8`` programs (256 to 1408 on Ouro-1.4B's shapes, all issued in one wave of loads); the program writes the
+  output dtype and adds the bias itself;
+* **a few compiled variants, each small**: a program holds ``BLOCK_M`` = 1, 2, 4 or 8 tokens in each thread's
+  registers as one ``[BLOCK_M, 8, 8, 4]`` block (M rounded up to a power of two; rows past M re-read the last
+  token and are not stored); 9..16 tokens run two 8-token programs per tile, adjacent in launch order so the
+  second reads the weight from L2. Up to 2 tokens a chunk's 8 groups are straight-line code (all 8 weight loads in
+  flight); from 4 on they are a loop, so that one group's activations are live at a time (no spills) and each
+  variant compiles in seconds instead of the minutes that unrolling 16 tokens x 8 groups took.
 
 Rounding contract (not bit-exact with :mod:`loopq.kernels.reference`, which adds the groups left to right): every
 group's integer dot is exact; each term ``t_g = dot_g * (s_a s_w)`` is rounded twice and the G terms are summed in
-fp32 in some bracketing (within an iteration, along a split, across splits), each term passing through at most
-G - 1 additions. Hence, with ``u = 2^-24`` (half of fp32's epsilon) and ``gamma_n = n u / (1 - n u)``::
+fp32 in some bracketing (along a lane, then across the 8 lanes), each term passing through at most G - 1 additions.
+Hence, with ``u = 2^-24`` and ``gamma_n = n u / (1 - n u)``::
 
-    |out - ref64| <= gamma_{G+1} * sum_k |a_k w_k s_a s_w|                      (fp32 output)
+    |out - ref64| <= gamma_{G+1} * sum_k |a_k w_k s_a s_w|                      (fp32 output, no bias)
 
 where ``ref64`` is the same codes and scales evaluated in float64 (:func:`loopq.kernels.reference.gemm_fp64`,
-which also returns this bound). The tile kernel and the torch reference satisfy it too.
+which also returns this bound). The bias is added to the fp32 sum before the cast to the output dtype, as the torch
+path does.
+
+``dp4a`` is emitted with ``tl.inline_asm_elementwise`` on the GPU; the CPU interpreter cannot run inline assembly,
+so there (``ASM=False``) :func:`_dp4a` computes the same four sign-extended byte products with shifts.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopq.kernels.gemm_kernel import _unpack_int4
+from loopq.kernels.packing import CHUNK_GROUPS, GROUP_SIZE, SCALE_RUN, TILE_LANES, TILE_ROWS
 
 #: the decode path serves calls of at most this many tokens (``loopq.kernels.ops`` dispatches on it)
 MAX_M = 16
-#: programs asked of a launch at M = 1: four per SM of an H100 SXM5 (132 SMs), to keep enough loads in flight
-TARGET_PROGRAMS = 4 * 132
-#: the largest ``BLOCK_M * BLOCK_N * BLOCK_G`` of the CUDA-core path: 32 int32 products per thread at 4 warps
-_CUDA_CORE_PRODUCTS = 64 * 4
+#: the most tokens a program holds in registers: a launch of M tokens runs ``cdiv(M, BLOCK_M)`` programs per tile
+#: (adjacent in launch order, so the second reads the tile's weight from L2)
+MAX_BLOCK_M = 8
+#: up to this many tokens a chunk's 8 groups are straight-line code (8 weight loads in flight per thread); larger
+#: blocks loop over them, which keeps one group's activation registers live (no spills at 8 tokens) and the
+#: compiled code small (each variant compiles in seconds)
+UNROLL_M = 2
+#: threads of a program: TILE_ROWS x TILE_LANES = 64
+NUM_WARPS = TILE_ROWS * TILE_LANES // 32
+_ROWS, _LANES, _RUN, _CHUNK = (tl.constexpr(v) for v in (TILE_ROWS, TILE_LANES, SCALE_RUN, CHUNK_GROUPS))
+_LO = tl.constexpr(0x0F0F0F0F)
+_BIAS = tl.constexpr(0x78787878)
+_SIGN = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """One launch: tiles, groups per iteration (``block_g``) and per split, and how many splits."""
-
-    block_m: int
-    block_n: int
-    block_g: int
-    groups_per_split: int
-    splits: int
-    use_dot: bool
-    num_warps: int = 4
-
-    def grid(self, n: int) -> tuple[int, int]:
-        return triton.cdiv(n, self.block_n), self.splits
-
-
-def decode_config(m: int, n: int, k: int, target_programs: int = TARGET_PROGRAMS) -> DecodeConfig:
-    """Tiles and split-K of an ``[m, k] x [n, k]^T`` decode GEMM (``1 <= m <= MAX_M``, ``k`` a multiple of 32).
-
-    M <= 4 runs on CUDA cores with ``BLOCK_M * BLOCK_N * BLOCK_G = 256`` (registers); larger M on a 16-row tensor
-    core dot, four groups per iteration, 32 columns per program. K is split into as many splits as bring the grid to
-    ``target_programs`` (a power of two, each split a whole number of iterations), but the fp32 partial sums may
-    not exceed a quarter of the weight's bytes (they are written and read back).
-    """
-    block_m = triton.next_power_of_2(m)
-    use_dot = block_m > 4
-    if use_dot:
-        block_m, block_n, block_g = 16, 32, 4
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """``c + sum_q a.byte[q] * b.byte[q]`` over the four signed bytes of int32 words (``dp4a.s32.s32``)."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
     else:
-        block_n = 64 if block_m == 1 else 32
-        block_g = _CUDA_CORE_PRODUCTS // (block_m * block_n)
-    groups = k // 32
-    iterations = triton.cdiv(groups, block_g)
-    n_blocks = triton.cdiv(n, block_n)
-    max_by_traffic = max(1, (n * k * 9 // 16) // (32 * m * n))  # partials: 4 B written + read, <= 1/4
-    splits = min(triton.next_power_of_2(triton.cdiv(target_programs, n_blocks)), iterations, max_by_traffic)
-    groups_per_split = block_g * triton.cdiv(iterations, splits)
-    splits = triton.cdiv(groups, groups_per_split)
-    num_warps = 2 if block_m == 4 else 4  # 16 weight bytes per thread and iteration
-    return DecodeConfig(block_m, block_n, block_g, groups_per_split, splits, use_dot, num_warps)
+        out = c + ((a << 24) >> 24) * ((b << 24) >> 24)
+        out += ((a << 16) >> 24) * ((b << 16) >> 24)
+        out += ((a << 8) >> 24) * ((b << 8) >> 24)
+        out += (a >> 24) * (b >> 24)
+    return out
+
+
+@triton.jit
+def _pick(tile, i: tl.constexpr):
+    """Entry ``i`` (0..7) of the last axis of a ``[R, J, 8]`` tile held in one thread, by ``tl.split`` (register
+    renaming, no arithmetic): entry ``i`` of ``[R, J, 2, 2, 2]`` is at ``(i % 2, i // 2 % 2, i // 4)`` reversed."""
+    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], tile.shape[1], 4, 2]))
+    b = a0 if i % 2 == 0 else a1
+    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], tile.shape[1], 2, 2]))
+    c = b0 if (i // 2) % 2 == 0 else b1
+    c0, c1 = tl.split(c)
+    return c0 if i // 4 == 0 else c1
+
+
+@triton.jit
+def _chunk(
+    acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm,
+    MASKED: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """``acc[m, r, j] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the thread's 8 groups
+    ``g = 64 c + 8 i + j`` of chunk ``c``, for all BLOCK_M tokens at once (``rm``: ``[BLOCK_M, 1, 1]``, held in
+    each thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
+    only): the 8 groups as straight-line code (all 8 weight loads in flight, each scale picked by register
+    renaming), else a loop (one group's registers live at a time, the scale picked with 8 selects; in the last
+    chunk only over the 16-byte blocks that exist, so a K of a few groups costs a few steps)."""
+    sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8
+    sw = tl.load(sw_tile + sw_off, cache_modifier=".cg").to(tl.float32)  # 16 B, L2 only (read once)
+    row = tl.minimum(rm, M - 1)  # rows past M read the last one; their outputs are not stored
+    if UNROLL and not MASKED:
+        for i in tl.static_range(_RUN):
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, w4, row, MASKED, ASM)
+    else:
+        steps = _RUN
+        if MASKED:
+            steps = tl.cdiv(G - c * _CHUNK, _LANES)  # the last chunk's groups that exist
+        for i in range(steps):
+            sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=2)
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED, ASM)
+    return acc
+
+
+@triton.jit
+def _group(
+    acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED: tl.constexpr, ASM: tl.constexpr
+):  # fmt: skip
+    """The ``i``-th group of chunk ``c`` (``g = 64 c + 8 i + j``) for thread ``(r, j)``, all tokens: one 16-byte
+    weight load, two 16-byte activation loads and one scale load per token, 8 ``dp4a`` per token."""
+    g = c * _CHUNK + i * _LANES + j  # [1, J, 1]
+    w_off = ((c * _RUN + i) * (_ROWS * _LANES) + r * _LANES + j) * 4 + w4
+    # [BLOCK_M, R, J, 4] addresses: thread (r, j) reads its lane's activation words for every token; the scales
+    # are [BLOCK_M, R, J, 1] (not [BLOCK_M, R, J], which Triton could lay out like the [R, J, 8] weight scales)
+    rows4 = row[:, :, :, None]
+    a_row = tl.broadcast_to(a_ptr + rows4 * (G * 8) + (g * 8 + w4)[None, :, :, :], [row.shape[0], _ROWS, _LANES, 4])
+    sa_row = tl.broadcast_to(sa_ptr + rows4 * G + g[None, :, :, :], [row.shape[0], _ROWS, _LANES, 1])
+    if MASKED:
+        live = g < G
+        wv = tl.load(w_tile + w_off, mask=live, other=0, eviction_policy="evict_first")
+        a_even = tl.load(a_row, mask=live[None, :, :, :], other=0)
+        a_odd = tl.load(a_row + 4, mask=live[None, :, :, :], other=0)
+        sa = tl.load(sa_row, mask=live[None, :, :, :], other=0.0)
+    else:
+        wv = tl.load(w_tile + w_off, eviction_policy="evict_first")
+        a_even = tl.load(a_row)
+        a_odd = tl.load(a_row + 4)
+        sa = tl.load(sa_row)
+    lo = ((wv & _LO) + _BIAS) ^ _SIGN  # [R, J, 4] words of sign-extended int8 codes: even k
+    hi = (((wv >> 4) & _LO) + _BIAS) ^ _SIGN  # odd k
+    dot = _dp4a(lo[None, :, :, :], a_even, _dp4a(hi[None, :, :, :], a_odd, tl.zeros_like(a_even), ASM), ASM)
+    return acc + tl.sum(dot, axis=3, keep_dims=True).to(tl.float32) * (sa * sw_i[None, :, :, None])
 
 
 @triton.jit
 def _decode_kernel(
-    a_ptr,
-    sa_ptr,
-    w_ptr,
-    sw_ptr,
-    part_ptr,
-    M,
-    N,
-    row_bytes,
-    groups,
-    groups_per_split,
-    A_INT4: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    USE_DOT: tl.constexpr,
-):
-    rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rm = tl.arange(0, BLOCK_M)
-    m_mask, n_mask = rm < M, rn < N
-    g_begin = tl.program_id(1) * groups_per_split
-    g_end = tl.minimum(g_begin + groups_per_split, groups)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(g_begin, g_end, BLOCK_G):
-        if USE_DOT:
-            acc = _tensor_core_groups(
-                acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
-                A_INT4, BLOCK_M, BLOCK_N, BLOCK_G,
-            )  # fmt: skip
-        else:
-            acc = _cuda_core_groups(
-                acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
-                A_INT4, BLOCK_M, BLOCK_N, BLOCK_G,
-            )  # fmt: skip
-    out = part_ptr + tl.program_id(1) * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, acc.to(part_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _cuda_core_groups(
-    acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
-    A_INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, M, N, G,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc += sum_g dot_g * (s_a s_w)`` over groups ``g .. g + BLOCK_G`` (those below ``g_end``): each row's
-    ``BLOCK_G * 16`` weight bytes in one load, exact int32 group dots of the unpacked nibbles on CUDA cores."""
-    rg = g + tl.arange(0, BLOCK_G)
-    g_mask = rg < g_end
-    kb = g * 16 + tl.arange(0, BLOCK_G * 16)  # byte j of a packed row holds k = 2j (low nibble), 2j + 1 (high)
-    k_mask = (kb < g_end * 16)[None, :]
-    w = tl.load(
-        w_ptr + rn[:, None] * row_bytes + kb[None, :],
-        mask=n_mask[:, None] & k_mask,
-        other=0,
-        eviction_policy="evict_first",
-    )
-    a_mask = m_mask[:, None] & k_mask
-    if A_INT4:
-        a_lo, a_hi = _unpack_int4(tl.load(a_ptr + rm[:, None] * row_bytes + kb[None, :], mask=a_mask, other=0))
-    else:
-        even = a_ptr + rm[:, None] * (2 * row_bytes) + 2 * kb[None, :]
-        a_lo, a_hi = tl.load(even, mask=a_mask, other=0), tl.load(even + 1, mask=a_mask, other=0)
-    w_lo, w_hi = _unpack_int4(w)
-    a_lo, a_hi = a_lo.to(tl.int32)[:, None, :], a_hi.to(tl.int32)[:, None, :]
-    prod = a_lo * w_lo.to(tl.int32)[None, :, :] + a_hi * w_hi.to(tl.int32)[None, :, :]
-    dots = tl.sum(tl.reshape(prod, [BLOCK_M, BLOCK_N, BLOCK_G, 16]), axis=3)
-    sa = tl.load(sa_ptr + rm[:, None] * groups + rg[None, :], mask=m_mask[:, None] & g_mask[None, :], other=0.0)
-    sw = tl.load(sw_ptr + rn[:, None] * groups + rg[None, :], mask=n_mask[:, None] & g_mask[None, :], other=0.0)
-    scale = sa.to(tl.float32)[:, None, :] * sw.to(tl.float32)[None, :, :]
-    return acc + tl.sum(dots.to(tl.float32) * scale, axis=2)
+    """Program ``p``: output rows ``8 t .. 8 t + 7`` of tile ``t = p // B`` for tokens ``BLOCK_M b ..`` of token
+    block ``b = p % B``, ``B = cdiv(M, BLOCK_M)`` (see the module docstring)."""
+    token_blocks = tl.cdiv(M, BLOCK_M)
+    tile = (tl.program_id(0) // token_blocks).to(tl.int64)
+    first = (tl.program_id(0) % token_blocks) * BLOCK_M
+    r = tl.arange(0, _ROWS)[:, None, None]
+    j = tl.arange(0, _LANES)[None, :, None]
+    w4 = tl.arange(0, 4)[None, None, :]
+    s8 = tl.arange(0, _RUN)[None, None, :]
+    rm = first + tl.arange(0, BLOCK_M)[:, None, None]
+    blocks = tl.cdiv(G, _LANES)  # 16-byte code blocks of 8 groups per tile row
+    chunks = tl.cdiv(G, _CHUNK)
+    w_tile = w_ptr + tile * (blocks * (_ROWS * _LANES * 4))  # int32 words
+    sw_tile = sw_ptr + tile * (chunks * (_ROWS * _CHUNK))
+    acc = tl.zeros([BLOCK_M, _ROWS, _LANES, 1], dtype=tl.float32)
+    full = G // _CHUNK
+    for c in range(full):
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm, False, UNROLL, ASM)
+    if full < chunks:
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, M, G, r, j, w4, s8, rm, True, UNROLL, ASM)
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, R]: the lanes of each row, once, after the loop
+    rn = tile * _ROWS + tl.arange(0, _ROWS)
+    om = first + tl.arange(0, BLOCK_M)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    mask = (om < M)[:, None] & (rn < N)[None, :]
+    tl.store(out_ptr + om[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _tensor_core_groups(
-    acc, a_ptr, sa_ptr, w_ptr, sw_ptr, rm, rn, m_mask, n_mask, g, g_end, row_bytes, groups,
-    A_INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
-    """The same on the tensor cores: ``[BLOCK_G, BLOCK_N, 16]`` weight bytes in one load, unpacked to natural K
-    order, one batched int8 dot ``[BLOCK_G, BLOCK_M, 32] x [BLOCK_G, 32, BLOCK_N]`` (a depth-32 dot per group)."""
-    rg = (g + tl.arange(0, BLOCK_G))[:, None, None]
-    g_mask = rg < g_end
-    kb = rg * 16 + tl.arange(0, 16)[None, None, :]
-    w = tl.load(
-        w_ptr + rn[None, :, None] * row_bytes + kb,
-        mask=n_mask[None, :, None] & g_mask,
-        other=0,
-        eviction_policy="evict_first",
-    )
-    a_mask = m_mask[None, :, None] & g_mask
-    if A_INT4:
-        a = _natural_order(tl.load(a_ptr + rm[None, :, None] * row_bytes + kb, mask=a_mask, other=0), BLOCK_G, BLOCK_M)
-    else:
-        a_ptrs = a_ptr + rm[None, :, None] * (2 * row_bytes) + rg * 32 + tl.arange(0, 32)[None, None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0)
-    w = tl.permute(_natural_order(w, BLOCK_G, BLOCK_N), (0, 2, 1))
-    dots = tl.dot(a, w, out_dtype=tl.int32)
-    sa = tl.load(sa_ptr + rm[None, :, None] * groups + rg, mask=a_mask, other=0.0).to(tl.float32)
-    sw = tl.load(sw_ptr + rn[None, None, :] * groups + rg, mask=n_mask[None, None, :] & g_mask, other=0.0)
-    return acc + tl.sum(dots.to(tl.float32) * (sa * sw.to(tl.float32)), axis=0)
+def specialization(m: int) -> dict[str, int | bool]:
+    """The constexprs a launch for ``m`` tokens compiles with: ``BLOCK_M``, M rounded up to a power of two and
+    capped at :data:`MAX_BLOCK_M` (so 4 variants serve 1..16 tokens), and ``UNROLL`` up to :data:`UNROLL_M`."""
+    bm = min(triton.next_power_of_2(m), MAX_BLOCK_M)
+    return {"BLOCK_M": bm, "UNROLL": bm <= UNROLL_M}
 
 
-@triton.jit
-def _natural_order(packed, BLOCK_G: tl.constexpr, ROWS: tl.constexpr):
-    """``[BLOCK_G, ROWS, 16]`` packed bytes -> ``[BLOCK_G, ROWS, 32]`` int8 codes in natural K order."""
-    even, odd = _unpack_int4(packed)
-    return tl.reshape(tl.join(even, odd), [BLOCK_G, ROWS, 32])
-
-
-@triton.jit
-def _reduce_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = sum_s part[s]`` in split order (fixed, so repeated calls agree bit for bit), cast to ``out``'s dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc = acc + tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gemm(
-    a: Tensor,
+def gemm_tiled(
+    a_codes: Tensor,
     a_scales: Tensor,
-    w_packed: Tensor,
+    w_codes: Tensor,
     w_scales: Tensor,
+    n: int,
     out_dtype: torch.dtype,
-    a_int4: bool,
-    config: DecodeConfig | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """Launch :func:`_decode_kernel` (+ :func:`_reduce_kernel` when K is split); arguments validated by ``ops``.
-    ``config`` (default :func:`decode_config`) lets tests force splits the small shapes would not get."""
-    m, n, row_bytes = a.shape[0], w_packed.shape[0], w_packed.shape[1]
+    """One launch of :func:`_decode_kernel` (``N / 8 * cdiv(M, BLOCK_M)`` programs). ``a_codes``: int8 ``[M, K]``
+    in the decode order (:func:`loopq.kernels.packing.deinterleave_groups`), ``a_scales`` fp32 ``[M, K/32]``; the
+    weight in the kernel layout (:func:`loopq.kernels.packing.tile_weight`) of ``n`` rows; ``bias`` fp32 ``[n]`` or
+    None."""
+    m, k = a_codes.shape
     if not 0 < m <= MAX_M:
         raise ValueError(f"the decode GEMM takes 1..{MAX_M} rows (got M={m}); use loopq.kernels.gemm_kernel")
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
     if n == 0:
         return out
-    cfg = config or decode_config(m, n, 2 * row_bytes)
-    part = out if cfg.splits == 1 else torch.empty(cfg.splits, m, n, dtype=torch.float32, device=a.device)
-    _decode_kernel[cfg.grid(n)](
-        a.contiguous(),
+    groups = k // GROUP_SIZE
+    spec = specialization(m)
+    _decode_kernel[(w_codes.shape[0] * triton.cdiv(m, spec["BLOCK_M"]),)](
+        a_codes.contiguous().view(torch.int32),
         a_scales.contiguous(),
-        w_packed.contiguous(),
-        w_scales.contiguous(),
-        part,
+        w_codes.view(torch.int32),
+        w_scales,
+        out if bias is None else bias,
+        out,
         m,
         n,
-        row_bytes,
-        w_scales.shape[1],
-        cfg.groups_per_split,
-        A_INT4=a_int4,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_G=cfg.block_g,
-        USE_DOT=cfg.use_dot,
-        num_warps=cfg.num_warps,
+        groups,
+        HAS_BIAS=bias is not None,
+        **spec,
+        ASM=a_codes.is_cuda and isinstance(_decode_kernel, triton.runtime.JITFunction),
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
-    if cfg.splits > 1:
-        block = 1024
-        _reduce_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=cfg.splits, BLOCK=block, num_warps=4)
     return out

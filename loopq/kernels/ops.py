@@ -14,7 +14,7 @@ from torch import Tensor
 from triton.runtime import JITFunction
 
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel, reference
-from loopq.kernels.packing import GROUP_SIZE
+from loopq.kernels.packing import GROUP_SIZE, deinterleave_groups, tile_weight, tiled_shapes, untile_weight
 
 BACKENDS = ("torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,9 +25,16 @@ _QUANTIZE = {"torch": reference.quantize_activation, "triton": quantize_kernel.q
 def _triton_gemm(
     a: Tensor, a_scales: Tensor, w_packed: Tensor, w_scales: Tensor, out_dtype: torch.dtype, a_int4: bool
 ) -> Tensor:
-    """Decode calls (1..16 tokens) take the split-K kernel, larger ones the tile kernel (see ``gemm_w4a4``)."""
-    kernel = decode_kernel if 0 < a.shape[0] <= decode_kernel.MAX_M else gemm_kernel
-    return kernel.gemm(a, a_scales, w_packed, w_scales, out_dtype, a_int4)
+    """Decode calls (1..16 tokens) take the decode kernel, larger ones the tile kernel (see ``gemm_w4a4``). The
+    decode kernel reads the export layout; from the natural one this compatibility path converts both operands
+    first (extra launches and traffic: the packed model calls :func:`quantized_linear` with the stored layout)."""
+    if 0 < a.shape[0] <= decode_kernel.MAX_M:
+        codes = reference.unpack_int4(a) if a_int4 else a
+        w_codes, w_scales_tiled = tile_weight(w_packed, w_scales.half())
+        return decode_kernel.gemm_tiled(
+            deinterleave_groups(codes), a_scales.float(), w_codes, w_scales_tiled, w_packed.shape[0], out_dtype
+        )
+    return gemm_kernel.gemm(a, a_scales, w_packed, w_scales, out_dtype, a_int4)
 
 
 _GEMM_W4A4 = {"torch": reference.gemm_w4a4, "triton": partial(_triton_gemm, a_int4=True)}
@@ -87,7 +94,7 @@ def gemm_w4a4(
     """``out [M, N] = dequant(a) dequant(w)^T`` from packed int4 activations ``[M, K/2]`` and weights ``[N, K/2]``.
 
     With ``backend="triton"``, M > 16 runs the prefill tile kernel (:mod:`loopq.kernels.gemm_kernel`) and
-    1 <= M <= 16 the split-K decode kernel (:mod:`loopq.kernels.decode_kernel`); the fp32 output of both is within
+    1 <= M <= 16 the decode kernel (:mod:`loopq.kernels.decode_kernel`); the fp32 output of both is within
     ``reference.gemm_fp64``'s rounding bound of the float64 value of the same codes, not bit-exact with the torch
     backend. The same holds for :func:`gemm_w4a8`.
     """
@@ -106,6 +113,58 @@ def gemm_w4a8(
     """``out [M, N] = dequant(a) dequant(w)^T`` from int8 activations ``[M, K]`` and packed int4 weights."""
     backend = _check_gemm("a_int8", a_int8, 8, a_scales, w_packed, w_scales, out_dtype, backend)
     return _GEMM_W4A8[backend](a_int8, a_scales, w_packed, w_scales, out_dtype)
+
+
+def quantized_linear(
+    x: Tensor,
+    w_codes: Tensor,
+    w_scales: Tensor,
+    n: int,
+    left: Tensor | None = None,
+    right: Tensor | None = None,
+    inv_d: Tensor | None = None,
+    clip: float = 1.0,
+    a_bits: int = 4,
+    bias: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """A whole quantized linear ``y [M, n] = Q_a((x * inv_d) (left (x) right)) W^T + bias`` from the weight in the
+    export layout (``w_codes``, ``w_scales`` of :func:`loopq.kernels.packing.tile_weight`), in ``out_dtype``
+    (default ``x``'s).
+
+    ``"triton"`` with 1..16 tokens is two launches: the quantizer (input cast and diagonal folded in, int8 codes in
+    the decode order) and the decode GEMM (bias and output dtype in its epilogue). More tokens run the quantizer
+    and the prefill tile kernel, which reads the natural layout (converted here, see docs/benchmarks.md). ``"torch"``
+    computes the reference: ``x.float() * inv_d``, :func:`reference.quantize_activation`, the ordered GEMM, ``+ bias``,
+    cast - the operations (and bits) of the packed group before the kernel layout."""
+    _check_matrix("x", x, (*FLOAT_DTYPES, torch.float64))
+    k = x.shape[1]
+    if a_bits not in (4, 8):
+        raise ValueError(f"a_bits={a_bits}: activations are quantized to 4 (W4A4) or 8 (W4A8) bits")
+    code_shape, scale_shape = tiled_shapes(n, k)
+    if tuple(w_codes.shape) != code_shape or tuple(w_scales.shape) != scale_shape:
+        raise ValueError(
+            f"w_codes {tuple(w_codes.shape)} / w_scales {tuple(w_scales.shape)} are not the kernel layout of a "
+            f"[{n}, {k}] weight ({code_shape} / {scale_shape}); lay it out with loopq.kernels.packing.tile_weight"
+        )
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    left, right = _transform_factors(left, right, k, x.device)
+    backend = _resolve_backend(backend, x, "group_size", GROUP_SIZE, out_dtype)
+    m = x.shape[0]
+    if backend == "torch" or m == 0:
+        z = x.float() if inv_d is None else x.float() * inv_d
+        codes, scales = reference.quantize_activation(z, left, right, clip, a_bits, GROUP_SIZE)
+        w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
+        y = (reference.gemm_w4a4 if a_bits == 4 else reference.gemm_w4a8)(codes, scales, w_packed, w_sc, torch.float32)
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+    if m <= decode_kernel.MAX_M:
+        codes, scales = quantize_kernel.quantize_activation(x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True)
+        return decode_kernel.gemm_tiled(codes, scales, w_codes, w_scales, n, out_dtype, bias)
+    codes, scales = quantize_kernel.quantize_activation(x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d)
+    w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
+    y = gemm_kernel.gemm(codes, scales, w_packed.contiguous(), w_sc.contiguous(), torch.float32, a_bits == 4)
+    return (y if bias is None else y + bias.float()).to(out_dtype)
 
 
 def triton_interpreted() -> bool:

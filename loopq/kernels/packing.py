@@ -65,3 +65,74 @@ def quantize_weight(
         raise ValueError(f"quantize_weight: clip_ratio must be a scalar or have N={n} entries (got {clip.numel()})")
     codes, scales = quantize_codes(w.float(), bits, group_size, clip.reshape(-1, 1, 1) if clip.numel() > 1 else clip)
     return pack_int4_unchecked(codes), scales.to(torch.float16)
+
+
+# ------------------------------------------------------------------------------------------- the kernel layout
+#: rows of a weight tile: the decode GEMM's program owns TILE_ROWS output rows (:mod:`loopq.kernels.decode_kernel`)
+TILE_ROWS = 8
+#: K lanes of a tile: a program's threads are TILE_ROWS x TILE_LANES, lane j takes every TILE_LANES-th group
+TILE_LANES = 8
+#: groups one thread reads per chunk (one 16-byte load of fp16 scales): a chunk is TILE_LANES * SCALE_RUN groups
+SCALE_RUN = 8
+CHUNK_GROUPS = TILE_LANES * SCALE_RUN
+#: xor of a :func:`pack_int4` byte into the kernel layout's offset binary nibbles (and back)
+OFFSET_BYTE = 0x88
+
+
+def tiled_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of :func:`tile_weight`'s codes ``[N/8, G/8, 8, 8, 16]`` (uint8) and scales ``[N/8, G/64, 8, 8, 8]``
+    (fp16), N rounded up to 8 rows, the groups G = K/32 to 8 (codes) and 64 (scales) with zero padding."""
+    tiles, groups = -(-n // TILE_ROWS), k // GROUP_SIZE
+    code_blocks, chunks = -(-groups // TILE_LANES), -(-groups // CHUNK_GROUPS)
+    return (tiles, code_blocks, TILE_ROWS, TILE_LANES, GROUP_SIZE // 2), (
+        tiles,
+        chunks,
+        TILE_ROWS,
+        TILE_LANES,
+        SCALE_RUN,
+    )
+
+
+def tile_weight(packed: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed weights ``[N, K/2]`` and scales ``[N, K/32]`` -> the kernel layout (export format v3).
+
+    Codes: byte block ``[t, b, r, j]`` (16 bytes: one group, nibbles ordered as in :func:`pack_int4`) is row
+    ``8 t + r``, group ``8 b + j``, each nibble in offset binary (``code + 8``, 0..15: the byte of
+    :func:`pack_int4` xor 0x88, which the decode GEMM sign-extends with one add and one xor per 4-byte word). The
+    8 x 8 groups of a block row lie in 1 KB, read by the decode GEMM's 64 threads ``(r, j)`` with one 16-byte load
+    each. Scales: ``[t, c, r, j, i]`` is row ``8 t + r``, group ``64 c + 8 i + j``: the 8 scales thread ``(r, j)``
+    needs in chunk ``c`` are one 16-byte load.
+    A pure permutation plus zero padding: :func:`untile_weight` inverts it exactly."""
+    n, half_k = packed.shape
+    groups = scales.shape[1]
+    code_shape, scale_shape = tiled_shapes(n, 2 * half_k)
+    tiles, blocks, chunks = code_shape[0], code_shape[1], scale_shape[1]
+    codes = packed.new_full((tiles * TILE_ROWS, blocks * TILE_LANES * GROUP_SIZE // 2), OFFSET_BYTE)  # code 0
+    codes[:n, :half_k] = packed ^ OFFSET_BYTE
+    codes = codes.reshape(tiles, TILE_ROWS, blocks, TILE_LANES, GROUP_SIZE // 2).permute(0, 2, 1, 3, 4)
+    s = scales.new_zeros(tiles * TILE_ROWS, chunks * CHUNK_GROUPS)
+    s[:n, :groups] = scales
+    s = s.reshape(tiles, TILE_ROWS, chunks, SCALE_RUN, TILE_LANES).permute(0, 2, 1, 4, 3)
+    return codes.contiguous(), s.contiguous()
+
+
+def untile_weight(codes: Tensor, scales: Tensor, n: int, k: int) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`tile_weight`: ``(packed [N, K/2], scales [N, K/32])``."""
+    tiles, blocks = codes.shape[:2]
+    chunks = scales.shape[1]
+    packed = codes.permute(0, 2, 1, 3, 4).reshape(tiles * TILE_ROWS, blocks * TILE_LANES * GROUP_SIZE // 2)
+    s = scales.permute(0, 2, 1, 4, 3).reshape(tiles * TILE_ROWS, chunks * CHUNK_GROUPS)
+    return packed[:n, : k // 2] ^ OFFSET_BYTE, s[:n, : k // GROUP_SIZE]
+
+
+def deinterleave_groups(codes: Tensor) -> Tensor:
+    """int8 codes ``[M, K]`` -> the decode GEMM's activation order: per 32-group its 16 even k, then its 16 odd k
+    (the order of the low and high nibbles of four weight bytes, so that one 4-byte word of each side meets)."""
+    m, k = codes.shape
+    return codes.reshape(m, k // GROUP_SIZE, GROUP_SIZE // 2, 2).transpose(2, 3).reshape(m, k)
+
+
+def interleave_groups(codes: Tensor) -> Tensor:
+    """The inverse of :func:`deinterleave_groups`."""
+    m, k = codes.shape
+    return codes.reshape(m, k // GROUP_SIZE, 2, GROUP_SIZE // 2).transpose(2, 3).reshape(m, k)

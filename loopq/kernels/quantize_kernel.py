@@ -33,6 +33,7 @@ scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` check
 
 from __future__ import annotations
 
+import struct
 from typing import NamedTuple
 
 import torch
@@ -53,8 +54,17 @@ def _load_tokens(x_ptr, rows, row_mask, K: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, d_ptr, cols, col_mask, HAS_D: tl.constexpr):
+    """``x * inv_d[cols]`` (the diagonal of the transform, one fp32 multiply as the reference does), or ``x``."""
+    if HAS_D:
+        x = x * tl.load(d_ptr + cols, mask=col_mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _transform_tokens(
     x_ptr,
+    d_ptr,
     left_ptr,
     right_ptr,
     scratch_ptr,
@@ -67,6 +77,7 @@ def _transform_tokens(
     N1P: tl.constexpr,
     N2P: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HAS_D: tl.constexpr,
 ):
     a = tl.arange(0, N1P)
     b = tl.arange(0, N2P)
@@ -75,6 +86,7 @@ def _transform_tokens(
     xr = tl.zeros([BLOCK_M, N1P, N2P], dtype=tl.float32)
     for j in range(N2):
         x_col = tl.load(x_rows + j, mask=x_mask, other=0.0).to(tl.float32)  # X[m, :, j]
+        x_col = _scaled(x_col, d_ptr, (a * N2 + j)[None, :], (a < N1)[None, :], HAS_D)
         r_row = tl.load(right_ptr + j * N2 + b, mask=b < N2, other=0.0)  # R[j, :]
         xr = xr + x_col[:, :, None] * r_row[None, None, :]
     z = tl.zeros([BLOCK_M, N1P, N2P], dtype=tl.float32)
@@ -94,6 +106,7 @@ def _transform_tokens(
 @triton.jit
 def _quantize_kernel(
     x_ptr,
+    d_ptr,
     left_ptr,
     right_ptr,
     scratch_ptr,
@@ -112,15 +125,20 @@ def _quantize_kernel(
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HAS_D: tl.constexpr = False,
+    DECODE: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may exceed 2^31
     row_mask = rows < M
     if HAS_TRANSFORM:
-        z = _transform_tokens(x_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M)
+        z = _transform_tokens(
+            x_ptr, d_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M, HAS_D
+        )
     else:
-        z = _load_tokens(x_ptr, rows, row_mask, K, KP)
+        cols = tl.arange(0, KP)[None, :]
+        z = _scaled(_load_tokens(x_ptr, rows, row_mask, K, KP), d_ptr, cols, cols < K, HAS_D)
 
-    _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M)
+    _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M, DECODE)
 
 
 @triton.jit
@@ -137,8 +155,10 @@ def _quantize_store(
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    DECODE: tl.constexpr = False,
 ):
-    """Steps 2-4 on transformed tokens ``z [BLOCK_M, KP]`` (K order, zero past K): scales, codes, packing."""
+    """Steps 2-4 on transformed tokens ``z [BLOCK_M, KP]`` (K order, zero past K): scales, codes, packing.
+    ``DECODE``: int8 codes in the decode GEMM's order (per group 16 even k, then 16 odd k), whatever ``BITS``."""
     groups = tl.reshape(z, [BLOCK_M, KP // 32, 32])
     absmax = tl.max(tl.abs(groups), axis=2)
     scale = tl.maximum(tl.math.div_rn(absmax * clip, QMAX), 1e-8)
@@ -149,7 +169,14 @@ def _quantize_store(
     v = tl.math.div_rn(groups, scale[:, :, None])
     v = tl.minimum(tl.maximum(v, QMIN), QMAX)
     q = ((v + ROUND_MAGIC) - ROUND_MAGIC).to(tl.int32)
-    if BITS == 4:
+    if DECODE:
+        even, odd = tl.split(tl.reshape(q, [BLOCK_M, KP // 32, 16, 2]))
+        p = tl.arange(0, 16)[None, None, :]
+        base = codes_ptr + rows[:, None, None] * K + g[None, :, None] * 32 + p
+        mask = g_mask[:, :, None] & (p < 16)
+        tl.store(base, even.to(tl.int8), mask=mask)
+        tl.store(base + 16, odd.to(tl.int8), mask=mask)
+    elif BITS == 4:
         even, odd = tl.split(tl.reshape(q, [BLOCK_M, KP // 2, 2]))
         packed = ((even & 0xF) | ((odd & 0xF) << 4)).to(tl.uint8)
         c = tl.arange(0, KP // 2)
@@ -164,6 +191,7 @@ def _quantize_store(
 @triton.jit
 def _transform_dot(
     x_ptr,
+    d_ptr,
     left_ptr,
     right_ptr,
     scratch_ptr,
@@ -176,6 +204,7 @@ def _transform_dot(
     N2P: tl.constexpr,
     CI: tl.constexpr,
     CJ: tl.constexpr,
+    HAS_D: tl.constexpr,
 ):
     """``Z = L^T X R`` of one token as fp32 ``tl.dot`` on chunks (IEEE products and sums, no tf32), so that no dot
     operand is wider than ``CI`` / ``CJ`` along its reduction: for each block of ``CI`` rows of X,
@@ -193,9 +222,11 @@ def _transform_dot(
         xr = tl.zeros([CI, N2P], dtype=tl.float32)
         for j0 in range(0, N2, CJ):
             j = j0 + cj
-            x = tl.load(x_tok + i[:, None] * N2 + j[None, :], mask=(i < N1)[:, None] & (j < N2)[None, :], other=0.0)
+            x_mask = (i < N1)[:, None] & (j < N2)[None, :]
+            x = tl.load(x_tok + i[:, None] * N2 + j[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            x = _scaled(x, d_ptr, i[:, None] * N2 + j[None, :], x_mask, HAS_D)
             r = tl.load(right_ptr + j[:, None] * N2 + b[None, :], mask=(j < N2)[:, None] & (b < N2)[None, :], other=0.0)
-            xr = tl.dot(x.to(tl.float32), r, xr, input_precision="ieee")  # [c, b] += sum_j X[c, j] R[j, b]
+            xr = tl.dot(x, r, xr, input_precision="ieee")  # [c, b] += sum_j X[c, j] R[j, b]
         left_t = tl.load(left_ptr + i[None, :] * N1 + a[:, None], mask=(a < N1)[:, None] & (i < N1)[None, :], other=0.0)
         z = tl.dot(left_t, xr, z, input_precision="ieee")  # [a, b] += sum_c L[c, a] XR[c, b]
     if N2P == N2:  # padding only after the last row: already in K order
@@ -209,6 +240,7 @@ def _transform_dot(
 @triton.jit
 def _quantize_dot_kernel(
     x_ptr,
+    d_ptr,
     left_ptr,
     right_ptr,
     scratch_ptr,
@@ -227,13 +259,15 @@ def _quantize_dot_kernel(
     BITS: tl.constexpr,
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
+    HAS_D: tl.constexpr = False,
+    DECODE: tl.constexpr = False,
 ):
     """The fast path, one token per program: :func:`_transform_dot`, then the same quantization as
     :func:`_quantize_kernel`."""
     row = tl.program_id(0).to(tl.int64)  # M * K may exceed 2^31
-    z = _transform_dot(x_ptr, left_ptr, right_ptr, scratch_ptr, row, K, KP, N1, N2, N1P, N2P, CI, CJ)
+    z = _transform_dot(x_ptr, d_ptr, left_ptr, right_ptr, scratch_ptr, row, K, KP, N1, N2, N1P, N2P, CI, CJ, HAS_D)
     rows = row + tl.arange(0, 1)
-    _quantize_store(z, rows, rows < M, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, 1)
+    _quantize_store(z, rows, rows < M, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, 1, DECODE)
 
 
 def quantize_activation(
@@ -244,16 +278,20 @@ def quantize_activation(
     bits: int,
     group_size: int,
     exact: bool | None = None,
+    inv_d: Tensor | None = None,
+    decode: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the quantizer (arguments already validated by :mod:`loopq.kernels.ops`).
+    """Launch the quantizer (arguments already validated by :mod:`loopq.kernels.ops`): one launch, which reads
+    ``x`` in its own dtype and multiplies it by ``inv_d`` (fp32 ``[K]``, the transform's diagonal) on load.
 
     ``exact=True`` runs :func:`_quantize_kernel` (the reference's operation order, bit-exact), ``False`` the
     ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
     :func:`uses_fast_path` picks: the fast path for compiled kernels on CUDA, the exact one in the CPU interpreter.
-    Without a transform both are the same kernel."""
+    Without a transform both are the same kernel. ``decode``: int8 codes ``[M, K]`` in the decode GEMM's order
+    (:func:`loopq.kernels.packing.deinterleave_groups`) for either ``bits``, instead of the packed format."""
     if left is None or right is None or not uses_fast_path(exact, x.device):
-        return _quantize_exact(x, left, right, clip, bits)
-    return _quantize_fast(x, left, right, clip, bits)
+        return _quantize_exact(x, left, right, clip, bits, inv_d, decode)
+    return _quantize_fast(x, left, right, clip, bits, inv_d, decode)
 
 
 def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
@@ -266,14 +304,15 @@ def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" and isinstance(_quantize_dot_kernel, triton.runtime.JITFunction)
 
 
-def _outputs(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def _outputs(x: Tensor, bits: int, decode: bool = False) -> tuple[Tensor, Tensor]:
     m, k = x.shape
-    codes = torch.empty(m, k // 2 if bits == 4 else k, dtype=torch.uint8 if bits == 4 else torch.int8, device=x.device)
+    packed = bits == 4 and not decode
+    codes = torch.empty(m, k // 2 if packed else k, dtype=torch.uint8 if packed else torch.int8, device=x.device)
     return codes, torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
 
 
 def _clip32(clip: float) -> float:
-    return float(torch.tensor(clip, dtype=torch.float32, device="cpu"))  # the fp32 value, as a Python float
+    return struct.unpack("f", struct.pack("f", clip))[0]  # the fp32 value, as a Python float
 
 
 def dot_padding(n: int) -> int:
@@ -302,9 +341,11 @@ def fast_config(n1: int, n2: int) -> FastConfig:
     return FastConfig(n1p, n2p, kp, min(32, n1p), min(32, n2p), 8 if n1p * n2p >= 8192 else 4)
 
 
-def _quantize_fast(x: Tensor, left: Tensor, right: Tensor, clip: float, bits: int) -> tuple[Tensor, Tensor]:
+def _quantize_fast(
+    x: Tensor, left: Tensor, right: Tensor, clip: float, bits: int, inv_d: Tensor | None = None, decode: bool = False
+) -> tuple[Tensor, Tensor]:
     m, k = x.shape
-    codes, scales = _outputs(x, bits)
+    codes, scales = _outputs(x, bits, decode)
     if m == 0:
         return codes, scales
     x = x.contiguous()
@@ -312,8 +353,8 @@ def _quantize_fast(x: Tensor, left: Tensor, right: Tensor, clip: float, bits: in
     cfg = fast_config(n1, n2)
     scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if cfg.n2p != n2 else x
     left, right = left.float().contiguous(), right.float().contiguous()
-    _launch(_quantize_dot_kernel, (m,), x, left, right, scratch, codes, scales, clip, bits, cfg.num_warps,
-            KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj)  # fmt: skip
+    _launch(_quantize_dot_kernel, (m,), x, inv_d, left, right, scratch, codes, scales, clip, bits, cfg.num_warps,
+            DECODE=decode, KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj)  # fmt: skip
     return codes, scales
 
 
@@ -321,6 +362,7 @@ def _launch(
     kernel: triton.runtime.JITFunction,
     grid: tuple[int],
     x: Tensor,
+    inv_d: Tensor | None,
     left: Tensor,
     right: Tensor,
     scratch: Tensor,
@@ -334,8 +376,8 @@ def _launch(
     """Launch either quantizer with the arguments they share; ``shape`` holds each kernel's own constexprs."""
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     kernel[grid](
-        x, left, right, scratch, codes, scales, x.shape[0], _clip32(clip),
-        K=x.shape[1], BITS=bits, QMIN=float(qmin), QMAX=float(qmax), **shape,
+        x, x if inv_d is None else inv_d, left, right, scratch, codes, scales, x.shape[0], _clip32(clip),
+        K=x.shape[1], BITS=bits, HAS_D=inv_d is not None, QMIN=float(qmin), QMAX=float(qmax), **shape,
         num_warps=num_warps,
         enable_fp_fusion=False,  # the quantization steps round like the reference
     )  # fmt: skip
@@ -365,11 +407,17 @@ def transform_error_bound(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
 
 
 def _quantize_exact(
-    x: Tensor, left: Tensor | None, right: Tensor | None, clip: float, bits: int
+    x: Tensor,
+    left: Tensor | None,
+    right: Tensor | None,
+    clip: float,
+    bits: int,
+    inv_d: Tensor | None = None,
+    decode: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Launch :func:`_quantize_kernel` (the exact path)."""
     m, k = x.shape
-    codes, scales = _outputs(x, bits)
+    codes, scales = _outputs(x, bits, decode)
     if m == 0:
         return codes, scales
     x = x.contiguous()
@@ -381,9 +429,10 @@ def _quantize_exact(
     scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if has_transform and n2p != n2 else x
     tile = n1p * n2p if has_transform else kp
     block_m = max(1, min(triton.next_power_of_2(m), _tile_budget(x) // tile))
-    _launch(_quantize_kernel, (triton.cdiv(m, block_m),), x, left, right, scratch, codes, scales, clip, bits,
+    _launch(_quantize_kernel, (triton.cdiv(m, block_m),), x, inv_d, left, right, scratch, codes, scales, clip, bits,
             8 if tile * block_m >= 4096 else 4,
-            KP=kp, N1=n1, N2=n2, N1P=n1p, N2P=n2p, HAS_TRANSFORM=has_transform, BLOCK_M=block_m)  # fmt: skip
+            DECODE=decode, KP=kp, N1=n1, N2=n2, N1P=n1p, N2P=n2p, HAS_TRANSFORM=has_transform,
+            BLOCK_M=block_m)  # fmt: skip
     return codes, scales
 
 

@@ -41,7 +41,9 @@ import torch
 from torch import Tensor, nn
 
 from loopq.errors import LoopQError
-from loopq.kernels import GROUP_SIZE, gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight
+from loopq.kernels import GROUP_SIZE, quantize_weight
+from loopq.kernels.ops import quantized_linear
+from loopq.kernels.packing import tile_weight, tiled_shapes
 from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.slots import loop_slot
 from loopq.quant.transforms import KroneckerTransform, fold_weight, kron_factors
@@ -119,10 +121,12 @@ def check_exportable(group: QuantLinearGroup, name: str) -> None:
 
 @torch.no_grad()
 def pack_weight(group: QuantLinearGroup, slot: int) -> tuple[Tensor, Tensor]:
-    """Slot ``slot``'s folded weight as packed int4 codes ``[N, K/2]`` and fp16 scales ``[N, K/32]``."""
+    """Slot ``slot``'s folded weight as int4 codes and fp16 scales in the kernel layout
+    (:func:`loopq.kernels.packing.tile_weight` of :func:`loopq.kernels.quantize_weight`'s ``[N, K/2]``,
+    ``[N, K/32]``)."""
     weight = fold_weight(torch.cat(group.weights()), group.transform_for(slot))
     clip = group.weight_clip_ratio(slot).reshape(-1)
-    return quantize_weight(weight, clip, bits=4, group_size=GROUP_SIZE)
+    return tile_weight(*quantize_weight(weight, clip, bits=4, group_size=GROUP_SIZE))
 
 
 @torch.no_grad()
@@ -142,11 +146,13 @@ class PackedLinearGroup(nn.Module):
         super().__init__()
         self.spec = spec
         self.backend: str | None = None
+        self._n, self._splits = sum(spec.splits), list(spec.splits)
         k, n, sw, st = spec.in_features, sum(spec.splits), spec.weight_slots, spec.transform_slots
         n1, n2 = kron_factors(k)
         empty = partial(torch.empty, device=device, dtype=torch.float32)
-        self.register_buffer("weight", empty(sw, n, k // 2, dtype=torch.uint8))
-        self.register_buffer("weight_scale", empty(sw, n, k // GROUP_SIZE, dtype=torch.float16))
+        code_shape, scale_shape = tiled_shapes(n, k)  # the kernel layout (export format v3)
+        self.register_buffer("weight", empty(sw, *code_shape, dtype=torch.uint8))
+        self.register_buffer("weight_scale", empty(sw, *scale_shape, dtype=torch.float16))
         self.register_buffer("act_clip", empty(spec.act_slots))
         self.register_buffer("left", empty(st, n1, n1) if st else None)
         self.register_buffer("right", empty(st, n2, n2) if st else None)
@@ -177,21 +183,22 @@ class PackedLinearGroup(nn.Module):
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         slot = self.slot(t)
-        flat = x.reshape(-1, self.spec.in_features)
-        if flat.dtype == torch.float64:  # a float64 model (CPU oracle: norms, attention, residuals in float64)
-            flat = flat.float()  # feeds the kernels the fp32 they compute in anyway
-        if self.inv_d is not None:
-            flat = flat.float() * _at(self.inv_d, slot)
-        left = None if self.left is None else _at(self.left, slot)
-        right = None if self.right is None else _at(self.right, slot)
-        clip = self.host_clip(slot)
-        codes, scales = quantize_activation(flat, left, right, clip, self.spec.a_bits, GROUP_SIZE, self.backend)
-        gemm = gemm_w4a4 if self.spec.a_bits == 4 else gemm_w4a8
-        y = gemm(codes, scales, _at(self.weight, slot), _at(self.weight_scale, slot), backend=self.backend)
-        if self.bias is not None:
-            y = y + self.bias.float()
-        y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
-        return tuple(y.split(list(self.spec.splits), dim=-1))
+        spec = self.spec
+        y = quantized_linear(
+            x.reshape(-1, spec.in_features),
+            self.weight[loop_slot(slot, spec.weight_slots)],
+            self.weight_scale[loop_slot(slot, spec.weight_slots)],
+            self._n,
+            None if self.left is None else self.left[loop_slot(slot, spec.transform_slots)],
+            None if self.right is None else self.right[loop_slot(slot, spec.transform_slots)],
+            None if self.inv_d is None else self.inv_d[loop_slot(slot, spec.transform_slots)],
+            self.host_clip(slot),
+            spec.a_bits,
+            self.bias,
+            x.dtype,
+            self.backend,
+        )  # quantizer (cast and 1/d folded in) + GEMM (bias, output dtype): two launches on CUDA at decode
+        return y.reshape(*x.shape[:-1], self._n).split(self._splits, dim=-1)
 
     def host_clip(self, slot: int) -> float:
         """``act_clip`` of ``slot`` as a float, read once per buffer version: a ``float()`` per call would sync the
@@ -229,7 +236,3 @@ def concat_bias(group: QuantLinearGroup) -> Tensor | None:
         torch.zeros(n, device=device) if b is None else b.float() for b, n in zip(biases, group.splits, strict=True)
     ]
     return torch.cat(parts)
-
-
-def _at(per_slot: Tensor, slot: int) -> Tensor:
-    return per_slot[loop_slot(slot, per_slot.shape[0])]

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loopq.artifacts import layout, load_quantized, load_student, read_artifact_meta, write_student
-from loopq.artifacts.layout import EXPORT_META, EXPORT_WEIGHTS, RUN_LOCK, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.layout import EXPORT_FORMAT, EXPORT_META, EXPORT_WEIGHTS, RUN_LOCK, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.ownership import JOURNAL, begin
 from loopq.artifacts.seal import SEAL
 from loopq.commands import evaluate, export, generate
@@ -57,11 +57,11 @@ def result_json(path: Path, ppl: float = 15.0) -> Path:
 
 # ---------------------------------------------------------------------------------------------------- case 4
 FAKE_DESCRIPTIONS = {
-    "v1-label": ({"format": "loopq-export-v1"}, "its format 'loopq-export-v1' is not 'loopq-export-v2'"),
-    "empty": ({}, "its format None is not 'loopq-export-v2'"),
-    "unsealed-v2": ({"format": "loopq-export-v2", "files": {EXPORT_WEIGHTS: {}}}, "it has no meta_sha256 seal"),
+    "v1-label": ({"format": "loopq-export-v1"}, f"its format 'loopq-export-v1' is not {EXPORT_FORMAT!r}"),
+    "empty": ({}, f"its format None is not {EXPORT_FORMAT!r}"),
+    "unsealed": ({"format": EXPORT_FORMAT, "files": {EXPORT_WEIGHTS: {}}}, "it has no meta_sha256 seal"),
     "bad-seal": (
-        {"format": "loopq-export-v2", "files": {EXPORT_WEIGHTS: {}}, SEAL: "0" * 64},
+        {"format": EXPORT_FORMAT, "files": {EXPORT_WEIGHTS: {}}, SEAL: "0" * 64},
         "its content does not match its meta_sha256 seal: it was edited after it was written",
     ),
 }

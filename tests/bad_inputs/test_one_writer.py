@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loopq.artifacts.layout import EXPORT_META, RUN_LOCK, STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
+from loopq.artifacts.layout import EXPORT_FORMAT, EXPORT_META, RUN_LOCK, STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.quantized import check_export_dir
 from loopq.artifacts.seal import seal
 from loopq.commands import export, fit
@@ -140,7 +140,7 @@ def test_export_does_not_overwrite_a_users_file(tmp_path, capsys):
         f"error: --out {out}: holds files this command did not write (tokenizer.json); pass a new or empty directory"
     )
     assert snapshot(tmp_path) == before
-    (out / EXPORT_META).write_text(json.dumps(seal({"format": "loopq-export-v2", "files": {"model.safetensors": {}}})))
+    (out / EXPORT_META).write_text(json.dumps(seal({"format": EXPORT_FORMAT, "files": {"model.safetensors": {}}})))
     with pytest.raises(GuardError, match=r"tokenizer.json there was not written by this command and would be over"):
         check_export_dir(out, str(TEACHER))
 

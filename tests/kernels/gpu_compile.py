@@ -22,32 +22,35 @@ from triton.compiler import ASTSource
 
 from loopq.commands.gpu_check.kernel_bench import SHAPES
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
+from loopq.kernels.packing import TILE_ROWS
 
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
 #: the fast quantizer at Ouro-1.4B's input widths (``kron_factors``: 2048 = 32 x 64, 5632 = 64 x 88), int4 and int8
 FAST_QUANT_CONFIGS = tuple((k, n1, n2, bits) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)) for bits in (4, 8))
-#: the decode configs ``decode_config`` picks at M = 1 (CUDA cores), 4 (CUDA cores, 4 rows) and 16 (tensor cores)
-DECODE_CONFIGS = tuple(decode_kernel.decode_config(m, *SHAPES[0]) for m in (1, 4, 16))
+#: tokens per launch whose decode kernels are checked here: one of each compiled variant (BLOCK_M 1, 2, 4, 8;
+#: 9..16 tokens run the BLOCK_M = 8 binary, two programs per tile)
+DECODE_M = (1, 2, 4, 8)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bool, bits: int, block_m: int):
     np2 = triton.next_power_of_2
-    sig = {"x_ptr": "*bf16", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
+    sig = {"x_ptr": "*bf16", "d_ptr": "*fp32", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
     const = dict(K=k, KP=np2(k), N1=n1, N2=n2, N1P=np2(n1), N2P=np2(n2), HAS_TRANSFORM=transform, BITS=bits)
     const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), BLOCK_M=block_m)
+    const |= dict(HAS_D=True, DECODE=False)  # the exported model multiplies by 1/d in the quantizer
     src = ASTSource(quantize_kernel._quantize_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
     return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
 
 
 def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int):
     """The ``tl.dot`` transform path (``exact=False``) with the chunks, padding and warps its launcher uses."""
-    sig = {"x_ptr": "*bf16", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
+    sig = {"x_ptr": "*bf16", "d_ptr": "*fp32", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
     cfg = quantize_kernel.fast_config(n1, n2)
     const = dict(K=k, KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj, BITS=bits)
-    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1))
+    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), HAS_D=True, DECODE=False)
     src = ASTSource(quantize_kernel._quantize_dot_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
     return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
 
@@ -63,17 +66,18 @@ def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig
     return triton.compile(src, target=target, options=options)
 
 
-def compile_decode(target: GPUTarget, a_int4: bool, cfg: decode_kernel.DecodeConfig):
-    sig = {"a_ptr": "*u8" if a_int4 else "*i8", "sa_ptr": "*fp32", "w_ptr": "*u8", "sw_ptr": "*fp16"}
-    sig |= {"part_ptr": "*fp32", "M": "i32", "N": "i32", "row_bytes": "i32", "groups": "i32"}
-    sig |= {"groups_per_split": "i32"}
-    const = dict(A_INT4=a_int4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, USE_DOT=cfg.use_dot)
-    # what the launcher specializes: 16-byte aligned pointers, row_bytes = K / 2 a multiple of 16 (Ouro's K)
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7)}
+def compile_decode(target: GPUTarget, m: int):
+    """:func:`decode_kernel._decode_kernel` as ``gemm_tiled`` launches it for ``m`` tokens (its
+    :func:`~decode_kernel.specialization`, bf16 output, a bias, 16-byte aligned pointers as torch allocates them)."""
+    sig = {"a_ptr": "*i32", "sa_ptr": "*fp32", "w_ptr": "*i32", "sw_ptr": "*fp16", "bias_ptr": "*fp32"}
+    sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "G": "i32"}
+    const = {"HAS_BIAS": True, **decode_kernel.specialization(m), "ASM": True}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     src = ASTSource(
         decode_kernel._decode_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned
     )
-    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
+    options = {"num_warps": decode_kernel.NUM_WARPS, "enable_fp_fusion": False}
+    return triton.compile(src, target=target, options=options)
 
 
 def weight_load_bytes(ptx: str) -> list[int]:
@@ -132,22 +136,15 @@ def main(arch: int) -> None:
             print(name, f"a{4 if a_int4 else 8}", "warp_group_dot", ttgir.count("ttng.warp_group_dot "), end=" ")
             print("wgmma", ptx.count("wgmma.mma_async"), "mma.sync", ptx.count("mma.sync.aligned"), end=" ")
             print("int8", ptx.count(".s32.s8.s8"), "cp.async", ptx.count("cp.async.c"), "regs", regs, "spills", spills)
-    for cfg in DECODE_CONFIGS:
-        for a_int4 in (True, False):
-            ptx = compile_decode(target, a_int4, cfg).asm["ptx"]
-            sizes = weight_load_bytes(ptx)
-            regs, spills = ptxas_usage(ptx, arch)
-            wide, narrow = sum(b >= 8 for b in sizes), sum(b < 8 for b in sizes)
-            name = f"decode m{cfg.block_m} n{cfg.block_n} g{cfg.block_g} w{cfg.num_warps} a{4 if a_int4 else 8}"
-            print(name, "weight loads", max(sizes, default=0), "B wide", wide, "narrow", narrow, end=" ")
-            print("int8 mma", ptx.count(".s32.s8.s8"), "regs", regs, "spills", spills)
-    sig = {"part_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"}
-    src = ASTSource(decode_kernel._reduce_kernel, sig, constexprs={"SPLITS": 22, "BLOCK": 1024})
-    ptx = triton.compile(src, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
-    print("reduce splits 22 fadd", len(re.findall(r"\badd(?:\.rn)?\.f32", ptx)))
+    for m in DECODE_M:
+        ptx = compile_decode(target, m).asm["ptx"]
+        sizes = weight_load_bytes(ptx)
+        regs, spills = ptxas_usage(ptx, arch)
+        wide, narrow = sum(b >= 8 for b in sizes), sum(b < 8 for b in sizes)
+        print(f"decode m{m} weight loads", max(sizes, default=0), "B wide", wide, "narrow", narrow, end=" ")
+        print("dp4a", ptx.count("dp4a.s32.s32"), "regs", regs, "spills", spills)
     for n, k in SHAPES:
-        blocks, splits = decode_kernel.decode_config(1, n, k).grid(n)
-        print(f"decode-grid N={n} K={k} M=1 programs {blocks * splits}")
+        print(f"decode-grid N={n} K={k} M=1 programs {triton.cdiv(n, TILE_ROWS)}")
 
 
 if __name__ == "__main__":

@@ -1,91 +1,164 @@
-"""The split-K decode GEMM (M <= 16): fp32 output within the rounding bound of the float64 value of its codes.
+"""The decode GEMM (M <= 16) on the export layout: fp32 output within the rounding bound of the float64 value of its
+codes, bias and output dtype in the epilogue, and a quantized linear of two launches.
 
 The bound is ``loopq.kernels.reference.gemm_fp64``'s: ``|out - ref64| <= gamma_{G+1} sum_k |a_k w_k s_a s_w|``
 (G groups, ``gamma_n = n 2^-24 / (1 - n 2^-24)``), derived in :mod:`loopq.kernels.decode_kernel`. Shapes are small
-for the interpreter but cover M = 1 (CUDA cores), M = 2 / 3 (padded CUDA-core rows), M = 9 / 16 (tensor-core dot),
-splits that end inside an iteration (K not a multiple of the split) and masked N tails.
+for the interpreter but cover M = 1, 2 (unrolled), 3 (padded to 4), 11 and 16 (two 8-token programs per tile, the
+second one partly past M), a K of only a masked tail chunk (5 groups), one full chunk (64 groups) and a full chunk
+plus a tail (66), N not a multiple of the 8-row tile.
 """
 
 import pytest
 import torch
 
 from loopq.commands.gpu_check.kernel_bench import SHAPES
-from loopq.kernels import (
-    decode_kernel,
-    gemm_kernel,
-    gemm_w4a4,
-    gemm_w4a8,
-    ops,
-    quantize_activation,
-    quantize_weight,
-)
-from loopq.kernels.decode_kernel import MAX_M, DecodeConfig, decode_config
-from tests.kernels.cases import assert_within_bound, cuda_only
+from loopq.kernels import decode_kernel, gemm_w4a4, gemm_w4a8, ops, quantize_weight, unpack_int4
+from loopq.kernels import quantize_kernel as qk
+from loopq.kernels.packing import TILE_ROWS, deinterleave_groups, tile_weight
+from loopq.kernels.reference import gemm_fp64, quantize_activation
+from tests.kernels.cases import cuda_only
 
-#: (M, N, K, forced config or None): N tails at 40 / 70 / 33 columns; the splits end mid-iteration
+#: (M, N, K)
 CASES = {
-    "m1-default": (1, 40, 160, None),  # 5 groups: splits of 4 + 1
-    "m2-default": (2, 70, 352, None),  # 11 groups: splits of 4 + 4 + 3
-    "m3-split": (3, 33, 224, DecodeConfig(4, 32, 2, 4, 2, False)),  # 7 groups: 4 + 3, last iteration half masked
-    "m9-dot": (9, 40, 96, None),  # 3 groups: one iteration, 1 of 4 masked
-    "m16-dot-split": (16, 40, 160, DecodeConfig(16, 32, 4, 4, 2, True)),  # 5 groups: 4 + 1, 3 of 4 masked
+    "m1-tail": (1, 40, 160),
+    "m3-chunk+tail": (3, 13, 2112),
+    "m11-tail": (11, 9, 96),
+    "m16-tail": (16, 9, 64),
+    "m2-chunk": (2, 8, 2048),
 }
 
 
 def operands(m, n, k, bits, device, seed=0):
+    """Activation int8 codes (natural order) and scales from the reference quantizer, a weight's packed codes and
+    scales, and the same weight in the kernel layout."""
     gen = torch.Generator().manual_seed(seed + m * n + k)
-    a, sa = quantize_activation(torch.randn(m, k, generator=gen).to(device), clip=0.9, bits=bits)
-    w, sw = quantize_weight(torch.randn(n, k, generator=gen).to(device), 0.7 + 0.3 * torch.rand(n, generator=gen))
-    return a, sa, w, sw
+    codes, sa = quantize_activation(3 * torch.randn(m, k, generator=gen), None, None, 0.9, 8, 32)
+    if bits == 4:
+        codes = unpack_int4(quantize_activation(torch.randn(m, k, generator=gen), None, None, 0.9, 4, 32)[0])
+    w, sw = quantize_weight(torch.randn(n, k, generator=gen), 0.7 + 0.3 * torch.rand(n, generator=gen))
+    wt, swt = tile_weight(w, sw)
+    return codes.to(device), sa.to(device), w, sw, wt.to(device), swt.to(device)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("case", CASES)
 def test_within_the_fp32_bound(case, bits, device):
-    m, n, k, config = CASES[case]
-    a, sa, w, sw = operands(m, n, k, bits, device)
-    out = decode_kernel.gemm(a, sa, w, sw, torch.float32, bits == 4, config)
+    m, n, k = CASES[case]
+    codes, sa, w, sw, wt, swt = operands(m, n, k, bits, device)
+    out = decode_kernel.gemm_tiled(deinterleave_groups(codes), sa, wt, swt, n, torch.float32)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    assert_within_bound(out, a, sa, w, sw, bits)
-    half = decode_kernel.gemm(a, sa, w, sw, torch.float16, bits == 4, config)
-    assert torch.equal(half, out.half())  # one fixed summation order, rounded once to the output dtype
+    ref, bound = gemm_fp64(codes.cpu(), sa.cpu(), unpack_int4(w), sw)
+    err = (out.cpu().double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def test_bias_and_output_dtype_in_the_epilogue(device):
+    """One fixed summation order: the fp16 output with a bias is the fp32 output plus the bias, rounded once."""
+    m, n, k = CASES["m1-tail"]
+    codes, sa, _, _, wt, swt = operands(m, n, k, 4, device)
+    a = deinterleave_groups(codes)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(device)
+    out = decode_kernel.gemm_tiled(a, sa, wt, swt, n, torch.float32)
+    half = decode_kernel.gemm_tiled(a, sa, wt, swt, n, torch.float16, bias)
+    assert torch.equal(half, (out + bias).half())
 
 
 def test_extreme_codes(device):
-    """All-(-8) / all-(-128) operands on both paths and split: exact integers, the int32 group dot's largest."""
-    for m, config in ((1, None), (16, DecodeConfig(16, 32, 1, 1, 2, True)), (2, DecodeConfig(2, 32, 1, 1, 2, False))):
-        a4 = torch.full((m, 32), 0x88, dtype=torch.uint8, device=device)
-        a8 = torch.full((m, 64), -128, dtype=torch.int8, device=device)
-        w = torch.full((40, 32), 0x88, dtype=torch.uint8, device=device)
-        sa, sw = torch.ones(m, 2, device=device), torch.ones(40, 2, dtype=torch.float16, device=device)
-        assert bool((decode_kernel.gemm(a4, sa, w, sw, torch.float32, True, config) == 2 * 32 * 64).all())
-        assert bool((decode_kernel.gemm(a8, sa, w, sw, torch.float32, False, config) == 2 * 32 * 8 * 128).all())
+    """All -8 weights against all -128 / all 7 activations: the largest exact group dots, both signs of the
+    sign extension (offset-binary nibble 0 -> -8) and a padded K tail."""
+    k, n = 96, 12
+    wt, swt = tile_weight(torch.full((n, k // 2), 0x88, dtype=torch.uint8), torch.ones(n, k // 32).half())
+    sa = torch.ones(2, k // 32, device=device)
+    a = torch.tensor([-128, 7], dtype=torch.int8)[:, None].expand(2, k).contiguous()
+    out = decode_kernel.gemm_tiled(a.to(device), sa, wt.to(device), swt.to(device), n, torch.float32)
+    assert out[0].eq(k * 8 * 128).all() and out[1].eq(-k * 8 * 7).all()
+
+
+def test_quantizer_writes_the_decode_order_with_the_diagonal(device):
+    """The Triton quantizer's decode output (int8, per group even k then odd k, ``x * inv_d`` on load) is the
+    reference's codes of ``x.float() * inv_d`` bit for bit, deinterleaved; scales equal."""
+    gen = torch.Generator().manual_seed(5)
+    x, inv_d = torch.randn(3, 128, generator=gen).half(), torch.rand(128, generator=gen) + 0.5
+    left, right = torch.eye(8) + 0.1 * torch.randn(8, 8, generator=gen), torch.eye(16)
+    for bits in (4, 8):
+        for transform in ((None, None), (left, right)):
+            want, want_s = quantize_activation(x.float() * inv_d, *transform, 0.9, bits, 32)
+            want = unpack_int4(want) if bits == 4 else want
+            tr = [t if t is None else t.to(device) for t in transform]
+            got, got_s = qk.quantize_activation(x.to(device), *tr, 0.9, bits, 32, True, inv_d.to(device), True)
+            assert torch.equal(got.cpu(), deinterleave_groups(want)) and torch.equal(got_s.cpu(), want_s)
+
+
+class _Launches:
+    """Stands in for every Triton kernel (``kernel[grid](...)``) and counts the launches."""
+
+    def __init__(self):
+        self.names = []
+
+    def kernel(self, name):
+        counter = self
+
+        class Stub:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: counter.names.append(name)
+
+        return Stub()
+
+
+class _TorchKernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the torch operators that would launch a GPU kernel (not allocations, views or metadata)."""
+
+    FREE = ("empty", "view", "reshape", "as_strided", "_unsafe_view", "t.", "expand", "select", "slice", "split")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if not name.startswith(self.FREE) and "detach" not in name and "alias" not in name:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_a_quantized_linear_is_two_launches(m, monkeypatch):
+    """``ops.quantized_linear`` with a transform, the diagonal, a bias and a bf16 output: at decode (M <= 16) the
+    quantizer and the decode GEMM and no torch kernel; prefill adds only the weight's layout conversion and the
+    epilogue in torch (documented as open)."""
+    launches = _Launches()
+    for mod, name in ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel")):
+        monkeypatch.setattr(mod, name, launches.kernel(name))
+    monkeypatch.setattr(ops.gemm_kernel, "_gemm_kernel", launches.kernel("_gemm_kernel"))
+    monkeypatch.setattr(ops, "triton_interpreted", lambda: True)
+    k, n = 128, 24
+    wt, swt = tile_weight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // 32).half())
+    x, bias, left, right, inv_d = torch.randn(m, k), torch.randn(n), torch.eye(8), torch.eye(16), torch.ones(k)
+    with _TorchKernels() as torch_ops:
+        y = ops.quantized_linear(x, wt, swt, n, left, right, inv_d, 0.9, 4, bias, torch.float16, backend="triton")
+    assert y.shape == (m, n) and y.dtype == torch.float16
+    if m <= decode_kernel.MAX_M:
+        assert launches.names == ["_quantize_kernel", "_decode_kernel"] and torch_ops.ops == []
+    else:
+        assert launches.names == ["_quantize_kernel", "_gemm_kernel"]
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_config_covers_k_and_fills_the_gpu(n, k):
-    """Every M: the splits tile the groups exactly, in whole iterations; partial sums stay under a quarter of the
-    weight's bytes; at M = 1 every Ouro-1.4B shape launches >= 132 programs (one per H100 SM)."""
-    groups = k // 32
-    for m in range(1, MAX_M + 1):
-        cfg = decode_config(m, n, k)
-        assert cfg.block_m >= m and cfg.groups_per_split % cfg.block_g == 0
-        assert (cfg.splits - 1) * cfg.groups_per_split < groups <= cfg.splits * cfg.groups_per_split
-        assert cfg.splits == 1 or 8 * cfg.splits * m * n <= n * k * 9 // 16 // 4
-        assert cfg.use_dot == (m > 4)
-    grid = decode_config(1, n, k).grid(n)
-    assert grid[0] * grid[1] >= 132
+def test_grid_fills_the_gpu(n, k):
+    """One program per 8 output rows: at least 132 programs (one per H100 SM) on every Ouro-1.4B shape, and the
+    kernel layout of those shapes carries no padding (N a multiple of 8, K/32 of 8)."""
+    wt, _ = tile_weight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // 32).half())
+    assert wt.shape[0] == n // TILE_ROWS >= 132 and wt.numel() == n * k // 2
 
 
 def test_ops_dispatch_decode_up_to_16_rows(monkeypatch):
     seen = []
-    monkeypatch.setattr(decode_kernel, "gemm", lambda a, *args: seen.append(("decode", a.shape[0])))
-    monkeypatch.setattr(gemm_kernel, "gemm", lambda a, *args: seen.append(("tile", a.shape[0])))
+    monkeypatch.setattr(decode_kernel, "gemm_tiled", lambda a, *args: seen.append(("decode", a.shape[0])))
+    monkeypatch.setattr(ops.gemm_kernel, "gemm", lambda a, *args: seen.append(("tile", a.shape[0])))
     w, sw = torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1)
     for m in (1, 16, 17):
         gemm_w4a4(torch.zeros(m, 16, dtype=torch.uint8), torch.ones(m, 1), w, sw, backend="triton")
     assert seen == [("decode", 1), ("decode", 16), ("tile", 17)]
-    assert ops._GEMM_W4A4["triton"].keywords == {"a_int4": True}
 
 
 @cuda_only
@@ -93,10 +166,14 @@ def test_ops_dispatch_decode_up_to_16_rows(monkeypatch):
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_ouro_shapes(n, k, m, bits, device):
-    """Ouro-1.4B's linears at decode through ``ops`` with the configs :func:`decode_config` picks, fp32 and the bf16
-    output the exported model asks for (compiled kernels only)."""
-    a, sa, w, sw = operands(m, n, k, bits, device)
+    """Ouro-1.4B's linears at decode (compiled kernels only, ``dp4a``): within the bound, and the bf16 output is
+    the fp32 one rounded once; also through the natural-layout entry points."""
+    codes, sa, w, sw, wt, swt = operands(m, n, k, bits, device)
+    out = decode_kernel.gemm_tiled(deinterleave_groups(codes), sa, wt, swt, n, torch.float32)
+    ref, bound = gemm_fp64(codes.cpu(), sa.cpu(), unpack_int4(w), sw)
+    assert bool(((out.cpu().double() - ref).abs() <= bound).all())
+    bf16 = decode_kernel.gemm_tiled(deinterleave_groups(codes), sa, wt, swt, n, torch.bfloat16)
+    assert torch.equal(bf16, out.to(torch.bfloat16))
+    a = ops.reference.pack_int4_unchecked(codes) if bits == 4 else codes
     gemm = gemm_w4a4 if bits == 4 else gemm_w4a8
-    out = gemm(a, sa, w, sw, torch.float32, backend="triton")
-    assert_within_bound(out, a, sa, w, sw, bits)
-    assert torch.equal(gemm(a, sa, w, sw, torch.bfloat16, backend="triton"), out.to(torch.bfloat16))
+    assert torch.equal(gemm(a, sa, w.to(device), sw.to(device), torch.float32, backend="triton"), out)

@@ -3,8 +3,9 @@ relies on: no FMA contraction and IEEE division in the quantizer; IEEE fp32 (FMA
 in the quantizer's fast ``tl.dot`` path at Ouro's widths (K = 2048 and 5632, int4 and int8); the ahead-of-time
 proxies of the prefill GEMM's speed (issue 28): int8 ``wgmma`` on sm_90 (``mma.sync`` on sm_80), pipelined
 ``cp.async`` loads and no register spills for every tile of its config table; and those of the decode GEMM's
-speed: 16-byte weight loads and nothing narrower than 8 bytes among them, no register spills (``ptxas -v``), int8
-``mma`` only on the M = 16 path, and at least 132 programs (one per H100 SM) at M = 1 on every Ouro-1.4B shape.
+speed: 16-byte weight loads and nothing narrower than 8 bytes among them, ``dp4a`` int8 dots, no register spills
+(``ptxas -v``), and at least 132 programs (one per H100 SM) at M = 1 on every Ouro-1.4B shape (the main loop's
+instruction counts are ``test_ptx_stats.py``'s).
 
 The interpreter accepts programs the GPU compiler rejects (and vice versa), so this catches GPU-only breakage.
 It runs in a subprocess because this test session has TRITON_INTERPRET=1.
@@ -47,10 +48,8 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     assert len(fast) == 4 and {s.split(" ")[2] for s in fast} == {"32x64", "64x88"}, fast
     assert all(re.search(r" fma [1-9]\d* tf32 0 regs \d+ spills 0$", s) for s in fast), fast
     decode = [s for s in lines if s.startswith("decode m")]
-    assert len(decode) == 6
-    assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 ", s) for s in decode), decode
+    assert len(decode) == 4
+    assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 dp4a [1-9]\d* ", s) for s in decode), decode
     assert all(re.search(r" spills 0$", s) for s in decode), decode
-    assert all(("int8 mma 0 " in s) == ("decode m16" not in s) for s in decode), decode
-    assert any(re.fullmatch(r"reduce splits 22 fadd [1-9]\d*", s) for s in lines), lines
     programs = [int(s.rsplit(" ", 1)[1]) for s in lines if s.startswith("decode-grid")]
     assert len(programs) == 4 and min(programs) >= 132, programs

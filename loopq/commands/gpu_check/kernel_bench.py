@@ -5,7 +5,7 @@ fused gate+up, ``down_proj``) at M tokens per call (:data:`TOKENS`: decode, a sm
 prefill-size call). Every row is first **checked** - the Triton quantizer must reproduce the torch reference's
 codes and scales bit for bit, the Triton GEMM's fp32 output must lie within the fp32 rounding bound of the float64
 value of the same codes (:func:`gemm_fp64_chunked`, in bounded memory: neither the prefill tile kernel of M > 16,
-which sums several groups per step with FMA, nor the split-K decode kernel of M <= 16 follows the reference's
+which sums several groups per step with FMA, nor the decode kernel of M <= 16 follows the reference's
 order; see :mod:`loopq.kernels`) - then **timed** with
 ``triton.testing.do_bench`` (median, L2 flushed before every call, so weights are read from memory as in a real
 forward). A quantized linear pays quantizer + GEMM per call (``x q+mm``); the goals (:func:`goal_for`) are on the

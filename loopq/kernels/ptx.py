@@ -1,0 +1,99 @@
+"""Facts about compiled kernels read from their PTX text: loops, instruction counts, load widths, waits.
+
+The kernels' speed claims are checked ahead of time on a CPU (``scripts/ptx_stats.py``,
+``tests/kernels/test_ptx_stats.py``): Triton compiles them for sm_90 / sm_80 without a GPU and these pure functions
+read the result. A *loop* is a PTX label with a later branch back to it; its *body* is the instructions from the
+label to that branch (labels, directives, comments and braces are not instructions; an inline-assembly block counts
+its instructions). Counts are per thread: PTX is the program of one thread.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_VECTOR = re.compile(r"\.v(\d)\.(?:b|u|s|f)(\d+)")
+_SCALAR = re.compile(r"\.(?:b|u|s|f)(\d+)\s")
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One PTX loop: its label and the instructions of its body (opcode first)."""
+
+    label: str
+    body: tuple[str, ...]
+
+    def opcodes(self) -> Counter[str]:
+        return Counter(opcode(line) for line in self.body)
+
+    def count(self, fragment: str) -> int:
+        """Instructions whose text contains ``fragment`` (e.g. ``"shfl"``, ``"bar.sync"``)."""
+        return sum(fragment in line for line in self.body)
+
+    def load_bytes(self, marker: str) -> list[int]:
+        """Bytes per thread of each ``ld.global`` whose text contains ``marker`` (a cache hint or modifier)."""
+        return [load_width(line) for line in self.body if "ld.global" in line and marker in line]
+
+
+def instructions(lines: list[str]) -> list[str]:
+    """The instruction lines among PTX ``lines`` (stripped): not labels, directives, comments or braces."""
+    out = []
+    for raw in lines:
+        line = raw.strip()
+        if line and line[0] not in "$./{}" and not line.startswith("//"):
+            out.append(line)
+    return out
+
+
+def opcode(line: str) -> str:
+    """The opcode of an instruction line, without its guard predicate (``@%p1 ld.global.v4.b32 ...``)."""
+    parts = line.split()
+    return parts[1] if parts[0].startswith("@") and len(parts) > 1 else parts[0]
+
+
+def load_width(line: str) -> int:
+    """Bytes one thread moves with a load instruction (``.v4.b32`` = 16)."""
+    vec = _VECTOR.search(line)
+    if vec:
+        return int(vec.group(1)) * int(vec.group(2)) // 8
+    scalar = _SCALAR.search(line)
+    if scalar is None:
+        raise ValueError(f"no operand width in {line!r}")
+    return int(scalar.group(1)) // 8
+
+
+def loops(ptx: str) -> list[Loop]:
+    """Every loop of a PTX text (outermost extent: from the label to the last branch back to it)."""
+    lines = ptx.splitlines()
+    found = []
+    for start, line in enumerate(lines):
+        match = _LABEL.match(line)
+        if not match:
+            continue
+        back = re.compile(r"\bbra(?:\.uni)?\s+" + re.escape(match.group(1)) + r";")
+        ends = [i for i in range(start + 1, len(lines)) if back.search(lines[i])]
+        if ends:
+            found.append(Loop(match.group(1), tuple(instructions(lines[start + 1 : ends[-1] + 1]))))
+    return found
+
+
+def main_loop(ptx: str, marker: str) -> Loop:
+    """The loop that moves the most bytes through loads containing ``marker`` (the weight's cache hint)."""
+    candidates = [(sum(loop.load_bytes(marker)), loop) for loop in loops(ptx)]
+    candidates = [c for c in candidates if c[0] > 0]
+    if not candidates:
+        raise ValueError(f"no loop with a load marked {marker!r}")
+    return max(candidates, key=lambda c: c[0])[1]
+
+
+def waits_in_loops(ptx: str, instruction: str = "cp.async.wait_group") -> list[int]:
+    """The depths of every ``cp.async.wait_group N`` (or ``wgmma.wait_group.sync.aligned N``) inside a loop."""
+    depths = []
+    for loop in loops(ptx):
+        for line in loop.body:
+            match = re.search(re.escape(instruction) + r"(?:\.[a-z]+)*\s+(\d+)", line)
+            if match:
+                depths.append(int(match.group(1)))
+    return depths

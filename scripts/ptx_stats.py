@@ -1,0 +1,142 @@
+"""Compile the packed-model kernels for NVIDIA GPUs on a CPU and print what their compiled code does.
+
+    env -u TRITON_INTERPRET python scripts/ptx_stats.py [--arch 90 80] [--kernels decode prefill quantize] [--json]
+
+Triton compiles each kernel ahead of time (``triton.compile`` for ``sm_<arch>``, its bundled ``ptxas -v`` for
+registers and spills; no GPU needed) and :mod:`loopq.kernels.ptx` reads the PTX. Per decode GEMM launch shape
+(M = 1, 2, 4, 8, 16 tokens; 16 runs the BLOCK_M = 8 binary): the seconds ``triton.compile`` took (about 0 where an
+earlier row compiled the same variant: Triton's cache), the main K loop's PTX instructions per thread, the weight
+code bytes that thread loads per iteration and their ratio (instructions per weight byte), ``shfl`` / ``bar.sync``
+inside the loop, the widths of the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile:
+``cp.async.wait_group`` depths inside its loops, registers, spills. Per fast quantizer: registers, spills.
+``docs/benchmarks.md`` quotes its table;
+``tests/kernels/test_ptx_stats.py`` asserts the acceptance limits on the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("error: TRITON_INTERPRET is set; run with it unset (env -u TRITON_INTERPRET ...) to compile for a GPU")
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from loopq.kernels import decode_kernel, gemm_kernel, ptx
+from tests.kernels.gpu_compile import compile_decode, compile_fast_quantizer, compile_gemm, ptxas_usage
+
+DECODE_M = (1, 2, 4, 8, 16)
+#: the weight codes are loaded with the evict-first hint, their scales with ``ld.global.cg`` (``decode_kernel``)
+CODE_MARK, SCALE_MARK = "evict_first", ".cg."
+
+
+def decode_row(arch: int, m: int) -> dict:
+    start = time.perf_counter()
+    code = compile_decode(GPUTarget("cuda", arch, 32), m).asm["ptx"]
+    seconds = time.perf_counter() - start
+    loop = ptx.main_loop(code, CODE_MARK)
+    code_bytes = loop.load_bytes(CODE_MARK)
+    regs, spills = ptxas_usage(code, arch)
+    return {
+        "kernel": "decode",
+        "arch": arch,
+        "M": m,
+        **decode_kernel.specialization(m),
+        "compile_s": round(seconds, 1),
+        "loop_instructions": len(loop.body),
+        "code_bytes": sum(code_bytes),
+        "per_byte": round(len(loop.body) / sum(code_bytes), 2),
+        "shfl": loop.count("shfl"),
+        "bar_sync": loop.count("bar.sync"),
+        "code_load_bytes": sorted(set(code_bytes)),
+        "scale_load_bytes": sorted(set(loop.load_bytes(SCALE_MARK))),
+        "dp4a": loop.count("dp4a"),
+        "registers": regs,
+        "spills": spills,
+    }
+
+
+def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig) -> dict:
+    code = compile_gemm(GPUTarget("cuda", arch, 32), True, cfg).asm["ptx"]
+    regs, spills = ptxas_usage(code, arch)
+    return {
+        "kernel": f"prefill {cfg.block_m}x{cfg.block_n} g{cfg.block_g} s{cfg.num_stages}",
+        "arch": arch,
+        "cp_async_waits_in_loop": ptx.waits_in_loops(code),
+        "wgmma_waits_in_loop": ptx.waits_in_loops(code, "wgmma.wait_group"),
+        "registers": regs,
+        "spills": spills,
+    }
+
+
+def quantizer_row(arch: int, k: int, n1: int, n2: int) -> dict:
+    code = compile_fast_quantizer(GPUTarget("cuda", arch, 32), k, n1, n2, 4).asm["ptx"]
+    regs, spills = ptxas_usage(code, arch)
+    return {"kernel": f"quantize K={k}", "arch": arch, "registers": regs, "spills": spills}
+
+
+KERNELS = ("decode", "prefill", "quantize")
+
+
+def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tuple[int, ...] = DECODE_M) -> list[dict]:
+    rows = []
+    for arch in archs:
+        if "decode" in kernels:
+            rows += [decode_row(arch, m) for m in decode_m]
+        if "prefill" in kernels:
+            rows += [prefill_row(arch, cfg) for cfg in gemm_kernel.CANDIDATES]
+        if "quantize" in kernels:
+            rows += [quantizer_row(arch, k, n1, n2) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88))]
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    decode = [r for r in rows if r["kernel"] == "decode"]
+    out = [
+        "| arch | M | BLOCK_M | unroll | compile s | loop instr. | code B / iter. | instr. / B | shfl | bar.sync | "
+        "code load B | scale load B | dp4a | regs | spills |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in decode:
+        out.append(
+            f"| sm_{r['arch']} | {r['M']} | {r['BLOCK_M']} | {r['UNROLL']} | {r['compile_s']} | "
+            f"{r['loop_instructions']} | {r['code_bytes']} | {r['per_byte']} | "
+            f"{r['shfl']} | {r['bar_sync']} | {r['code_load_bytes']} | {r['scale_load_bytes']} | {r['dp4a']} | "
+            f"{r['registers']} | {r['spills']} |"
+        )
+    out += [
+        "",
+        "| arch | kernel | cp.async waits in loop | wgmma waits in loop | regs | spills |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["kernel"] != "decode":
+            waits = r.get("cp_async_waits_in_loop", "-"), r.get("wgmma_waits_in_loop", "-")
+            out.append(
+                f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {r['registers']} | {r['spills']} |"
+            )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90, 80)")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS), help="which kernels")
+    parser.add_argument("--m", type=int, nargs="+", default=list(DECODE_M), help="decode tokens (1 2 4 8 16)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per line instead of tables")
+    args = parser.parse_args(argv)
+    rows = collect(args.arch, tuple(args.kernels), tuple(args.m))
+    print(f"triton {triton.__version__}")
+    print("\n".join(json.dumps(r) for r in rows) if args.json else markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

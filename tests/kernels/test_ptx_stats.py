@@ -1,0 +1,85 @@
+"""The compiled decode GEMM meets issue 43's proxies, read from PTX compiled ahead of time for sm_90 and sm_80.
+
+``loopq.kernels.ptx`` is checked first on hand-written PTX (loops, counts, load widths, waits); then
+``scripts/ptx_stats.py`` compiles the decode kernel for 1, 2, 4, 8 and 16 tokens (a subprocess: this session has
+TRITON_INTERPRET=1): every variant's main loop contains no ``shfl`` or ``bar.sync`` and loads the weight codes and
+their scales 16 bytes at a time, nothing spills (``ptxas -v``), each compiles in seconds, and at M = 1 the loop
+executes at most 8 PTX instructions per weight byte per thread.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+from loopq.kernels import ptx
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+ROOT = Path(__file__).resolve().parents[2]
+#: seconds one decode variant may take to compile: each takes 1-3 s (docs/benchmarks.md); the bound is there to catch
+#: a return of the fully unrolled code that took minutes at 16 tokens, with room for a loaded machine
+COMPILE_S = 60
+
+SAMPLE = """
+.visible .entry k(
+)
+{
+	mov.u32 	%r1, 0;
+$L__BB0_1:                              // %loop
+	// begin inline asm
+	@%p1 ld.global.L1::evict_first.L2::cache_hint.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd1 + 0 ], %rd9;
+	// end inline asm
+	ld.global.cg.v4.b32 { %r6, %r7, %r8, %r9 }, [ %rd2 + 0 ];
+	ld.global.b32 { %r10 }, [ %rd3 + 0 ];
+	dp4a.s32.s32 %r11, %r2, %r10, %r11;
+	cp.async.wait_group 2;
+	wgmma.wait_group.sync.aligned 1;
+	@%p2 bra 	$L__BB0_1;
+$L__BB0_2:
+	shfl.sync.bfly.b32 	%r12, %r11, 1, 31, -1;
+	bar.sync 	0;
+	cp.async.wait_group 0;
+	ret;
+}
+"""
+
+
+def test_loop_body_counts_by_hand():
+    (loop,) = ptx.loops(SAMPLE)
+    assert loop.label == "$L__BB0_1" and len(loop.body) == 7  # 3 loads, dp4a, 2 waits, branch
+    assert loop.count("shfl") == 0 and loop.count("bar.sync") == 0 and loop.count("dp4a") == 1
+    assert loop.load_bytes("evict_first") == [16] and loop.load_bytes(".cg.") == [16]
+    assert loop.opcodes()["bra"] == 1 and ptx.main_loop(SAMPLE, "evict_first") is not None
+    assert ptx.waits_in_loops(SAMPLE) == [2]  # the depth-0 wait after the loop does not count
+    assert ptx.waits_in_loops(SAMPLE, "wgmma.wait_group") == [1]
+
+
+def test_load_width_and_opcode():
+    assert ptx.load_width("ld.global.v2.b32 { %r1, %r2 }, [ %rd1 + 0 ];") == 8
+    assert ptx.load_width("ld.global.b16 { %rs1 }, [ %rd1 + 0 ];") == 2
+    assert ptx.opcode("@%p3 ld.global.b32 { %r1 }, [ %rd2 + 0 ];") == "ld.global.b32"
+    with pytest.raises(ValueError, match="no loop"):
+        ptx.main_loop(SAMPLE, "evict_last")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
+def test_decode_main_loop_proxies(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "scripts/ptx_stats.py", "--arch", "90", "80", "--kernels", "decode", "--json"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["arch"], r["M"]) for r in rows) == [(a, m) for a in (80, 90) for m in (1, 2, 4, 8, 16)]
+    for r in rows:
+        assert r["shfl"] == 0 and r["bar_sync"] == 0 and r["spills"] == 0, r
+        assert r["code_load_bytes"] == [16] and r["scale_load_bytes"] == [16], r
+        assert r["compile_s"] <= COMPILE_S, r
+    for r in (r for r in rows if r["M"] == 1):
+        assert r["per_byte"] <= 8, r
+        assert r["dp4a"] == 2 * r["code_bytes"] // 4, r  # two dp4a per 4-byte weight word at M = 1
