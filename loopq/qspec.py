@@ -20,8 +20,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: 4 and 8 are what the kernels run; 3 is fake-quant only (fragility sweeps); 16 means unquantized
+#: the bit widths a student may use: 4 and 8 are what the kernels run; 3 is fake-quant only (fragility sweeps); 16
+#: means unquantized. The one home of bit widths: the kernels and the export read the two below.
 SUPPORTED_BITS = (3, 4, 8, 16)
+#: what the packed kernels run: int4 weights, int4 (W4A4) or int8 (W4A8) activations
+KERNEL_WEIGHT_BITS = 4
+KERNEL_ACT_BITS = (4, 8)
 #: scales are floored at this value so all-zero groups quantize to 0 instead of NaN
 SCALE_EPS = 1e-8
 

@@ -142,3 +142,25 @@ def test_no_two_modules_share_a_name_and_none_is_named_after_the_standard_librar
         names[name].append(str(path.relative_to(PACKAGE)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
     assert sorted(set(names) & set(sys.stdlib_module_names)) == []
+
+
+def test_bit_widths_are_spelled_only_in_qspec():
+    """Issue 40: which bit widths exist and which the kernels run is ``loopq.qspec``'s (``SUPPORTED_BITS``,
+    ``KERNEL_WEIGHT_BITS``, ``KERNEL_ACT_BITS``); no other module checks a ``*bits`` name against a literal set of
+    widths (``a_bits not in (4, 8)``) - they import those names. A branch on one width (``bits == 4``: nibble
+    packing) is a dispatch, not a support list."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "qspec.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare) or not isinstance(node.left, ast.Name | ast.Attribute):
+                continue
+            name = node.left.id if isinstance(node.left, ast.Name) else node.left.attr
+            if not name.endswith("bits") or not isinstance(node.ops[0], ast.In | ast.NotIn):
+                continue
+            right = node.comparators[0]
+            widths = [e.value for e in getattr(right, "elts", []) if isinstance(e, ast.Constant)]
+            if len([w for w in widths if isinstance(w, int)]) >= 2:
+                found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert not found, f"bit widths spelled outside loopq/qspec.py: {found}"

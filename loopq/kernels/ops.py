@@ -15,6 +15,7 @@ from triton.runtime import JITFunction
 
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel, reference
 from loopq.kernels.packing import GROUP_SIZE, deinterleave_groups, tile_weight, tiled_shapes, untile_weight
+from loopq.qspec import KERNEL_ACT_BITS
 
 BACKENDS = ("torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,7 +68,7 @@ def quantize_activation(
     ``quantize_kernel.uses_fast_path``; the fast path compiles without register spills but is not yet timed).
     """
     _check_matrix("x", x, FLOAT_DTYPES)
-    if bits not in (4, 8):
+    if bits not in KERNEL_ACT_BITS:
         raise ValueError(f"bits={bits}: activations are quantized to 4 (W4A4) or 8 (W4A8) bits")
     clip = float(clip)
     if not (math.isfinite(clip) and clip > 0):
@@ -140,7 +141,7 @@ def quantized_linear(
     cast - the operations (and bits) of the packed group before the kernel layout."""
     _check_matrix("x", x, (*FLOAT_DTYPES, torch.float64))
     k = x.shape[1]
-    if a_bits not in (4, 8):
+    if a_bits not in KERNEL_ACT_BITS:
         raise ValueError(f"a_bits={a_bits}: activations are quantized to 4 (W4A4) or 8 (W4A8) bits")
     code_shape, scale_shape = tiled_shapes(n, k)
     if tuple(w_codes.shape) != code_shape or tuple(w_scales.shape) != scale_shape:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loopq.qspec import quantize_codes
+from loopq.qspec import KERNEL_WEIGHT_BITS, quantize_codes
 
 #: the 32-element K groups that share one scale (one int8 tensor-core dot of depth 32 on GPU)
 GROUP_SIZE = 32
@@ -53,7 +53,7 @@ def quantize_weight(
     ``clip_ratio`` (``[N]`` or a scalar), so they match the fake-quant student bit for bit. Only the stored
     scale is rounded to float16 (relative error <= 2^-11; groups with absmax below ~4e-4 get subnormal scales).
     """
-    if bits != 4:
+    if bits != KERNEL_WEIGHT_BITS:
         raise ValueError(f"quantize_weight: bits={bits} is not supported; weights are packed as int4 (bits=4)")
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_weight: w must be a floating [N, K] matrix (got {w.dtype} {tuple(w.shape)})")

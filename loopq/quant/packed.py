@@ -44,11 +44,10 @@ from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, quantize_weight
 from loopq.kernels.ops import quantized_linear
 from loopq.kernels.packing import tile_weight, tiled_shapes
+from loopq.qspec import KERNEL_ACT_BITS, KERNEL_WEIGHT_BITS
 from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.slots import loop_slot
 from loopq.quant.transforms import KroneckerTransform, fold_weight, kron_factors
-
-ACT_BITS = (4, 8)  # W4A4 and W4A8 kernels
 
 
 class ExportError(LoopQError):
@@ -101,10 +100,10 @@ def check_kernel_support(w_bits: int, a_bits: int, group_size: int, key: str = "
 
     Checked per group at export and, on the config alone, before a calibration whose student will be exported
     (``python -m loopq.run``), so an unexportable setting is refused in seconds, not after the calibration."""
-    if w_bits != 4:
+    if w_bits != KERNEL_WEIGHT_BITS:
         raise ExportError(f"{key}.w_bits={w_bits}, but the kernels pack int4 weights; use w_bits=4")
-    if a_bits not in ACT_BITS:
-        raise ExportError(f"{key}.a_bits={a_bits}; the kernels run W4A4 or W4A8, use a_bits in {ACT_BITS}")
+    if a_bits not in KERNEL_ACT_BITS:
+        raise ExportError(f"{key}.a_bits={a_bits}; the kernels run W4A4 or W4A8, use a_bits in {KERNEL_ACT_BITS}")
     if group_size != GROUP_SIZE:
         raise ExportError(f"{key}.group_size={group_size} is not supported by the kernels; use group_size={GROUP_SIZE}")
 
