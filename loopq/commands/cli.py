@@ -1,0 +1,140 @@
+"""One command-line stack for every LoopQ command: jsonargparse over typed functions (issue 40).
+
+A command is a typed function: its signature is the schema of its options and the ``Args:`` section of its
+docstring their ``--help`` (litgpt's recipes; ``jsonargparse.auto_cli``). Each command module describes
+itself as a :class:`Command`; its ``build_parser()`` returns :meth:`Command.parser` and its ``main(argv)`` is
+:meth:`Command.run`; the LightningCLI commands (``fit``, ``run``, ``pretrain``, ``stress``) are jsonargparse too.
+Every command reads ``--config FILE`` (its options as YAML) and spells its options with underscores.
+
+Before parsing, :func:`prepare_argv` rewrites what jsonargparse does not read itself:
+
+* an option renamed in this release (one table of old -> new per command) is read under its new name for one
+  release, with a one-line deprecation notice on stderr;
+* a bare boolean option (``--force``) is ``--force true``;
+* a list option followed by several words (``--results a.json b.json``, a shell glob) is that JSON list, and one
+  followed by none (``--tasks``) is ``[]``; the JSON form (``--tasks '[a, b]'``) is read as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+from jsonargparse import ArgumentParser, Namespace, auto_parser
+
+from loopq.errors import UsageError, one_line
+
+#: old option spelling -> new one, of one command
+Renames = Mapping[str, str]
+BOOL, LIST = "bool", "list"
+#: errors raised, not printed with the usage (:func:`loopq.errors.run_cli` prints one line); no environment options
+PARSER_SETTINGS = {"exit_on_error": False, "default_env": False}
+#: the values a boolean option may be given (case does not matter)
+BOOLEANS = ("true", "false")
+
+
+@dataclass(frozen=True)
+class Command:
+    """``python -m loopq.<name>``: ``component`` (a function, or a list of functions: subcommands) as its options,
+    the first paragraph of ``doc`` as its description, ``positional``: required parameters as positional arguments,
+    ``renames``: its options' old spellings."""
+
+    component: Any
+    name: str
+    doc: str
+    positional: bool = False
+    renames: Renames = field(default_factory=dict)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        prog, description = f"python -m {self.name}", self.doc.split("\n\n")[0]
+        return {"as_positional": self.positional, "prog": prog, "description": description, **PARSER_SETTINGS}
+
+    def parser(self) -> ArgumentParser:
+        """The parser: the component's parameters as options, ``--config``, errors raised (not printed)."""
+        return auto_parser(self.component, **self.settings)
+
+    def run(self, argv: list[str] | None = None) -> Any:
+        """Parse ``argv`` (default ``sys.argv[1:]``, :func:`prepare_argv` first) and call the component with it; a
+        bad option is a :class:`~loopq.errors.UsageError` naming it."""
+        parser = self.parser()
+        args = prepare_argv(sys.argv[1:] if argv is None else argv, parser, self.renames)
+        try:
+            config = parser.parse_args(args)
+        except argparse.ArgumentError as err:
+            raise UsageError(f"{one_line(err)} (see {parser.prog} --help)") from None
+        return call(self.component, parser.instantiate_classes(config))
+
+
+def call(component: Any, config: Namespace) -> Any:
+    """``component`` (or the subcommand ``config`` names, of a list) called with the parsed ``config``."""
+    config.pop("config", None)
+    if isinstance(component, list):
+        name = config.pop("subcommand")
+        component, config = {c.__name__: c for c in component}[name], config[name]
+        config.pop("config", None)
+    return component(**config)
+
+
+def prepare_argv(argv: list[str], parser: ArgumentParser, renames: Renames) -> list[str]:
+    """``argv`` with old spellings renamed (:func:`rename`) and the shell forms rewritten (:func:`shell_forms`)."""
+    return shell_forms(rename(argv, renames, parser.prog), option_kinds(parser))
+
+
+def rename(argv: list[str], renames: Renames, prog: str) -> list[str]:
+    """``argv`` with each old option of ``renames`` (``--old`` or ``--old=value``) spelt the new way, each with a
+    one-line notice on stderr."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if name in renames:
+            notice = f"{prog}: {name} is deprecated, use {renames[name]} (the old spelling goes in the next release)"
+            print(notice, file=sys.stderr)
+            arg = f"{renames[name]}{eq}{value}"
+        out.append(arg)
+    return out
+
+
+def option_kinds(parser: ArgumentParser) -> dict[str, str]:
+    """``--name`` -> :data:`BOOL` or :data:`LIST` for the options of ``parser`` and its subcommands that take a
+    boolean or a list."""
+    kinds: dict[str, str] = {}
+    for action in parser._actions:
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            kinds |= option_kinds(sub)
+        kind = type_kind(getattr(action, "_typehint", None))
+        kinds |= {name: kind for name in action.option_strings if kind and not name.endswith("+")}
+    return kinds
+
+
+def type_kind(hint: Any) -> str | None:
+    """:data:`BOOL` for ``bool`` (or ``bool | None``), :data:`LIST` for a list or tuple (or one of them or None)."""
+    args = [a for a in get_args(hint) if a is not type(None)] if get_origin(hint) in (Union, UnionType) else [hint]
+    if len(args) != 1:
+        return None
+    if args[0] is bool:
+        return BOOL
+    return LIST if get_origin(args[0]) in (list, tuple) else None
+
+
+def shell_forms(argv: list[str], kinds: Mapping[str, str]) -> list[str]:
+    """``argv`` with bare booleans given ``true`` and list options' words (none or several) made a JSON list."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        kind, words = kinds.get(arg), []
+        while kind == LIST and i < len(argv) and not argv[i].startswith("--"):
+            words, i = [*words, argv[i]], i + 1
+        if kind == BOOL:
+            given = i < len(argv) and argv[i].lower() in BOOLEANS
+            words, i = ([argv[i]], i + 1) if given else (["true"], i)
+        elif kind == LIST and not (len(words) == 1 and (words[0].lstrip()[:1] == "[" or words[0] == "null")):
+            words = [json.dumps(words)]
+        out += [arg, *words]
+    return out
