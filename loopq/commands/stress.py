@@ -3,7 +3,7 @@ token and on the loop.
 
     python -m loopq.stress --config configs/stress/small-ouro.yaml [--ckpt_path last]
 
-Why: ``loopq.testbed --outliers-out`` makes a stress variant by a static, function-preserving rescaling of the norm
+Why: ``loopq.testbed --outliers_out`` makes a stress variant by a static, function-preserving rescaling of the norm
 weights. Its outliers are the same for every token and loop, so SmoothQuant's per-channel scale or QuaRot's rotation
 undo them exactly. Real LLMs have *massive activations* instead: a few channels that reach hundreds of times the
 median, on a few tokens only (BOS, punctuation, newlines), mostly in the MLP intermediate (the down_proj input). A
