@@ -12,7 +12,7 @@ Before parsing, :func:`prepare_argv` rewrites what jsonargparse does not read it
   release, with a one-line deprecation notice on stderr;
 * a bare boolean option (``--force``) is ``--force true``;
 * a list option followed by several words (``--results a.json b.json``, a shell glob) is that JSON list, and one
-  followed by none (``--tasks``) is ``[]``; the JSON form (``--tasks '[a, b]'``) is read as it is.
+  followed by none (``--tasks``) is ``[]``; one JSON or YAML value (``--tasks '[a, b]'``) is read as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any, ClassVar, Union, get_args, get_origin
 
 from jsonargparse import ArgumentParser, Namespace, auto_parser
 
@@ -68,7 +68,21 @@ class Command:
             config = parser.parse_args(args)
         except argparse.ArgumentError as err:
             raise UsageError(f"{one_line(err)} (see {parser.prog} --help)") from None
-        return call(self.component, parser.instantiate_classes(config))
+        return call(self.component, parser.instantiate(config))
+
+
+class SharedParsing:
+    """A LightningCLI mixin (``fit``, ``run``, ``pretrain``, ``stress``): the command line is parsed after
+    :func:`prepare_argv`, with the command's ``renames``."""
+
+    renames: ClassVar[Renames] = {}
+
+    def parse_arguments(self, parser: ArgumentParser, args: Any) -> None:
+        if isinstance(args, dict):
+            super().parse_arguments(parser, args)  # type: ignore[misc]
+        else:  # LightningCLI's own parse_arguments warns about args given while sys.argv has some: they are ours
+            argv = list(sys.argv[1:] if args is None else args)
+            self.config = parser.parse_args(prepare_argv(argv, parser, self.renames))
 
 
 def call(component: Any, config: Namespace) -> Any:
@@ -134,7 +148,7 @@ def shell_forms(argv: list[str], kinds: Mapping[str, str]) -> list[str]:
         if kind == BOOL:
             given = i < len(argv) and argv[i].lower() in BOOLEANS
             words, i = ([argv[i]], i + 1) if given else (["true"], i)
-        elif kind == LIST and not (len(words) == 1 and (words[0].lstrip()[:1] == "[" or words[0] == "null")):
+        elif kind == LIST and not (len(words) == 1 and (words[0].lstrip()[:1] in "[{" or words[0] == "null")):
             words = [json.dumps(words)]
         out += [arg, *words]
     return out

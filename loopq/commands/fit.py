@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import capture_parser
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
@@ -40,6 +41,7 @@ from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.commands.cli import SharedParsing
 from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import run_cli
@@ -63,6 +65,8 @@ COSMETIC = frozenset(
         "print_plan",
         "plan_config",
         "force",
+        # loopq.run's own options: how the student is evaluated, not how it is calibrated
+        *("limit", "tasks", "ppl_windows", "ppl_seq_len", "eval_batch_size", "eval_exported", "device"),
     }
 )
 
@@ -77,7 +81,14 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 METHOD_CALLBACKS = ("loopq.calib.mu", "loopq.calib.reselection", "callbacks.adaptive_mu", "callbacks.sharing_gap")
 
 
-class LoopQCLI(LightningCLI):
+class LoopQCLI(SharedParsing, LightningCLI):
+    """The calibration's command line (module docstring); ``loopq.run`` subclasses it with its own options."""
+
+    #: the first line of ``--help``
+    description = __doc__.split("\n\n")[0]
+    #: what ``--force`` does
+    force_help = "replace a student in the output directory that was calibrated with another config or teacher"
+
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume: 'last' or a .ckpt path")
         parser.add_argument(
@@ -95,12 +106,7 @@ class LoopQCLI(LightningCLI):
         parser.add_argument(
             "--plan_config", type=str | None, default=None, help="--print_plan: the teacher's config.json to plan with"
         )
-        parser.add_argument(
-            "--force",
-            type=bool,
-            default=False,
-            help="replace a student in the output directory that was calibrated with another config or teacher",
-        )
+        parser.add_argument("--force", type=bool, default=False, help=self.force_help)
         parser.link_arguments("model.teacher", "data.tokenizer")
 
     #: refuse to replace a student calibrated with another config (``loopq.run`` applies its own rule instead)
@@ -235,8 +241,18 @@ def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCL
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False, "exit_on_error": False},
+        parser_kwargs={
+            "default_env": False,
+            "exit_on_error": False,
+            "description": cli_class.description,
+            "prog": f"python -m {cli_class.command}",
+        },
     )
+
+
+def build_parser() -> Any:
+    """The parser of ``python -m loopq.fit``, built as :func:`build_cli` builds it, nothing parsed."""
+    return capture_parser(lambda: build_cli([]))
 
 
 def calibrate(cli: LoopQCLI) -> LoopQCalibration:

@@ -63,11 +63,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from jsonargparse import capture_parser
 from lightning.pytorch.cli import LightningCLI
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from loopq.artifacts.layout import check_output_dir
+from loopq.commands.cli import SharedParsing
 from loopq.commands.pretrain import TeacherPretrainer, export_teacher, fit_resumable, per_loop_token_losses
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.errors import UsageError, run_cli
@@ -320,7 +322,7 @@ class StressFinetuner(TeacherPretrainer):
             export_teacher(self, self.trainer.datamodule, program="loopq.stress", extra=extra, dtype=dtype)
 
 
-class StressCLI(LightningCLI):
+class StressCLI(SharedParsing, LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("model.teacher", "data.tokenizer")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
@@ -331,6 +333,11 @@ class StressCLI(LightningCLI):
         reads = [self.config.model.teacher, self.config.data.root or data_dir()]
         replaces = MODEL_KINDS if self.config.overwrite else ("pretrained teacher",)
         check_output_dir(self.config.model.out_dir, reads, "model.out_dir", replaces=replaces)
+
+
+def build_parser() -> Any:
+    """The parser of ``python -m loopq.stress``, nothing parsed."""
+    return capture_parser(lambda: fit_resumable(StressCLI, StressFinetuner, []))
 
 
 def main(args: list[str] | None = None) -> None:
