@@ -27,7 +27,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 from safetensors import SafetensorError
 
@@ -90,14 +89,6 @@ _KEY = re.compile(r'^Parser key "[^"]+":\s*')
 _NOT_FINITE = re.compile(r"Expected a <class 'float'>\. Got value: ([+-]?(nan|inf|infinity))$", re.IGNORECASE)
 #: jsonargparse's refusal of a value outside a restricted type (``PositiveInt``): ``... 0 does not conform to v>0``
 _RESTRICTED = re.compile(r"Not of type \w+: (.+) does not conform to restriction v(.+)$")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``argparse`` parser whose usage errors are :class:`UsageError` s (one line via :func:`run_cli`) instead of
-    the usage block plus an exit; ``--help`` is unchanged."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def article(word: str) -> str:

@@ -86,11 +86,13 @@ class SharedParsing:
 
 
 def call(component: Any, config: Namespace) -> Any:
-    """``component`` (or the subcommand ``config`` names, of a list) called with the parsed ``config``."""
+    """``component`` (or the subcommand ``config`` names, of a list or a name -> function dict) called with the
+    parsed ``config``."""
     config.pop("config", None)
-    if isinstance(component, list):
+    if isinstance(component, list | dict):
         name = config.pop("subcommand")
-        component, config = {c.__name__: c for c in component}[name], config[name]
+        named = component if isinstance(component, dict) else {c.__name__: c for c in component}
+        component, config = named[name], config[name]
         config.pop("config", None)
     return component(**config)
 

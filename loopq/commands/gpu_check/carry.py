@@ -29,7 +29,10 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from loopq.errors import OneLineParser, UsageError, run_cli
+from jsonargparse import ArgumentParser
+
+from loopq.commands.cli import Command
+from loopq.errors import UsageError, run_cli
 from loopq.files import atomic_write
 from loopq.paths import REPO_ROOT, data_dir
 
@@ -159,31 +162,50 @@ def write_manifest(carry: Path) -> dict[str, object]:
     return manifest
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m loopq.commands.gpu_check.carry", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("pins", help="name==version of the carried wheels")
-    data = sub.add_parser("data", help="write DIR/data.tar.xz and DIR/MANIFEST.json")
-    data.add_argument("--out", type=Path, required=True)
-    size = sub.add_parser("size", help="tree + carry bytes against the limit; exit 1 beyond it")
-    size.add_argument("carry", type=Path)
-    args = parser.parse_args(argv)
-    if args.command == "pins":
-        print("\n".join(pins()))
-        return 0
-    if args.command == "data":
-        archive = data_archive(data_dir())
-        args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out / "data.tar.xz", lambda tmp: tmp.write_bytes(archive))
-        write_manifest(args.out)
-        return 0
-    tree, carry = tree_bytes(), carry_bytes(args.carry)
+def pins_command() -> int:
+    """Print name==version of the carried wheels."""
+    print("\n".join(pins()))
+    return 0
+
+
+def data(out: Path = CARRY_DIR) -> int:
+    """Write OUT/data.tar.xz and OUT/MANIFEST.json.
+
+    Args:
+        out: the carry folder to write them into
+    """
+    archive = data_archive(data_dir())
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "data.tar.xz", lambda tmp: tmp.write_bytes(archive))
+    write_manifest(out)
+    return 0
+
+
+def size(carry: Path) -> int:
+    """Print the tree + carry bytes against the limit; exit status 1 beyond it.
+
+    Args:
+        carry: the carry folder
+    """
+    tree, carried = tree_bytes(), carry_bytes(carry)
     mib = 2**20
     print(
-        f"tree {tree / mib:.1f} MiB + carry {carry / mib:.1f} MiB = {(tree + carry) / mib:.1f} MiB "
+        f"tree {tree / mib:.1f} MiB + carry {carried / mib:.1f} MiB = {(tree + carried) / mib:.1f} MiB "
         f"(limit {LIMIT_BYTES / mib:.0f} MiB)"
     )
-    return 0 if tree + carry <= LIMIT_BYTES else 1
+    return 0 if tree + carried <= LIMIT_BYTES else 1
+
+
+SUBCOMMANDS = {"pins": pins_command, "data": data, "size": size}
+COMMAND = Command(SUBCOMMANDS, "loopq.commands.gpu_check.carry", __doc__, positional=True)
+
+
+def build_parser() -> ArgumentParser:
+    return COMMAND.parser()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return COMMAND.run(argv)
 
 
 def _exit_with_status() -> None:

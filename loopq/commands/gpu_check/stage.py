@@ -25,8 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import ArgumentParser
+
+from loopq.commands.cli import Command
 from loopq.commands.gpu_check.table import FAIL, StageResult
-from loopq.errors import OneLineParser, one_line, run_cli
+from loopq.errors import one_line, run_cli
 
 
 @dataclass
@@ -104,18 +107,30 @@ def run(module: str, name: str, ctx: Context) -> StageResult:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m loopq.commands.gpu_check.stage", description=__doc__.split("\n\n")[0])
-    parser.add_argument("module")
-    parser.add_argument("name")
-    parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--progress", type=Path, required=True)
-    parser.add_argument("--seconds", type=float, required=True)
-    parser.add_argument("--full", action="store_true")
-    args = parser.parse_args(argv)
-    ctx = Context(not args.full, args.workdir, args.progress, time.monotonic() + args.seconds)
-    run(args.module, args.name, ctx)
+def stage(module: str, name: str, workdir: Path, progress: Path, seconds: float, full: bool = False) -> int:
+    """Run stage ``name`` of ``module`` under a deadline; returns 0 (a failure is in the progress file).
+
+    Args:
+        module: the module whose STAGES mapping holds the stage functions
+        name: the stage
+        workdir: the scratch folder shared by the stages of one check
+        progress: the file the stage records what it measured to
+        seconds: the stage's time limit
+        full: the long mode (more steps, layers and shapes)
+    """
+    run(module, name, Context(not full, workdir, progress, time.monotonic() + seconds))
     return 0
+
+
+COMMAND = Command(stage, "loopq.commands.gpu_check.stage", __doc__, positional=True)
+
+
+def build_parser() -> ArgumentParser:
+    return COMMAND.parser()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return COMMAND.run(argv)
 
 
 def _exit_with_status() -> None:
