@@ -3,7 +3,6 @@ has a ``build_parser()`` returning a jsonargparse parser whose options all have 
 still reads the option spellings this release renamed (with a one-line notice) and the shell forms of booleans and
 lists (:mod:`loopq.commands.cli`)."""
 
-import argparse
 import importlib
 import re
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 from jsonargparse import ArgumentParser
 
 from loopq.commands import export, testbed
-from loopq.commands.cli import prepare_argv
+from loopq.commands.cli import actions, prepare_argv
 from loopq.paths import REPO_ROOT
 
 #: ``loopq.eval`` is lm-eval's own command line (its options are lm-eval's), with LoopQ's model registered
@@ -35,17 +34,6 @@ def entry_points() -> list[str]:
 
 
 COMMANDS = sorted({*entry_points(), *INNER} - LM_EVAL_PASSTHROUGH)
-
-
-def actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """The options of ``parser`` and of its subcommands."""
-    found = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            found += [a for sub in action.choices.values() for a in actions(sub)]
-        else:
-            found.append(action)
-    return found
 
 
 def test_every_entry_point_is_found():

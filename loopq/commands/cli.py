@@ -22,6 +22,7 @@ import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from types import UnionType
 from typing import Any, ClassVar, Union, get_args, get_origin
 
@@ -34,21 +35,25 @@ Renames = Mapping[str, str]
 BOOL, LIST = "bool", "list"
 #: errors raised, not printed with the usage (:func:`loopq.errors.run_cli` prints one line); no environment options
 PARSER_SETTINGS = {"exit_on_error": False, "default_env": False}
+#: the element types of a list option given as several words
+WORDS = (str, int, float, PurePath)
 #: the values a boolean option may be given (case does not matter)
 BOOLEANS = ("true", "false")
 
 
 @dataclass(frozen=True)
 class Command:
-    """``python -m loopq.<name>``: ``component`` (a function, or a list of functions: subcommands) as its options,
-    the first paragraph of ``doc`` as its description, ``positional``: required parameters as positional arguments,
-    ``renames``: its options' old spellings."""
+    """``python -m loopq.<name>``: ``component`` (a function, or a list or name -> function dict of them: subcommands)
+    as its options, the first paragraph of ``doc`` as its description, ``positional``: required parameters as
+    positional arguments, ``renames``: its options' old spellings, ``shared_help``: the help of parameters that
+    several subcommands share (by name), for those their docstrings leave out."""
 
     component: Any
     name: str
     doc: str
     positional: bool = False
     renames: Renames = field(default_factory=dict)
+    shared_help: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -57,7 +62,10 @@ class Command:
 
     def parser(self) -> ArgumentParser:
         """The parser: the component's parameters as options, ``--config``, errors raised (not printed)."""
-        return auto_parser(self.component, **self.settings)
+        parser = auto_parser(self.component, **self.settings)
+        for action in actions(parser):
+            action.help = action.help or self.shared_help.get(action.dest.rpartition(".")[2])
+        return parser
 
     def run(self, argv: list[str] | None = None) -> Any:
         """Parse ``argv`` (default ``sys.argv[1:]``, :func:`prepare_argv` first) and call the component with it; a
@@ -99,7 +107,7 @@ def call(component: Any, config: Namespace) -> Any:
 
 def prepare_argv(argv: list[str], parser: ArgumentParser, renames: Renames) -> list[str]:
     """``argv`` with old spellings renamed (:func:`rename`) and the shell forms rewritten (:func:`shell_forms`)."""
-    return shell_forms(rename(argv, renames, parser.prog), option_kinds(parser))
+    return shell_forms(rename(argv, renames, parser.prog), option_kinds(parser, argv))
 
 
 def rename(argv: list[str], renames: Renames, prog: str) -> list[str]:
@@ -116,26 +124,39 @@ def rename(argv: list[str], renames: Renames, prog: str) -> list[str]:
     return out
 
 
-def option_kinds(parser: ArgumentParser) -> dict[str, str]:
-    """``--name`` -> :data:`BOOL` or :data:`LIST` for the options of ``parser`` and its subcommands that take a
-    boolean or a list."""
+def actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options of ``parser`` and of its subcommands."""
+    found = []
+    for action in parser._actions:
+        subcommands = isinstance(action, argparse._SubParsersAction)
+        found += [a for sub in action.choices.values() for a in actions(sub)] if subcommands else [action]
+    return found
+
+
+def option_kinds(parser: ArgumentParser, argv: list[str]) -> dict[str, str]:
+    """``--name`` -> :data:`BOOL` or :data:`LIST` for the options of ``parser`` (and of the subcommand ``argv``
+    names) that take a boolean or a list (jsonargparse's type of the option; its ``--name+`` spelling is left
+    alone)."""
     kinds: dict[str, str] = {}
     for action in parser._actions:
-        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
-            kinds |= option_kinds(sub)
-        kind = type_kind(getattr(action, "_typehint", None))
-        kinds |= {name: kind for name in action.option_strings if kind and not name.endswith("+")}
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = [word for word in argv if word in action.choices][:1]
+            kinds |= option_kinds(action.choices[chosen[0]], argv) if chosen else {}
+        elif kind := type_kind(getattr(action, "_typehint", None)):
+            kinds |= {name: kind for name in action.option_strings if not name.endswith("+")}
     return kinds
 
 
 def type_kind(hint: Any) -> str | None:
-    """:data:`BOOL` for ``bool`` (or ``bool | None``), :data:`LIST` for a list or tuple (or one of them or None)."""
+    """:data:`BOOL` for ``bool``, :data:`LIST` for a list or tuple of words (strings, numbers, paths), either of them
+    possibly ``| None``; None for anything else (a list of classes keeps jsonargparse's own syntax)."""
     args = [a for a in get_args(hint) if a is not type(None)] if get_origin(hint) in (Union, UnionType) else [hint]
     if len(args) != 1:
         return None
     if args[0] is bool:
         return BOOL
-    return LIST if get_origin(args[0]) in (list, tuple) else None
+    words = get_origin(args[0]) in (list, tuple) and {a for a in get_args(args[0]) if a is not Ellipsis}
+    return LIST if words and all(isinstance(a, type) and issubclass(a, WORDS) for a in words) else None
 
 
 def shell_forms(argv: list[str], kinds: Mapping[str, str]) -> list[str]:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveInt
 
 from loopq.artifacts import load_artifact, read_artifact_meta, tokenizer_dir
@@ -38,7 +37,7 @@ from loopq.commands.cli import Command
 from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.devices import AUTO, resolve_device
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.files import atomic_write
 from loopq.locks import file_lock
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
@@ -261,9 +260,7 @@ def run_lm_eval(
 
 COMMAND = Command(evaluate, "loopq.evaluate", __doc__)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
+build_parser = COMMAND.parser
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,7 +268,3 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "lm_eval"}, indent=1))
     if "lm_eval" in result:
         print(json.dumps(result["lm_eval"]["paper_metrics"], indent=1))
-
-
-if __name__ == "__main__":
-    run_cli(main)

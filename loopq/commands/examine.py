@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveInt
 from torch import Tensor
 
@@ -38,7 +37,7 @@ from loopq.artifacts.student import load_student
 from loopq.calib.checkpoint_io import load_weights_only
 from loopq.commands.cli import Command
 from loopq.data.tokenizer import load_tokenizer
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models.base import LoopLM
 from loopq.quant.modules import QuantLinearGroup
@@ -262,14 +261,4 @@ def examine(path: Path, windows: PositiveInt = 32, json: Path | None = None) -> 
 
 COMMAND = Command(examine, "loopq.examine", __doc__, positional=True)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return COMMAND.run(argv)
-
-
-if __name__ == "__main__":
-    run_cli(main)
+build_parser, main = COMMAND.parser, COMMAND.run

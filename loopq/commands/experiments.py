@@ -38,8 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import ArgumentParser
-
 from loopq.artifacts import read_artifact_meta
 from loopq.artifacts.layout import STUDENT_META, STUDENT_WEIGHTS, json_object
 from loopq.calib.checkpoint_io import newest_intact
@@ -49,7 +47,7 @@ from loopq.commands.evaluate import evaluate
 from loopq.commands.examine import slt_history
 from loopq.commands.run import MANIFEST, DeferredCLI, quiet_lm_eval
 from loopq.devices import AUTO, resolve_device
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.files import atomic_write, read_json
 from loopq.models.loading import resolve_model_dir
 from loopq.provenance import flat_record, record, teacher_fingerprint
@@ -230,19 +228,10 @@ def table1(
     ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``).
 
     Args:
-        model: teacher model directory
-        out: results folder (one JSON per row, pipeline.json)
-        fit_config: loopq.fit config of the LoopQ calibrations
-        limit: lm-eval examples per task (null: all)
-        tasks: lm-eval tasks (default: loopq_paper; [] or none given: perplexity only)
         spinquant_config: loopq.fit config of SpinQuant
         flatquant_config: loopq.fit config of FlatQuant
-        seeds: calibrate every trained row once per seed
         bits: bit widths (default: w4a4, w4a8)
         methods: only these methods (default: all of Table 1)
-        extra: more loopq.fit options for every calibration (e.g. [--trainer.max_steps, 100])
-        ppl_windows: the first N WikiText-2 windows only (default: all)
-        device: where the evaluations run: auto, cpu, cuda, cuda:N (a calibration: its config's trainer)
     """
     sweep = Sweep(out, device)
     configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
@@ -277,19 +266,7 @@ def ablations(
     ppl_windows: int | None = None,
     device: str = AUTO,
 ) -> list[Path]:
-    """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``.
-
-    Args:
-        model: teacher model directory
-        out: results folder (one JSON per row, pipeline.json)
-        fit_config: loopq.fit config of the LoopQ calibrations
-        limit: lm-eval examples per task (null: all)
-        tasks: lm-eval tasks (default: loopq_paper; [] or none given: perplexity only)
-        seeds: calibrate every trained row once per seed
-        extra: more loopq.fit options for every calibration (e.g. [--trainer.max_steps, 100])
-        ppl_windows: the first N WikiText-2 windows only (default: all)
-        device: where the evaluations run: auto, cpu, cuda, cuda:N (a calibration: its config's trainer)
-    """
+    """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``."""
     sweep, written = Sweep(out, device), []
     for name, switch in ABLATIONS.items():
         for seed in seeds or [None]:
@@ -327,17 +304,9 @@ def slt_budget(
     """Fig. 4: LoopQ calibrated with each SLT budget.
 
     Args:
-        model: teacher model directory
-        out: results folder (one JSON per row, pipeline.json)
         budgets: SLT budgets (default: 0, 2, 4, 8 promoted groups)
-        fit_config: loopq.fit config of the LoopQ calibrations
         bits: bit widths of the calibrations
-        limit: lm-eval examples per task (null: all)
         tasks: lm-eval tasks (default: none, perplexity only)
-        seeds: calibrate every trained row once per seed
-        extra: more loopq.fit options for every calibration (e.g. [--trainer.max_steps, 100])
-        ppl_windows: the first N WikiText-2 windows only (default: all)
-        device: where the evaluations run: auto, cpu, cuda, cuda:N (a calibration: its config's trainer)
     """
     sweep, written = Sweep(out, device), []
     for budget in budgets or [0, 2, 4, 8]:
@@ -382,14 +351,9 @@ def num_samples(
     """Fig. 6: LoopQ calibrated on 32 ... 1024 samples (same steps and batch: smaller sets are revisited more).
 
     Args:
-        model: teacher model directory
-        out: results folder (one JSON per row, pipeline.json)
         sizes: calibration set sizes (default: 32 ... 1024)
-        fit_config: loopq.fit config of the LoopQ calibrations
         bits: bit widths of the calibrations
-        limit: lm-eval examples per task (null: all)
         tasks: lm-eval tasks (default: none, perplexity only)
-        device: where the evaluations run: auto, cpu, cuda, cuda:N (a calibration: its config's trainer)
     """
     sweep, written = Sweep(out, device), []
     for size in sizes or [32, 64, 128, 256, 512, 1024]:
@@ -425,17 +389,12 @@ def loops(
     Every JSON is tagged ``loop_sweep`` (the top loop count), which keeps it out of :func:`summary`'s Table 1 rows.
 
     Args:
-        model: teacher model directory
-        out: results folder (one JSON per row, pipeline.json)
         student: the calibrated student directory
         max_loops: the top loop count (default: twice the calibrated)
         bits: the student's bit widths
-        limit: lm-eval examples per task (null: all)
         tasks: lm-eval tasks (default: none, perplexity only; given: every loop count evaluated separately)
         seed: the student's calibration seed (rows loopq-<bits>-s<seed>-loops<n>; FP and RTN are shared)
-        ppl_windows: the first N WikiText-2 windows only (default: all)
         method: the trained method that calibrated the student (LoopQ, FlatQuant, SpinQuant)
-        device: where the evaluations run: auto, cpu, cuda, cuda:N (a calibration: its config's trainer)
     """
     trained = {row.label: row.slug for row in TABLE1 if row.calibration}
     if method not in trained:
@@ -597,17 +556,24 @@ def check_not_a_fit_config(argv: list[str]) -> None:
             )
 
 
-COMMAND = Command([table1, ablations, slt_budget, num_samples, loops, summary], "loopq.experiments", __doc__)
+#: the help of the options several subcommands share (:class:`~loopq.commands.cli.Command`'s ``shared_help``)
+SHARED_HELP = {
+    "model": "teacher model directory",
+    "out": "results folder (one JSON per row, pipeline.json)",
+    "fit_config": "loopq.fit config of the LoopQ calibrations",
+    "limit": "lm-eval examples per task (null: all)",
+    "tasks": "lm-eval tasks (default: loopq_paper; [] or none given: perplexity only)",
+    "seeds": "calibrate every trained row once per seed",
+    "extra": "more loopq.fit options for every calibration (e.g. [--trainer.max_steps, 100])",
+    "ppl_windows": "the first N WikiText-2 windows only (default: all)",
+    "device": "where the evaluations run: auto, cpu, cuda, cuda:N (a calibration: its config's trainer)",
+}
+SUBCOMMANDS = [table1, ablations, slt_budget, num_samples, loops, summary]
+COMMAND = Command(SUBCOMMANDS, "loopq.experiments", __doc__, shared_help=SHARED_HELP)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
+build_parser = COMMAND.parser
 
 
 def main(argv: list[str] | None = None) -> None:
     check_not_a_fit_config(sys.argv[1:] if argv is None else argv)
     COMMAND.run(argv)
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -13,14 +13,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from jsonargparse import ArgumentParser
 
 from loopq.artifacts import check_student_dir, export_student, load_quantized, load_student
 from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
 from loopq.artifacts.quantized import check_export_dir
 from loopq.artifacts.student import check_exportable, read_student_meta
 from loopq.commands.cli import Command
-from loopq.errors import run_cli
 from loopq.locks import DirectoryLock
 from loopq.quant.accounting import footprint, format_footprint
 
@@ -49,14 +47,4 @@ def export(ckpt: Path, out: Path, fp_dtype: Literal["bfloat16", "float16", "floa
 
 COMMAND = Command(export, "loopq.export", __doc__, renames={"--fp-dtype": "--fp_dtype"})
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    return COMMAND.run(argv)
-
-
-if __name__ == "__main__":
-    run_cli(main)
+build_parser, main = COMMAND.parser, COMMAND.run

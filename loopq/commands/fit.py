@@ -44,7 +44,6 @@ from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing
 from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.calibration import CalibrationDataModule
-from loopq.errors import run_cli
 from loopq.locks import DirectoryLock
 from loopq.models.loading import resolve_model_dir
 from loopq.paths import run_root
@@ -375,7 +374,3 @@ def checkpoints_in(folders: Iterable[str | Path]) -> list[Path]:
         for path in Path(folder).iterdir()
         if path.name.endswith(".ckpt") and not path.name.startswith(".")
     ]
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -19,14 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from jsonargparse import ArgumentParser
 from tokenizers import Tokenizer
 
 from loopq.artifacts import load_artifact, tokenizer_dir
 from loopq.commands.cli import Command
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.devices import resolve_device
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.models import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold
 from loopq.models.generation import check_prompt, check_sampling, generate
@@ -197,14 +196,4 @@ def generate_text(
 
 COMMAND = Command(generate_text, "loopq.generate", __doc__)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> list[str]:
-    return COMMAND.run(argv)
-
-
-if __name__ == "__main__":
-    run_cli(main)
+build_parser, main = COMMAND.parser, COMMAND.run

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jsonargparse import ArgumentParser
 
 from loopq.commands.cli import Command
 from loopq.data import fingerprints as fp
@@ -117,13 +116,7 @@ def make_fingerprints(data: Path | None = None, out: Path = fp.FINGERPRINTS, che
 
 COMMAND = Command(make_fingerprints, "loopq.commands.make_fingerprints", __doc__)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return COMMAND.run(argv)
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.locks import DirectoryLock
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
@@ -393,7 +393,3 @@ def build_parser() -> Any:
 def main(args: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     fit_resumable(PretrainCLI, pretrainer_class(argv), args, command="loopq.pretrain")
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -59,7 +59,7 @@ from loopq.commands.evaluate import evaluate
 from loopq.commands.report import build_report, load_result, load_run
 from loopq.data.tokenizer import load_tokenizer
 from loopq.devices import resolve_device
-from loopq.errors import LoopQError, run_cli
+from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.metrics.tasks import check_tasks
@@ -432,7 +432,3 @@ def main(argv: list[str] | None = None) -> Path:
         return Pipeline(cli, options).run()
     finally:
         cli.release_lock()
-
-
-if __name__ == "__main__":
-    run_cli(main)

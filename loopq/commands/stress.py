@@ -72,7 +72,7 @@ from loopq.artifacts.layout import check_output_dir
 from loopq.commands.cli import SharedParsing
 from loopq.commands.pretrain import TeacherPretrainer, export_teacher, fit_resumable, per_loop_token_losses
 from loopq.data.tokenizer import eos_id, load_tokenizer
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.models.loading import load_looplm, resolve_model_dir
 from loopq.models.ouro import OuroLM
 from loopq.paths import data_dir
@@ -342,7 +342,3 @@ def build_parser() -> Any:
 
 def main(args: list[str] | None = None) -> None:
     fit_resumable(StressCLI, StressFinetuner, args)
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveInt
 from tokenizers import Tokenizer
 from torch import Tensor
@@ -39,7 +38,6 @@ from loopq.calib.regime import activation_regime, fresh_sharing_gaps, looped_gro
 from loopq.commands.cli import Command
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import load_tokenizer
-from loopq.errors import run_cli
 from loopq.files import atomic_write
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
@@ -279,14 +277,4 @@ def testbed(
 
 COMMAND = Command(testbed, "loopq.testbed", __doc__, renames={"--outliers-out": "--outliers_out"})
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> None:
-    COMMAND.run(argv)
-
-
-if __name__ == "__main__":
-    run_cli(main)
+build_parser, main = COMMAND.parser, COMMAND.run

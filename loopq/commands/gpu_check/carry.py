@@ -26,10 +26,9 @@ import io
 import json
 import re
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
-
-from jsonargparse import ArgumentParser
 
 from loopq.commands.cli import Command
 from loopq.errors import UsageError, run_cli
@@ -199,18 +198,8 @@ def size(carry: Path) -> int:
 SUBCOMMANDS = {"pins": pins_command, "data": data, "size": size}
 COMMAND = Command(SUBCOMMANDS, "loopq.commands.gpu_check.carry", __doc__, positional=True)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return COMMAND.run(argv)
-
-
-def _exit_with_status() -> None:
-    raise SystemExit(main())
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 if __name__ == "__main__":
-    run_cli(_exit_with_status)
+    run_cli(lambda: sys.exit(main()))

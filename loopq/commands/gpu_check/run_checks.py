@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from jsonargparse import ArgumentParser
 
 from loopq.commands.cli import Command
 from loopq.commands.gpu_check import driver
@@ -122,13 +121,7 @@ def gpu_check(
 
 COMMAND = Command(gpu_check, "loopq.gpu_check", __doc__)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return COMMAND.run(argv)
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 def _carried_commit() -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -24,8 +25,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from jsonargparse import ArgumentParser
 
 from loopq.commands.cli import Command
 from loopq.commands.gpu_check.table import FAIL, StageResult
@@ -124,18 +123,8 @@ def stage(module: str, name: str, workdir: Path, progress: Path, seconds: float,
 
 COMMAND = Command(stage, "loopq.commands.gpu_check.stage", __doc__, positional=True)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return COMMAND.run(argv)
-
-
-def _exit_with_status() -> None:
-    raise SystemExit(main())
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 if __name__ == "__main__":
-    run_cli(_exit_with_status)
+    run_cli(lambda: sys.exit(main()))

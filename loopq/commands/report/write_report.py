@@ -35,8 +35,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jsonargparse import ArgumentParser
-
 from loopq.artifacts.layout import RUN_LOCK
 from loopq.commands.cli import Command
 from loopq.commands.report.build import build_report
@@ -81,10 +79,4 @@ def write_report(
 
 COMMAND = Command(write_report, "loopq.report", __doc__)
 
-
-def build_parser() -> ArgumentParser:
-    return COMMAND.parser()
-
-
-def main(argv: list[str] | None = None) -> Path:
-    return COMMAND.run(argv)
+build_parser, main = COMMAND.parser, COMMAND.run
