@@ -131,7 +131,7 @@ def test_a_student_of_another_config_is_not_reused(first, monkeypatch):
 
 def test_bad_input_is_named(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
-    with pytest.raises(ArgumentError, match=r"--config.*configs/missing\.yaml"):  # jsonargparse's one line
+    with pytest.raises(ArgumentError, match=r"config.*configs/missing\.yaml"):  # jsonargparse's one line
         main(["--config", "configs/missing.yaml"])
     with pytest.raises(PipelineError, match=r"--model\.teacher .*: no such model directory"):
         main([*TINY, "--trainer.default_root_dir", str(tmp_path), "--model.teacher", str(tmp_path / "nope")])

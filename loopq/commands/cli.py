@@ -75,8 +75,15 @@ class Command:
         try:
             config = parser.parse_args(args)
         except argparse.ArgumentError as err:
-            raise UsageError(f"{one_line(err)} (see {parser.prog} --help)") from None
+            raise UsageError(f"{as_typed(one_line(err), parser)} (see {parser.prog} --help)") from None
         return call(self.component, parser.instantiate(config))
+
+
+def as_typed(message: str, parser: ArgumentParser) -> str:
+    """``message`` with the missing required options jsonargparse names by key (``out``) as typed (``--out``)."""
+    head, required, names = message.partition("the following arguments are required: ")
+    typed = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    return head + required + ", ".join(typed.get(name, name) for name in names.split(", ")) if required else message
 
 
 class SharedParsing:
