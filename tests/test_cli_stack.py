@@ -5,6 +5,7 @@ lists (:mod:`loopq.commands.cli`)."""
 
 import importlib
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -22,18 +23,18 @@ INNER = ["loopq.commands.make_fingerprints", "loopq.commands.gpu_check.stage", "
 LIGHTNING = {"loopq.commands.fit", "loopq.commands.run", "loopq.commands.pretrain", "loopq.commands.stress"}
 
 
-def entry_points() -> list[str]:
-    """The command module of every ``loopq/<name>.py`` that ends in ``run_cli(...)``."""
-    found = []
+def entry_points() -> dict[str, str]:
+    """``<name>`` -> the command module of every ``loopq/<name>.py`` that ends in ``run_cli(...)``."""
+    found = {}
     for path in sorted((REPO_ROOT / "loopq").glob("*.py")):
         text = path.read_text()
         match = re.search(r"^from (loopq\.commands[\w.]*) import", text, re.M)
         if "run_cli(" in text and '__name__ == "__main__"' in text and match:
-            found.append(match.group(1))
+            found[path.stem] = match.group(1)
     return found
 
 
-COMMANDS = sorted({*entry_points(), *INNER} - LM_EVAL_PASSTHROUGH)
+COMMANDS = sorted({*entry_points().values(), *INNER} - LM_EVAL_PASSTHROUGH)
 
 
 def test_every_entry_point_is_found():
@@ -88,8 +89,32 @@ def test_function_commands_read_shell_lists_booleans_and_config_files(tmp_path):
     parser = evaluate.build_parser()
     assert parser.parse_args(prepare_argv(["--tasks", "--out", "x"], parser, {})).tasks == []
     assert parser.parse_args(prepare_argv(["--tasks", "[]"], parser, {})).tasks == []
+    assert parser.parse_args(prepare_argv(["--tasks=a"], parser, {})).tasks == ["a"]
     settings = tmp_path / "generate.yaml"
     settings.write_text("model: loopq/assets/tiny-ouro\nprompt: The loop\nno_cache: true\n")
     parser = generate.build_parser()
     config = parser.parse_args(prepare_argv(["--config", str(settings), "--max_new_tokens", "3"], parser, {}))
     assert config.no_cache is True and config.max_new_tokens == 3 and config.prompt == "The loop"
+
+
+def documented_command_lines() -> list[tuple[str, list[str]]]:
+    """Every ``python -m loopq.<command> ...`` line of the README and docs/ without placeholders (``<dir>``,
+    ``[--option]``, ``...``): its command module and arguments (continued lines joined, comments dropped)."""
+    modules = {stem: module for stem, module in entry_points().items() if module not in LM_EVAL_PASSTHROUGH}
+    found = []
+    for doc in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+        for line in re.sub(r"\\\n\s*", " ", doc.read_text()).splitlines():
+            match = re.match(r"\s*python -m loopq\.(\w+) (.*)", line)
+            if match and match.group(1) in modules and not re.search(r"<\w|\[--|\[\w+ |\.\.\.|`", match.group(2)):
+                found.append((modules[match.group(1)], shlex.split(match.group(2), comments=True)))
+    return found
+
+
+DOCUMENTED = documented_command_lines()
+
+
+@pytest.mark.parametrize(("name", "argv"), DOCUMENTED, ids=[f"{n[15:]} {' '.join(a)}"[:70] for n, a in DOCUMENTED])
+def test_every_documented_command_line_parses(name, argv):
+    module = importlib.import_module(name)
+    parser = module.build_parser()
+    parser.parse_args(prepare_argv(argv, parser, getattr(getattr(module, "COMMAND", None), "renames", {})))

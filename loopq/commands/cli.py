@@ -169,6 +169,7 @@ def type_kind(hint: Any) -> str | None:
 def shell_forms(argv: list[str], kinds: Mapping[str, str]) -> list[str]:
     """``argv`` with bare booleans given ``true`` and list options' words (none or several) made a JSON list."""
     out: list[str] = []
+    argv = [part for arg in argv for part in split_value(arg, kinds)]
     i = 0
     while i < len(argv):
         arg, i = argv[i], i + 1
@@ -182,3 +183,9 @@ def shell_forms(argv: list[str], kinds: Mapping[str, str]) -> list[str]:
             words = [json.dumps(words)]
         out += [arg, *words]
     return out
+
+
+def split_value(arg: str, kinds: Mapping[str, str]) -> list[str]:
+    """``--name=value`` of a boolean or list option as ``--name value`` (other arguments as they are)."""
+    name, eq, value = arg.partition("=")
+    return [name, value] if eq and name in kinds and not value.startswith("-") else [arg]

@@ -4,11 +4,11 @@ A device call takes the repository's tree plus at most 64 MiB in all, so the car
 need beyond the machine's image (:data:`IMAGE_LIST`, recorded there):
 
 * ``wheels/``: cp312 wheels of the :data:`CARRIED` distributions, the only ones the stages import that the image
-  lacks: LightningCLI's ``jsonargparse[signatures]`` (with ``docstring_parser`` and ``typeshed_client``) for
-  ``loopq.fit`` / ``evaluate`` / ``export`` / ``generate``, and DeepSpeed (with ``hjson`` and pydantic 2) for the
-  paper config's ``LoopQDeepSpeedStrategy``. Their versions are the tested pins of ``constraints.txt``. Installed
-  there offline into a target directory (``pip install --no-index --no-deps --target``), as wheels, since Lightning
-  reads DeepSpeed's and jsonargparse's installed metadata.
+  lacks: ``jsonargparse[signatures]`` (with ``docstring_parser`` and ``typeshed_client``), the parser of every
+  command (:mod:`loopq.commands.cli`), the check's own driver and stage runner included, and DeepSpeed (with
+  ``hjson`` and pydantic 2) for the paper config's ``LoopQDeepSpeedStrategy``. Their versions are the tested pins
+  of ``constraints.txt``. Installed there offline into a target directory (``pip install --no-index --no-deps
+  --target``), as wheels, since Lightning reads DeepSpeed's and jsonargparse's installed metadata.
 * ``data.tar.xz``: the slices of the shared data the stages read (:data:`DATA`): the start of each calibration text
   (``calibration``, ``paper-shape``), the start of WikiText-2's test text (``pipeline`` reads its first
   ``PIPELINE_WINDOWS`` windows) and the SmolLM2 tokenizer (``paper-shape``), unpacked there into the folder
