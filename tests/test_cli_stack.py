@@ -97,6 +97,15 @@ def test_function_commands_read_shell_lists_booleans_and_config_files(tmp_path):
     assert config.no_cache is True and config.max_new_tokens == 3 and config.prompt == "The loop"
 
 
+def test_the_gpu_checks_stage_runner_reads_the_drivers_command_line():
+    from loopq.commands.gpu_check import stage
+
+    parser = stage.build_parser()
+    argv = ["loopq.commands.gpu_check.registry", "e2e", "--workdir", "w", "--progress", "p", "--seconds", "9.5"]
+    config = parser.parse_args(prepare_argv([*argv, "--full"], parser, {}))
+    assert (config.name, config.workdir, config.seconds, config.full) == ("e2e", Path("w"), 9.5, True)
+
+
 def documented_command_lines() -> list[tuple[str, list[str]]]:
     """Every ``python -m loopq.<command> ...`` line of the README and docs/ without placeholders (``<dir>``,
     ``[--option]``, ``...``): its command module and arguments (continued lines joined, comments dropped)."""

@@ -106,8 +106,9 @@ def run(module: str, name: str, ctx: Context) -> StageResult:
     return result
 
 
-def stage(module: str, name: str, workdir: Path, progress: Path, seconds: float, full: bool = False) -> int:
-    """Run stage ``name`` of ``module`` under a deadline; returns 0 (a failure is in the progress file).
+def stage(module: str, name: str, *, workdir: Path, progress: Path, seconds: float, full: bool = False) -> int:
+    """Run stage ``name`` of ``module`` under a deadline; returns 0 (a failure is in the progress file). The two
+    positional arguments come first, the rest are options (keyword-only).
 
     Args:
         module: the module whose STAGES mapping holds the stage functions
