@@ -27,7 +27,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 from safetensors import SafetensorError
 
@@ -88,14 +87,8 @@ _FRAME = re.compile(
 _KEY = re.compile(r'^Parser key "[^"]+":\s*')
 #: jsonargparse's refusal of ``nan`` / ``inf`` for a float option, which does not say why
 _NOT_FINITE = re.compile(r"Expected a <class 'float'>\. Got value: ([+-]?(nan|inf|infinity))$", re.IGNORECASE)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``argparse`` parser whose usage errors are :class:`UsageError` s (one line via :func:`run_cli`) instead of
-    the usage block plus an exit; ``--help`` is unchanged."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see {self.prog} --help)")
+#: jsonargparse's refusal of a value outside a restricted type (``PositiveInt``): ``... 0 does not conform to v>0``
+_RESTRICTED = re.compile(r"Not of type \w+: (.+) does not conform to restriction v(.+)$")
 
 
 def article(word: str) -> str:
@@ -124,6 +117,9 @@ def _argument_error(text: str) -> str:
     detail = next((line for line in details if line and not _FRAME.match(line)), None)
     if not keys or detail is None:
         return text
+    restricted = _RESTRICTED.search(detail)
+    if restricted:
+        return f"--{'.'.join(keys)} {restricted.group(1)}: must be {restricted.group(2)}"
     not_finite = _NOT_FINITE.search(detail)
     if not_finite:
         detail = f"{not_finite.group(1)} is not a finite number; pass a finite value"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopq import devices
-from loopq.commands import experiments, fit, run
+from loopq.commands import experiments, run
 from loopq.commands.evaluate import evaluate
 from loopq.devices import resolve_device
 from loopq.errors import UsageError
@@ -91,9 +91,9 @@ def test_loopq_run_decides_the_device_once_and_hands_it_down(monkeypatch, tmp_pa
     at parse time, the result thrown away): now once, the evaluations and the export use that decision."""
     asked = []
     monkeypatch.setattr(run, "resolve_device", lambda name, *a: asked.append(name) or torch.device("cpu"))
-    options, fit_args = run.parse_args(["--config", "configs/tiny.yaml", "--trainer.default_root_dir", str(tmp_path)])
-    cli = fit.build_cli(fit_args, run.DeferredCLI)
+    cli = run.parse(["--config", "configs/tiny.yaml", "--trainer.default_root_dir", str(tmp_path)])
     try:
+        options = run.Options.of(cli.config)
         stages = run.Pipeline(cli, options).stages()
     finally:
         cli.release_lock()

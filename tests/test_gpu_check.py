@@ -65,8 +65,8 @@ def test_without_a_gpu_it_says_so_and_exits_0(cmd):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--skip", "bogus"], "argument --skip: invalid choice: 'bogus'"),
-        (["--only", "step"], "argument --only: invalid choice: 'step'"),
+        (["--skip", "bogus"], "--skip bogus: not a stage; use some of environment, calibration"),
+        (["--only", "step"], "--only step: not a stage; use some of environment, calibration"),
         (["--out", "README.md"], "--out README.md: is a file; give a directory"),
         (["--budget", "0"], "--budget 0: give a positive number of seconds"),
     ],

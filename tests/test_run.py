@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from argparse import ArgumentError
 from pathlib import Path
 
 import pytest
@@ -130,7 +131,7 @@ def test_a_student_of_another_config_is_not_reused(first, monkeypatch):
 
 def test_bad_input_is_named(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
-    with pytest.raises(PipelineError, match=r"--config configs/missing\.yaml: no such file"):
+    with pytest.raises(ArgumentError, match=r"config.*configs/missing\.yaml"):  # jsonargparse's one line
         main(["--config", "configs/missing.yaml"])
     with pytest.raises(PipelineError, match=r"--model\.teacher .*: no such model directory"):
         main([*TINY, "--trainer.default_root_dir", str(tmp_path), "--model.teacher", str(tmp_path / "nope")])

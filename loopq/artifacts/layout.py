@@ -10,12 +10,12 @@ Every file name and format version of a student or export directory is a constan
   :data:`EXPORT_META` (the layout and the size and sha256 of every file, sealed by ``meta_sha256``), format
   :data:`EXPORT_FORMAT`, plus the teacher's ``config.json`` and :data:`TOKENIZER_FILES`;
 * a **teacher**: any of :data:`TEACHER_FILES`; ``loopq.pretrain`` adds :data:`TRAINING_RECORD`, a stress variant
-  written by ``loopq.testbed --outliers-out`` has ``outliers`` in its :data:`TESTBED_RECORD`.
+  written by ``loopq.testbed --outliers_out`` has ``outliers`` in its :data:`TESTBED_RECORD`.
 
 :func:`model_kind` tells them apart; :func:`check_output_dir` refuses an output directory that is a file, is, contains
 or lies inside a directory the command reads, or holds a model of a kind the command does not write (each command may
 replace only its own earlier output: ``loopq.export`` an export, ``loopq.fit`` a student, ``loopq.testbed
---outliers-out`` a stress variant, ``loopq.pretrain`` a teacher it trained). Symlinks are resolved first. A student or
+--outliers_out`` a stress variant, ``loopq.pretrain`` a teacher it trained). Symlinks are resolved first. A student or
 export is replaced only when its description is one LoopQ sealed, or a sealed write journal says this command was
 interrupted writing it (:mod:`loopq.artifacts.ownership`): ownership is proven, not assumed.
 """
@@ -56,7 +56,7 @@ ArtifactKind = Literal["teacher", "student", "export"]
 
 def model_kind(directory: Path) -> str | None:
     """What model ``directory`` holds: ``export``, ``student``, ``stress variant`` (written by ``loopq.testbed
-    --outliers-out``), ``pretrained teacher`` (written by ``loopq.pretrain``), ``teacher`` (any other config.json or
+    --outliers_out``), ``pretrained teacher`` (written by ``loopq.pretrain``), ``teacher`` (any other config.json or
     weights), or None."""
     directory = Path(directory)
     if not directory.is_dir():

@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import CLI
+from jsonargparse.typing import PositiveInt
 
 from loopq.artifacts import load_artifact, read_artifact_meta, tokenizer_dir
+from loopq.commands.cli import Command
 from loopq.data.calibration import calibration_samples
 from loopq.data.tokenizer import load_tokenizer
 from loopq.devices import AUTO, resolve_device
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.files import atomic_write
 from loopq.locks import file_lock
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
@@ -156,7 +157,7 @@ def evaluate(
     limit: int | None = None,
     num_loops: int | None = None,
     ppl_seq_len: int = 256,
-    ppl_windows: int | None = None,
+    ppl_windows: PositiveInt | None = None,
     batch_size: int = 8,
     out: str | None = None,
     variant: str | None = None,
@@ -166,14 +167,29 @@ def evaluate(
     device: str = AUTO,
 ) -> dict[str, Any]:
     """Evaluate and return (and with ``out``, write) ``{"method", "bits", "wikitext2_ppl", "per_loop", "lm_eval"}``.
+    The JSON records the provenance: the teacher's content hash, and a student's or export's calibration config.
 
-    ``calib_samples`` x ``calib_seq_len`` tokens calibrate a training-free baseline built from ``model``.
-    ``teacher``: the teacher directory of a ``student`` whose recorded path is gone (it must have the recorded
-    content hash). The JSON records the provenance: the teacher's content hash, and a student's or export's
-    calibration config. ``device``: auto (cuda when available), cpu, cuda or cuda:N."""
+    Args:
+        model: FP teacher directory (or hub id): evaluated as FP or as a training-free baseline (--method)
+        student: calibrated fake-quant student directory (python -m loopq.fit)
+        exported: exported int model directory (python -m loopq.export)
+        method: the label recorded; for --model, FP or a training-free baseline (Symmetric, RTN..., SmoothQuant,
+            QuaRot)
+        bits: a training-free baseline's bit widths (w4a4, w4a8)
+        tasks: lm-eval tasks (default: the loopq_paper group; [] or none given: perplexity only)
+        limit: lm-eval examples per task (default: all)
+        num_loops: loops to evaluate at (default: the model's)
+        ppl_seq_len: WikiText-2 window length (tokens)
+        ppl_windows: the first N WikiText-2 windows only (default: all)
+        batch_size: evaluation batch size
+        out: the results JSON to write
+        variant: the model name the report groups by (default: the tokenizer directory's name)
+        calib_samples: calibration windows of a training-free baseline
+        calib_seq_len: tokens per calibration window of a training-free baseline
+        teacher: teacher directory of a student whose recorded teacher path is gone (same content hash)
+        device: auto (cuda when available), cpu, cuda or cuda:N
+    """
     where = resolve_device(device)
-    if ppl_windows is not None and ppl_windows < 1:
-        raise UsageError(f"--ppl_windows must be >= 1 (or null for all windows), got {ppl_windows}")
     task_list = ["loopq_paper"] if tasks is None else tasks
     choice = check_options(model, student, exported, method, bits, task_list)
     if out:  # before any work: a result never replaces a model file or anything but an earlier result
@@ -242,12 +258,13 @@ def run_lm_eval(
     return {"paper_metrics": paper_metrics(res["results"]), "limit": limit, "n_samples": sizes}
 
 
+COMMAND = Command(evaluate, "loopq.evaluate", __doc__)
+
+build_parser = COMMAND.parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    result = CLI(evaluate, args=argv, as_positional=False, exit_on_error=False)
+    result = COMMAND.run(argv)
     print(json.dumps({k: v for k, v in result.items() if k != "lm_eval"}, indent=1))
     if "lm_eval" in result:
         print(json.dumps(result["lm_eval"]["paper_metrics"], indent=1))
-
-
-if __name__ == "__main__":
-    run_cli(main)

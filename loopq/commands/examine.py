@@ -22,21 +22,22 @@ of the method compensates, this says what the component itself did:
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 from collections.abc import Callable
+from json import dumps
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse.typing import PositiveInt
 from torch import Tensor
 
 from loopq.artifacts.layout import STUDENT_META
 from loopq.artifacts.student import load_student
 from loopq.calib.checkpoint_io import load_weights_only
+from loopq.commands.cli import Command
 from loopq.data.tokenizer import load_tokenizer
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models.base import LoopLM
 from loopq.quant.modules import QuantLinearGroup
@@ -243,19 +244,21 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loopq.examine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", type=Path, help="a run directory (RUN/student, RUN/checkpoints) or a student")
-    parser.add_argument("--windows", type=int, default=32, help="WikiText-2 test windows for the knock-outs")
-    parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
-    args = parser.parse_args(argv)
-    if args.windows < 1:
-        raise UsageError(f"--windows {args.windows}: must be >= 1")
-    result = inspect(args.path, args.windows)
+def examine(path: Path, windows: PositiveInt = 32, json: Path | None = None) -> dict[str, Any]:
+    """Print what a student's loop-aware parts learned as Markdown (module docstring); returns the numbers.
+
+    Args:
+        path: a run directory (RUN/student, RUN/checkpoints) or a student directory
+        windows: WikiText-2 test windows for the knock-outs
+        json: also write the numbers to this JSON file
+    """
+    result = inspect(path, windows)
     print(markdown(result), end="")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if json is not None:
+        json.write_text(dumps(result, indent=2) + "\n")
+    return result
 
 
-if __name__ == "__main__":
-    run_cli(main)
+COMMAND = Command(examine, "loopq.examine", __doc__, positional=True)
+
+build_parser, main = COMMAND.parser, COMMAND.run

@@ -34,22 +34,20 @@ import json
 import math
 import statistics
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from jsonargparse import CLI
 
 from loopq.artifacts import read_artifact_meta
 from loopq.artifacts.layout import STUDENT_META, STUDENT_WEIGHTS, json_object
 from loopq.calib.checkpoint_io import newest_intact
 from loopq.commands import fit
+from loopq.commands.cli import Command
 from loopq.commands.evaluate import evaluate
 from loopq.commands.examine import slt_history
 from loopq.commands.run import MANIFEST, DeferredCLI, quiet_lm_eval
 from loopq.devices import AUTO, resolve_device
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.files import atomic_write, read_json
 from loopq.models.loading import resolve_model_dir
 from loopq.provenance import flat_record, record, teacher_fingerprint
@@ -164,9 +162,7 @@ def teacher_sha256(model: str) -> str:
 
 def parse(calibration: Calibration) -> DeferredCLI:
     """``loopq.fit``'s CLI for ``calibration``, parsed (its run directory locked), not built."""
-    with warnings.catch_warnings():  # the args are ours, not sys.argv's
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        return fit.build_cli(calibration.args(), DeferredCLI)  # type: ignore[return-value]
+    return fit.build_cli(calibration.args(), DeferredCLI)  # type: ignore[return-value]
 
 
 def calibration_settings(calibration: Calibration) -> dict[str, Any]:
@@ -229,9 +225,14 @@ def table1(
     device: str = AUTO,
 ) -> list[Path]:
     """FP and every :data:`TABLE1` method (or those named in ``methods``) at W4A4 and W4A8 (or ``bits``) on
-    ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``). ``extra``: more
-    ``loopq.fit`` options for every calibration (e.g. a scaled recipe: ``--trainer.max_steps 100``); ``device``:
-    where the evaluations run (auto, cpu, cuda, cuda:N; a calibration runs where its config's ``trainer`` says)."""
+    ``model``; one result JSON each in ``out`` (per seed for trained rows with ``seeds``).
+
+    Args:
+        spinquant_config: loopq.fit config of SpinQuant
+        flatquant_config: loopq.fit config of FlatQuant
+        bits: bit widths (default: w4a4, w4a8)
+        methods: only these methods (default: all of Table 1)
+    """
     sweep = Sweep(out, device)
     configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
     written = [sweep.row("fp", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
@@ -300,7 +301,13 @@ def slt_budget(
     ppl_windows: int | None = None,
     device: str = AUTO,
 ) -> list[Path]:
-    """Fig. 4: LoopQ calibrated with each SLT budget (default 0, 2, 4, 8 promoted groups)."""
+    """Fig. 4: LoopQ calibrated with each SLT budget.
+
+    Args:
+        budgets: SLT budgets (default: 0, 2, 4, 8 promoted groups)
+        bits: bit widths of the calibrations
+        tasks: lm-eval tasks (default: none, perplexity only)
+    """
     sweep, written = Sweep(out, device), []
     for budget in budgets or [0, 2, 4, 8]:
         for seed in seeds or [None]:
@@ -341,7 +348,13 @@ def num_samples(
     tasks: list[str] | None = None,
     device: str = AUTO,
 ) -> list[Path]:
-    """Fig. 6: LoopQ calibrated on 32 ... 1024 samples (same steps and batch: smaller sets are revisited more)."""
+    """Fig. 6: LoopQ calibrated on 32 ... 1024 samples (same steps and batch: smaller sets are revisited more).
+
+    Args:
+        sizes: calibration set sizes (default: 32 ... 1024)
+        bits: bit widths of the calibrations
+        tasks: lm-eval tasks (default: none, perplexity only)
+    """
     sweep, written = Sweep(out, device), []
     for size in sizes or [32, 64, 128, 256, 512, 1024]:
         slug = f"samples-{size}"
@@ -373,11 +386,16 @@ def loops(
     WikiText-2 only (the default): one evaluation per method at ``max_loops`` gives the perplexity after every
     loop (the output after n loops does not depend on later loops), written as one JSON per n with
     ``per_loop_of`` naming its source. With ``tasks``, every loop count is evaluated separately.
-    ``seed`` names the student's calibration seed (its rows become ``loopq-<bits>-s<seed>-loops<n>``; FP and RTN
-    are shared by the seeds); ``method`` names the trained method that calibrated it (``FlatQuant``,
-    ``SpinQuant``: rows ``flatquant-<bits>-...``), so baselines' students sweep beside LoopQ's; ``ppl_windows``
-    evaluates WikiText-2 on its first N windows. Every JSON is tagged ``loop_sweep`` (the top loop count), which
-    keeps it out of :func:`summary`'s Table 1 rows."""
+    Every JSON is tagged ``loop_sweep`` (the top loop count), which keeps it out of :func:`summary`'s Table 1 rows.
+
+    Args:
+        student: the calibrated student directory
+        max_loops: the top loop count (default: twice the calibrated)
+        bits: the student's bit widths
+        tasks: lm-eval tasks (default: none, perplexity only; given: every loop count evaluated separately)
+        seed: the student's calibration seed (rows loopq-<bits>-s<seed>-loops<n>; FP and RTN are shared)
+        method: the trained method that calibrated the student (LoopQ, FlatQuant, SpinQuant)
+    """
     trained = {row.label: row.slug for row in TABLE1 if row.calibration}
     if method not in trained:
         raise UsageError(f"--method {method}: not a calibrated method; use one of {', '.join(trained)}")
@@ -422,7 +440,12 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     """The mean ± std table of every result JSON in ``out`` (grouped by method and bits), with R against the
     Symmetric RTN row and FP, and a mark on rows separated from ``reference`` at the same bits by > 2 std
     (:func:`loopq.stats.separated`); then, where ``out`` holds them, the SLT budget sweep (with the promoted groups
-    and their S_l) and the loop sweep. Printed and written to ``<out>/summary.md``."""
+    and their S_l) and the loop sweep. Printed and written to ``<out>/summary.md``.
+
+    Args:
+        out: the results folder
+        reference: the method other rows are compared with
+    """
     root = Path(out)
     results = [data for path in sorted(root.glob("*.json")) if "wikitext2_ppl" in (data := read_json(path))]
     rows: dict[tuple[str, str], list[float]] = {}
@@ -533,15 +556,24 @@ def check_not_a_fit_config(argv: list[str]) -> None:
             )
 
 
+#: the help of the options several subcommands share (:class:`~loopq.commands.cli.Command`'s ``shared_help``)
+SHARED_HELP = {
+    "model": "teacher model directory",
+    "out": "results folder (one JSON per row, pipeline.json)",
+    "fit_config": "loopq.fit config of the LoopQ calibrations",
+    "limit": "lm-eval examples per task (null: all)",
+    "tasks": "lm-eval tasks (default: loopq_paper; [] or none given: perplexity only)",
+    "seeds": "calibrate every trained row once per seed",
+    "extra": "more loopq.fit options for every calibration (e.g. [--trainer.max_steps, 100])",
+    "ppl_windows": "the first N WikiText-2 windows only (default: all)",
+    "device": "where the evaluations run: auto, cpu, cuda, cuda:N (a calibration: its config's trainer)",
+}
+SUBCOMMANDS = [table1, ablations, slt_budget, num_samples, loops, summary]
+COMMAND = Command(SUBCOMMANDS, "loopq.experiments", __doc__, shared_help=SHARED_HELP)
+
+build_parser = COMMAND.parser
+
+
 def main(argv: list[str] | None = None) -> None:
     check_not_a_fit_config(sys.argv[1:] if argv is None else argv)
-    CLI(
-        [table1, ablations, slt_budget, num_samples, loops, summary],
-        args=argv,
-        as_positional=False,
-        exit_on_error=False,
-    )
-
-
-if __name__ == "__main__":
-    run_cli(main)
+    COMMAND.run(argv)

@@ -4,12 +4,13 @@
 
 The conversion and the directory format are :mod:`loopq.artifacts.quantized`; the footprint (the paper's Table 3 for
 the loaded model: packed weights, fp16 scales, shared and loop-dependent quantization parameters and FP modules at
-``--fp-dtype``, against the BF16 teacher) is :func:`loopq.quant.accounting.footprint`.
+``--fp_dtype``, against the BF16 teacher) is :func:`loopq.quant.accounting.footprint`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -17,32 +18,33 @@ from loopq.artifacts import check_student_dir, export_student, load_quantized, l
 from loopq.artifacts.layout import RUN_LOCK, STUDENT_META, json_object
 from loopq.artifacts.quantized import check_export_dir
 from loopq.artifacts.student import check_exportable, read_student_meta
-from loopq.errors import OneLineParser, run_cli
+from loopq.commands.cli import Command
 from loopq.locks import DirectoryLock
 from loopq.quant.accounting import footprint, format_footprint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = OneLineParser(prog="python -m loopq.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", type=Path, required=True, help=f"student directory ({STUDENT_META} + weights)")
-    parser.add_argument("--out", type=Path, required=True, help="export directory to write")
-    parser.add_argument(
-        "--fp-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the FP modules in the footprint"
-    )
-    args = parser.parse_args(argv)
-    check_student_dir(args.ckpt)
-    check_exportable(json_object(args.ckpt / STUDENT_META), args.ckpt)  # before a legacy one's warning is printed
-    teacher = read_student_meta(args.ckpt).get("teacher")
-    check_export_dir(args.out, teacher, reads=(args.ckpt,))
-    with DirectoryLock(args.out, RUN_LOCK, "loopq.export", "--out"):  # one writer at a time
-        student, meta = load_student(args.ckpt)
-        export_student(student, meta, args.out)
-        report = footprint(load_quantized(args.out, dtype=DTYPES[args.fp_dtype]))
-    print(f"exported {args.ckpt} -> {args.out}\n{format_footprint(report)}")
+def export(ckpt: Path, out: Path, fp_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16") -> dict[str, float]:
+    """Export the student ``ckpt`` to ``out`` and print its footprint (returned).
+
+    Args:
+        ckpt: student directory (loopq_quant.json + weights)
+        out: export directory to write
+        fp_dtype: dtype of the FP modules in the footprint
+    """
+    check_student_dir(ckpt)
+    check_exportable(json_object(ckpt / STUDENT_META), ckpt)  # before a legacy one's warning is printed
+    teacher = read_student_meta(ckpt).get("teacher")
+    check_export_dir(out, teacher, reads=(ckpt,))
+    with DirectoryLock(out, RUN_LOCK, "loopq.export", "--out"):  # one writer at a time
+        student, meta = load_student(ckpt)
+        export_student(student, meta, out)
+        report = footprint(load_quantized(out, dtype=DTYPES[fp_dtype]))
+    print(f"exported {ckpt} -> {out}\n{format_footprint(report)}")
     return report
 
 
-if __name__ == "__main__":
-    run_cli(main)
+COMMAND = Command(export, "loopq.export", __doc__, renames={"--fp-dtype": "--fp_dtype"})
+
+build_parser, main = COMMAND.parser, COMMAND.run

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import yaml
+from jsonargparse import capture_parser
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
@@ -42,9 +43,10 @@ from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.commands.cli import SharedParsing
 from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.calibration import CalibrationDataModule
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.locks import DirectoryLock
 from loopq.models.loading import resolve_model_dir
 from loopq.paths import run_root
@@ -65,6 +67,8 @@ COSMETIC = frozenset(
         "print_plan",
         "plan_config",
         "force",
+        # loopq.run's own options: how the student is evaluated, not how it is calibrated
+        *("limit", "tasks", "ppl_windows", "ppl_seq_len", "eval_batch_size", "eval_exported", "device"),
     }
 )
 
@@ -110,7 +114,14 @@ def check_moved_keys(argv: list[str]) -> None:
                     )
 
 
-class LoopQCLI(LightningCLI):
+class LoopQCLI(SharedParsing, LightningCLI):
+    """The calibration's command line (module docstring); ``loopq.run`` subclasses it with its own options."""
+
+    #: the first line of ``--help``
+    description = __doc__.split("\n\n")[0]
+    #: what ``--force`` does
+    force_help = "replace a student in the output directory that was calibrated with another config or teacher"
+
     def parse_arguments(self, parser: Any, args: Any) -> None:
         check_moved_keys(list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else [])
         super().parse_arguments(parser, args)
@@ -132,12 +143,7 @@ class LoopQCLI(LightningCLI):
         parser.add_argument(
             "--plan_config", type=str | None, default=None, help="--print_plan: the teacher's config.json to plan with"
         )
-        parser.add_argument(
-            "--force",
-            type=bool,
-            default=False,
-            help="replace a student in the output directory that was calibrated with another config or teacher",
-        )
+        parser.add_argument("--force", type=bool, default=False, help=self.force_help)
         parser.link_arguments("model.teacher", "data.tokenizer")
 
     #: refuse to replace a student calibrated with another config (``loopq.run`` applies its own rule instead)
@@ -272,8 +278,18 @@ def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCL
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False, "exit_on_error": False},
+        parser_kwargs={
+            "default_env": False,
+            "exit_on_error": False,
+            "description": cli_class.description,
+            "prog": f"python -m {cli_class.command}",
+        },
     )
+
+
+def build_parser() -> Any:
+    """The parser of ``python -m loopq.fit``, built as :func:`build_cli` builds it, nothing parsed."""
+    return capture_parser(lambda: build_cli([]))
 
 
 def calibrate(cli: LoopQCLI) -> LoopQCalibration:
@@ -396,7 +412,3 @@ def checkpoints_in(folders: Iterable[str | Path]) -> list[Path]:
         for path in Path(folder).iterdir()
         if path.name.endswith(".ckpt") and not path.name.startswith(".")
     ]
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -14,7 +14,6 @@ generated one after the other so that each streams.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,10 @@ import torch
 from tokenizers import Tokenizer
 
 from loopq.artifacts import load_artifact, tokenizer_dir
+from loopq.commands.cli import Command
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.devices import resolve_device
-from loopq.errors import OneLineParser, UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.models import LoopLM
 from loopq.models.early_exit import ExitStats, check_exit_model, check_exit_threshold
 from loopq.models.generation import check_prompt, check_sampling, generate
@@ -35,60 +35,34 @@ from loopq.planning.guards import check_decode_loops
 __all__ = ["generate", "main"]
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str, Path]:
-    """The options, the artifact kind (``teacher`` / ``student`` / ``export``) and its path."""
-    parser = OneLineParser(prog="python -m loopq.generate", description=__doc__.split("\n\n")[0])
-    model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", type=Path, help="FP teacher directory (or hub id)")
-    model.add_argument("--student", type=Path, help="calibrated student directory (python -m loopq.fit)")
-    model.add_argument("--exported", type=Path, help="export directory (python -m loopq.export)")
-    prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text")
-    prompt.add_argument("--prompts_file", type=Path, help="a text file with one prompt per line")
-    parser.add_argument("--max_new_tokens", type=int, default=32, help="tokens to generate per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus of the sampling distribution, in (0, 1]")
-    parser.add_argument("--num_loops", type=int, default=None, help="loops per token (default: the trained count)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling draws")
-    parser.add_argument("--no_cache", action="store_true", help="re-run the full forward per token (no KV cache)")
-    parser.add_argument("--device", default="auto", help="auto (cuda when available; default), cpu, cuda, cuda:N")
-    parser.add_argument(
-        "--exit_threshold", type=float, default=None, help="Ouro early exit: stop looping a token at this threshold"
-    )
-    parser.add_argument("--kv_bits", type=int, default=None, help="store the KV cache in 8 or 4 bits (16: as is)")
-    parser.add_argument(
-        "--static_cache", action="store_true", help="decode on a preallocated KV cache with fixed-shape steps"
-    )
-    parser.add_argument(
-        "--cuda_graphs",
-        action="store_true",
-        help="replay each decode step from one captured CUDA graph (implies --static_cache; eager on a CPU)",
-    )
-    args = parser.parse_args(argv)
-    args.device = resolve_device(args.device)
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
-    check_exit_threshold(args.exit_threshold)
-    check_kv_bits(args.kv_bits)
-    if args.no_cache and (args.exit_threshold is not None or args.kv_bits not in (None, 16)):
+def artifact_choice(model: Path | None, student: Path | None, exported: Path | None) -> tuple[str, Path]:
+    """The one artifact asked for: its kind (``teacher`` / ``student`` / ``export``) and path."""
+    chosen = [(kind, path) for kind, path in (("teacher", model), ("student", student), ("export", exported)) if path]
+    if len(chosen) != 1:
+        raise UsageError("pass exactly one of --model (FP teacher), --student or --exported")
+    return chosen[0]
+
+
+def check_decoding(no_cache: bool, exit_threshold: float | None, kv_bits: int | None, fixed: str | None) -> None:
+    """The decoding options agree; ``fixed``: ``--cuda_graphs`` or ``--static_cache`` when asked."""
+    check_exit_threshold(exit_threshold)
+    check_kv_bits(kv_bits)
+    if no_cache and (exit_threshold is not None or kv_bits not in (None, 16)):
         raise UsageError("--exit_threshold and --kv_bits need the KV cache; drop --no_cache")
-    fixed = "--cuda_graphs" if args.cuda_graphs else "--static_cache" if args.static_cache else None
-    if fixed and (args.no_cache or args.exit_threshold is not None or args.kv_bits not in (None, 16)):
+    if fixed and (no_cache or exit_threshold is not None or kv_bits not in (None, 16)):
         raise UsageError(
             f"{fixed} decodes every loop on a full-precision cache: drop --no_cache, --exit_threshold, --kv_bits"
         )
-    if args.num_loops is not None and args.num_loops < 1:
-        raise UsageError(f"--num_loops must be >= 1, got {args.num_loops}")
-    kind, path = next((k, p) for k in ("model", "student", "exported") if (p := getattr(args, k)) is not None)
-    return args, {"model": "teacher", "student": "student", "exported": "export"}[kind], path
 
 
 def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
     """The prompts: ``--prompt``, or every line of ``--prompts_file``; an empty one is refused."""
+    if (prompt is None) == (prompts_file is None):
+        raise UsageError("pass exactly one of --prompt or --prompts_file")
     if prompt is not None:
         if not prompt.strip():
             raise UsageError("--prompt is empty; give some text to continue")
         return [prompt]
-    assert prompts_file is not None
     lines = read_text(prompts_file, "--prompts_file").splitlines()
     empty = [i + 1 for i, line in enumerate(lines) if not line.strip()]
     if not lines or empty:
@@ -132,50 +106,94 @@ def write(text: str) -> None:
     sys.stdout.flush()
 
 
-def main(argv: list[str] | None = None) -> list[str]:
-    args, kind, path = parse_args(argv)
-    prompts = read_prompts(args.prompt, args.prompts_file)  # before the model loads: a bad file fails at once
-    artifact = load_artifact(path, kind=kind, device=args.device)  # type: ignore[arg-type]
-    model: LoopLM = artifact.model.eval()
-    check_decode_loops(model, args.num_loops, args.max_new_tokens + 1)  # before any prompt is encoded or decoded
+def generate_text(
+    model: Path | None = None,
+    student: Path | None = None,
+    exported: Path | None = None,
+    prompt: str | None = None,
+    prompts_file: Path | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    num_loops: int | None = None,
+    seed: int = 0,
+    no_cache: bool = False,
+    device: str = "auto",
+    exit_threshold: float | None = None,
+    kv_bits: int | None = None,
+    static_cache: bool = False,
+    cuda_graphs: bool = False,
+) -> list[str]:
+    """Generate from each prompt, streaming the text; returns the generated texts.
+
+    Args:
+        model: FP teacher directory (or hub id)
+        student: calibrated student directory (python -m loopq.fit)
+        exported: export directory (python -m loopq.export)
+        prompt: the prompt text
+        prompts_file: a text file with one prompt per line
+        max_new_tokens: tokens to generate per prompt
+        temperature: 0 = greedy (default); > 0 samples
+        top_p: nucleus of the sampling distribution, in (0, 1]
+        num_loops: loops per token (default: the trained count)
+        seed: seed of the sampling draws
+        no_cache: re-run the full forward per token (no KV cache)
+        device: auto (cuda when available; default), cpu, cuda, cuda:N
+        exit_threshold: Ouro early exit: stop looping a token at this threshold
+        kv_bits: store the KV cache in 8 or 4 bits (16: as is)
+        static_cache: decode on a preallocated KV cache with fixed-shape steps
+        cuda_graphs: replay each decode step from one captured CUDA graph (implies --static_cache; eager on a CPU)
+    """
+    where = resolve_device(device)
+    check_sampling(max_new_tokens, temperature, top_p)
+    kind, path = artifact_choice(model, student, exported)
+    fixed = "--cuda_graphs" if cuda_graphs else "--static_cache" if static_cache else None
+    check_decoding(no_cache, exit_threshold, kv_bits, fixed)
+    if num_loops is not None and num_loops < 1:
+        raise UsageError(f"--num_loops must be >= 1, got {num_loops}")
+    prompts = read_prompts(prompt, prompts_file)  # before the model loads: a bad file fails at once
+    artifact = load_artifact(path, kind=kind, device=where)  # type: ignore[arg-type]
+    net: LoopLM = artifact.model.eval()
+    check_decode_loops(net, num_loops, max_new_tokens + 1)  # before any prompt is encoded or decoded
     tokenizer = load_tokenizer(tokenizer_dir(path, artifact) / "tokenizer.json")
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    if args.exit_threshold is not None:
-        check_exit_model(model)
+    generator = torch.Generator(device=where).manual_seed(seed)
+    if exit_threshold is not None:
+        check_exit_model(net)
     stats = ExitStats()
     texts = []
-    for prompt in prompts:
-        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], device=args.device)
+    for text in prompts:
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False).ids], device=where)
 
-        check_prompt(model, ids, None, args.max_new_tokens)  # before anything is printed
-        write(prompt)
+        check_prompt(net, ids, None, max_new_tokens)  # before anything is printed
+        write(text)
         new = generate(
-            model,
+            net,
             ids,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            num_loops=args.num_loops,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            num_loops=num_loops,
             generator=generator,
             eos_token_id=eos_id(tokenizer),
-            use_cache=not args.no_cache,
+            use_cache=not no_cache,
             on_token=streamer(tokenizer, write),
-            exit_threshold=args.exit_threshold,
-            kv_bits=args.kv_bits,
+            exit_threshold=exit_threshold,
+            kv_bits=kv_bits,
             exit_stats=stats,
-            static_cache=args.static_cache,
-            cuda_graphs=args.cuda_graphs,
+            static_cache=static_cache,
+            cuda_graphs=cuda_graphs,
         )
         write("\n")
         texts.append(tokenizer.decode(new[0].tolist(), skip_special_tokens=False))
     if stats.exit_loops:
-        loops = args.num_loops or model.resolve_num_loops(None)
+        loops = num_loops or net.resolve_num_loops(None)
         sys.stderr.write(
-            f"early exit at threshold {args.exit_threshold}: {stats.mean_loops():.2f} of {loops} loops per decoded "
+            f"early exit at threshold {exit_threshold}: {stats.mean_loops():.2f} of {loops} loops per decoded "
             f"token on average ({sum(x.numel() for x in stats.exit_loops)} tokens)\n"
         )
     return texts
 
 
-if __name__ == "__main__":
-    run_cli(main)
+COMMAND = Command(generate_text, "loopq.generate", __doc__)
+
+build_parser, main = COMMAND.parser, COMMAND.run

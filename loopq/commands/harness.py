@@ -16,7 +16,7 @@ from lm_eval.__main__ import cli_evaluate
 from lm_eval.utils import simple_parse_args_string
 
 from loopq.devices import resolve_device
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.metrics.lm import check_model_args  # importing it registers the "loopq" model
 from loopq.metrics.tasks import TASKS_DIR
 from loopq.models.loading import read_config, resolve_model_dir
@@ -61,7 +61,3 @@ def main(argv: list[str] | None = None) -> None:
         if not str(err).startswith(TASKS_NOT_FOUND):
             raise
         raise UsageError(f"--tasks: {err}; `--tasks list` shows the known tasks") from err
-
-
-if __name__ == "__main__":
-    run_cli(main)

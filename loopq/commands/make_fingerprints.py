@@ -10,7 +10,6 @@ copy holds). The sha256 of every file read is recorded, so the fingerprints name
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from loopq.commands.cli import Command
 from loopq.data import fingerprints as fp
 from loopq.data.decode import read_text_file, text_suffix
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, resolve_sources
@@ -94,22 +94,29 @@ def build(root: Path) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", type=Path, default=None, help="the shared data folder (default: LOOPQ_DATA)")
-    parser.add_argument("--out", type=Path, default=fp.FINGERPRINTS)
-    parser.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
-    args = parser.parse_args(argv)
-    text = json.dumps(build(args.data or data_dir()), indent=1) + "\n"
-    if args.check:
-        same = args.out.is_file() and args.out.read_text(encoding="utf-8") == text
-        print(f"{args.out}: {'up to date' if same else 'differs from a regeneration; rerun without --check'}")
+def make_fingerprints(data: Path | None = None, out: Path = fp.FINGERPRINTS, check: bool = False) -> int:
+    """Write (or with ``check`` compare) the fingerprint file; returns the exit status.
+
+    Args:
+        data: the shared data folder (default: LOOPQ_DATA or ../shared/data)
+        out: the fingerprint file
+        check: compare with --out instead of writing it (exit status 1 when it differs)
+    """
+    text = json.dumps(build(data or data_dir()), indent=1) + "\n"
+    if check:
+        same = out.is_file() and out.read_text(encoding="utf-8") == text
+        print(f"{out}: {'up to date' if same else 'differs from a regeneration; rerun without --check'}")
         return 0 if same else 1
     from loopq.files import atomic_write
 
-    atomic_write(args.out, lambda p: p.write_text(text, encoding="utf-8"))
-    print(f"wrote {args.out}")
+    atomic_write(out, lambda p: p.write_text(text, encoding="utf-8"))
+    print(f"wrote {out}")
     return 0
+
+
+COMMAND = Command(make_fingerprints, "loopq.commands.make_fingerprints", __doc__)
+
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import yaml
+from jsonargparse import capture_parser
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
@@ -51,11 +52,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
+from loopq.commands.cli import SharedParsing
 from loopq.config_yaml import install as install_checked_yaml
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.locks import DirectoryLock
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
@@ -302,7 +304,7 @@ def export_teacher(
     return out
 
 
-class PretrainCLI(LightningCLI):
+class PretrainCLI(SharedParsing, LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
@@ -327,6 +329,7 @@ def fit_resumable(
     through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused).
     ``command``: the name the run lock records (default: ``loopq.<model_class's module>``)."""
     install_checked_yaml(args)
+    command = command or f"loopq.{model_class.__module__.rpartition('.')[2]}"
     cli = cli_class(
         model_class,
         PretrainDataModule,
@@ -334,10 +337,9 @@ def fit_resumable(
         args=args,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False, "exit_on_error": False},
+        parser_kwargs={"default_env": False, "exit_on_error": False, "prog": f"python -m {command}"},
     )
     install_stop_on_signal(cli.trainer)
-    command = command or f"loopq.{model_class.__module__.rpartition('.')[2]}"
     root = cli.trainer.default_root_dir
     try:
         with DirectoryLock(root, RUN_LOCK, command, "--trainer.default_root_dir"):  # one writer at a time
@@ -383,10 +385,11 @@ def pretrainer_class(args: Sequence[str]) -> type[LoopedPretrainer]:
     return getattr(importlib.import_module(module), name)
 
 
+def build_parser() -> Any:
+    """The parser of ``python -m loopq.pretrain`` (of the default architecture), nothing parsed."""
+    return capture_parser(lambda: fit_resumable(PretrainCLI, TeacherPretrainer, [], command="loopq.pretrain"))
+
+
 def main(args: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     fit_resumable(PretrainCLI, pretrainer_class(argv), args, command="loopq.pretrain")
-
-
-if __name__ == "__main__":
-    run_cli(main)

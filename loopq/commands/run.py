@@ -35,19 +35,19 @@ generic runner of :mod:`loopq.stages`; this module defines LoopQ's stages on it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from jsonargparse import capture_parser
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from loopq.artifacts import check_student_teacher, export_student, load_quantized, load_student, read_student_meta
@@ -59,7 +59,7 @@ from loopq.commands.evaluate import evaluate
 from loopq.commands.report import build_report, load_result, load_run
 from loopq.data.tokenizer import load_tokenizer
 from loopq.devices import resolve_device
-from loopq.errors import LoopQError, OneLineParser, run_cli
+from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.metrics.tasks import check_tasks
@@ -87,16 +87,34 @@ class PipelineError(LoopQError):
 
 @dataclass(frozen=True)
 class Options:
-    """What the pipeline adds to ``loopq.fit``'s options."""
+    """The pipeline's own options; ``--force`` (an option of ``loopq.fit``) reruns every stage.
 
-    limit: int | None = DEFAULT_LIMIT
+    Args:
+        limit: lm-eval examples per task, or full (all of them)
+        tasks: lm-eval tasks (none given, or []: perplexity only)
+        ppl_windows: the first N WikiText-2 windows (default: all)
+        ppl_seq_len: WikiText-2 window (default: min(256, the teacher's context))
+        eval_batch_size: evaluation batch size
+        eval_exported: evaluate the int model as LoopQ (slow on a CPU)
+        device: where to export-check and evaluate: auto (cuda when available), cpu, cuda, cuda:N
+    """
+
+    limit: PositiveInt | Literal["full", "none"] | None = DEFAULT_LIMIT
     tasks: tuple[str, ...] = ("loopq_paper",)
-    ppl_windows: int | None = None
-    ppl_seq_len: int | None = None  # None: window_length(the teacher's context)
-    eval_batch_size: int = 8
+    ppl_windows: PositiveInt | None = None
+    ppl_seq_len: PositiveInt | None = None
+    eval_batch_size: PositiveInt = 8
     eval_exported: bool = False
+    device: str = "auto"
     force: bool = False
-    device: str = "auto"  # where export checks and evaluations run, resolved once (parse_args); calibration: trainer
+
+    @classmethod
+    def of(cls, config: Any) -> Options:
+        """The options as parsed: a ``full`` limit is None, the device is decided once for the command (a bad one
+        refused before calibrating); the calibration's device is its ``trainer``'s."""
+        values = {name: config[name] for name in cls.__dataclass_fields__}
+        limit = None if values["limit"] in ("full", "none") else values["limit"]
+        return cls(**{**values, "limit": limit, "device": str(resolve_device(values["device"]))})
 
 
 class DeferredCLI(fit.LoopQCLI):
@@ -107,6 +125,15 @@ class DeferredCLI(fit.LoopQCLI):
     check_student = False
     refuse_finished = False  # a finished calibration whose student was lost writes it again
     command = "loopq.run"
+    description = (
+        "python -m loopq.fit --help lists the calibration's options, all read here too; the pipeline's own follow. "
+        "Calibrate, export, evaluate and report in one command, in the run directory --trainer.default_root_dir."
+    )
+    force_help = "rerun every stage, recalibrating from scratch (files are replaced, nothing is deleted)"
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_function_arguments(Options, skip={"force"})
 
     def check_teacher(self, teacher: str) -> None:
         """loopq.run's own teacher check (its message names ``--model.teacher``)."""
@@ -385,68 +412,23 @@ def check_before_calibration(config: Any, options: Options) -> None:
         check_tasks(options.tasks)
 
 
-def check_configs(fit_args: list[str]) -> None:
-    """``--config`` files must exist (jsonargparse would print its whole usage for a typo)."""
-    for i, arg in enumerate(fit_args):
-        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
-        if arg == "--config" and i + 1 < len(fit_args):
-            path = fit_args[i + 1]
-        if path is not None and not Path(path).is_file():
-            raise PipelineError(f"--config {path}: no such file")
-
-
 # ---------------------------------------------------------------------------------------------------- CLI
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
+def parse(argv: list[str] | None = None) -> DeferredCLI:
+    """The command line (default ``sys.argv[1:]``) parsed, the run directory locked, nothing built."""
+    return fit.build_cli(argv, DeferredCLI)  # type: ignore[return-value]
 
 
-def limit_arg(text: str) -> int | None:
-    return None if text.lower() in ("full", "none", "null") else positive(text)
-
-
-def parse_args(argv: list[str] | None) -> tuple[Options, list[str]]:
-    """The pipeline's own options; everything else is handed to the calibration CLI (``loopq.fit``)."""
-    parser = OneLineParser(
-        prog="python -m loopq.run",
-        description="Calibrate, export, evaluate and report in one command (see the module docstring).",
-        epilog="Every other option is python -m loopq.fit's (--config, --trainer.*, --model.*, --data.*, "
-        "--ckpt_path; see python -m loopq.fit --help). The run directory is --trainer.default_root_dir.",
-        allow_abbrev=False,
-    )
-    parser.add_argument("--limit", type=limit_arg, default=DEFAULT_LIMIT, help="lm-eval examples per task, or 'full'")
-    parser.add_argument("--tasks", nargs="*", default=["loopq_paper"], help="lm-eval tasks (none: perplexity only)")
-    parser.add_argument("--ppl_windows", type=positive, default=None, help="first N WikiText-2 windows (default: all)")
-    parser.add_argument(
-        "--ppl_seq_len", type=positive, default=None, help="WikiText-2 window (default: min(256, model context))"
-    )
-    parser.add_argument("--eval_batch_size", type=positive, default=8, help="evaluation batch size (default 8)")
-    parser.add_argument("--eval_exported", action="store_true", help="evaluate the int model as LoopQ (slow on CPU)")
-    parser.add_argument("--force", action="store_true", help="rerun every stage, recalibrating from scratch")
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="where to export-check and evaluate: auto (cuda when available), cpu, cuda, cuda:N",
-    )
-    args, fit_args = parser.parse_known_args(argv)
-    device = str(resolve_device(args.device))  # decided once for the command; a bad one refused before calibrating
-    return Options(**{**vars(args), "tasks": tuple(args.tasks), "device": device}), fit_args
+def build_parser() -> Any:
+    """The parser of ``python -m loopq.run``: ``loopq.fit``'s with the pipeline's :class:`Options`."""
+    return capture_parser(lambda: fit.build_cli([], DeferredCLI))
 
 
 def main(argv: list[str] | None = None) -> Path:
-    options, fit_args = parse_args(sys.argv[1:] if argv is None else argv)
-    check_configs(fit_args)
-    with warnings.catch_warnings():  # Lightning warns when args are passed while sys.argv has some: they are ours
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli: DeferredCLI = fit.build_cli(fit_args, DeferredCLI)  # type: ignore[assignment]
+    cli = parse(argv)
     try:
         check_teacher(str(cli.config.model.teacher))
+        options = Options.of(cli.config)
         check_before_calibration(cli.config, options)
         return Pipeline(cli, options).run()
     finally:
         cli.release_lock()
-
-
-if __name__ == "__main__":
-    run_cli(main)

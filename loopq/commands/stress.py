@@ -3,7 +3,7 @@ token and on the loop.
 
     python -m loopq.stress --config configs/stress/small-ouro.yaml [--ckpt_path last]
 
-Why: ``loopq.testbed --outliers-out`` makes a stress variant by a static, function-preserving rescaling of the norm
+Why: ``loopq.testbed --outliers_out`` makes a stress variant by a static, function-preserving rescaling of the norm
 weights. Its outliers are the same for every token and loop, so SmoothQuant's per-channel scale or QuaRot's rotation
 undo them exactly. Real LLMs have *massive activations* instead: a few channels that reach hundreds of times the
 median, on a few tokens only (BOS, punctuation, newlines), mostly in the MLP intermediate (the down_proj input). A
@@ -63,14 +63,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from jsonargparse import capture_parser
 from lightning.pytorch.cli import LightningCLI
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from loopq.artifacts.layout import check_output_dir
+from loopq.commands.cli import SharedParsing
 from loopq.commands.pretrain import TeacherPretrainer, export_teacher, fit_resumable, per_loop_token_losses
 from loopq.data.tokenizer import eos_id, load_tokenizer
-from loopq.errors import UsageError, run_cli
+from loopq.errors import UsageError
 from loopq.models.loading import load_looplm, resolve_model_dir
 from loopq.models.ouro import OuroLM
 from loopq.paths import data_dir
@@ -320,7 +322,7 @@ class StressFinetuner(TeacherPretrainer):
             export_teacher(self, self.trainer.datamodule, program="loopq.stress", extra=extra, dtype=dtype)
 
 
-class StressCLI(LightningCLI):
+class StressCLI(SharedParsing, LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("model.teacher", "data.tokenizer")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
@@ -333,9 +335,10 @@ class StressCLI(LightningCLI):
         check_output_dir(self.config.model.out_dir, reads, "model.out_dir", replaces=replaces)
 
 
+def build_parser() -> Any:
+    """The parser of ``python -m loopq.stress``, nothing parsed."""
+    return capture_parser(lambda: fit_resumable(StressCLI, StressFinetuner, []))
+
+
 def main(args: list[str] | None = None) -> None:
     fit_resumable(StressCLI, StressFinetuner, args)
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -1,11 +1,11 @@
 """The embedded testbed: what the teacher's loops do, and how fragile it is under quantization.
 
-    python -m loopq.testbed --model loopq/assets/tiny-ouro --outliers-out loopq/assets/tiny-ouro-outliers
+    python -m loopq.testbed --model loopq/assets/tiny-ouro --outliers_out loopq/assets/tiny-ouro-outliers
 
 measures, on WikiText-2 raw test (GPTQ protocol, 256-token windows): per-loop perplexity, the unigram
 perplexity of the same tokenizer (estimated on the training text), the P99 |activation| of each looped layer's
 inputs per loop (the paper's Figure-1 drift), and a fragility table - FP, RTN W4A8 / W4A4 g32 / W4A4 per-token /
-W3A3 g32 - with perplexity and relative loop-state error per loop. With ``--outliers-out`` it also writes the
+W3A3 g32 - with perplexity and relative loop-state error per loop. With ``--outliers_out`` it also writes the
 *stress* variant (see :func:`outlier_reparameterize`) and measures it the same way. The activation regime
 (:mod:`loopq.calib.regime`: channel max/median ratios, kurtosis, where the largest activations sit, loop-to-loop rank
 correlation of the channel profile, the sharing gap of every looped group) is measured on the first 8 windows.
@@ -29,14 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse.typing import PositiveInt
 from tokenizers import Tokenizer
 from torch import Tensor
 
 from loopq.artifacts.layout import check_output_dir
 from loopq.calib.regime import activation_regime, fresh_sharing_gaps, looped_group_inputs
+from loopq.commands.cli import Command
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import load_tokenizer
-from loopq.errors import OneLineParser, run_cli
 from loopq.files import atomic_write
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
@@ -231,41 +232,49 @@ def write(model_dir: Path, name: str, result: dict[str, Any], extra: str = "") -
     atomic_write(model_dir / "TESTBED.md", lambda p: p.write_text(markdown(name, result, extra)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(prog="python -m loopq.testbed", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model", type=Path, required=True, help="model directory (config.json, weights, tokenizer.json)"
-    )
-    parser.add_argument("--outliers-out", type=Path, help="also write and measure the stress variant here")
-    parser.add_argument("--channels", type=int, default=4)
-    parser.add_argument("--factor", type=float, default=32.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--windows", type=int, default=None, help="perplexities on the first N windows only")
-    args = parser.parse_args(argv)
-    if args.outliers_out:  # only an earlier stress variant may be replaced, never the teacher or another model
-        check_output_dir(args.outliers_out, [args.model], "--outliers-out", replaces=("stress variant",))
-    tokenizer = load_tokenizer(args.model)
-    teacher = load_looplm(args.model)
-    result = measure(args.model, tokenizer, teacher, args.windows)
-    write(args.model, args.model.name, result)
+def testbed(
+    model: Path,
+    outliers_out: Path | None = None,
+    channels: int = 4,
+    factor: float = 32.0,
+    seed: int = 0,
+    windows: PositiveInt | None = None,
+) -> None:
+    """Measure ``model`` (and with ``outliers_out`` its stress variant) and write the records.
+
+    Args:
+        model: model directory (config.json, weights, tokenizer.json)
+        outliers_out: also write and measure the stress variant here
+        channels: the stress variant's massive-activation channels
+        factor: the power of two those channels are scaled by
+        seed: seed of the choice of channels
+        windows: perplexities on the first N windows only (default: all)
+    """
+    if outliers_out:  # only an earlier stress variant may be replaced, never the teacher or another model
+        check_output_dir(outliers_out, [model], "--outliers_out", replaces=("stress variant",))
+    tokenizer = load_tokenizer(model)
+    teacher = load_looplm(model)
+    result = measure(model, tokenizer, teacher, windows)
+    write(model, model.name, result)
     print(json.dumps({k: v for k, v in result.items() if k not in BULKY}, indent=1))
-    if args.outliers_out:
-        stressed, spec = outlier_reparameterize(teacher, args.channels, args.factor, args.seed)
+    if outliers_out:
+        stressed, spec = outlier_reparameterize(teacher, channels, factor, seed)
         outliers = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
         # the record first: a run stopped while measuring leaves a folder a re-run recognises as its own
-        atomic_write(args.outliers_out / "testbed.json", lambda p: p.write_text(json.dumps({"outliers": outliers})))
-        stressed.save_pretrained(args.outliers_out)
-        atomic_write(args.outliers_out / "tokenizer.json", lambda p: tokenizer.save(str(p)))
+        atomic_write(outliers_out / "testbed.json", lambda p: p.write_text(json.dumps({"outliers": outliers})))
+        stressed.save_pretrained(outliers_out)
+        atomic_write(outliers_out / "tokenizer.json", lambda p: tokenizer.save(str(p)))
         note = (
-            f"Stress variant of `{args.model}`: channels {spec.channels} of every RMSNorm in `norm_feeds` "
+            f"Stress variant of `{model}`: channels {spec.channels} of every RMSNorm in `norm_feeds` "
             f"multiplied by {spec.factor:g}, the consuming input columns divided by it (seed {spec.seed}; "
-            f"`python -m loopq.testbed --model {args.model} --outliers-out {args.outliers_out}`)."
+            f"`python -m loopq.testbed --model {model} --outliers_out {outliers_out}`)."
         )
-        res = measure(args.outliers_out, tokenizer, stressed, args.windows)
+        res = measure(outliers_out, tokenizer, stressed, windows)
         res["outliers"] = outliers
-        write(args.outliers_out, args.outliers_out.name, res, note)
+        write(outliers_out, outliers_out.name, res, note)
         print(json.dumps({k: v for k, v in res.items() if k not in BULKY}, indent=1))
 
 
-if __name__ == "__main__":
-    run_cli(main)
+COMMAND = Command(testbed, "loopq.testbed", __doc__, renames={"--outliers-out": "--outliers_out"})
+
+build_parser, main = COMMAND.parser, COMMAND.run

@@ -106,19 +106,19 @@ def test_export_may_replace_an_earlier_export_but_no_other_model(tmp_path):
 def test_testbed_outliers_out_onto_the_teacher_is_refused(teacher):
     before = snapshot(teacher)
     with pytest.raises(GuardError) as err:
-        testbed.main(["--model", str(teacher), "--outliers-out", str(teacher)])
-    assert re.match(rf"--outliers-out {re.escape(str(teacher))}: is ", one_line(err.value))
+        testbed.main(["--model", str(teacher), "--outliers_out", str(teacher)])
+    assert re.match(rf"--outliers_out {re.escape(str(teacher))}: is ", one_line(err.value))
     assert snapshot(teacher) == before
 
 
 def test_testbed_outliers_out_replaces_only_an_earlier_stress_variant(teacher, tmp_path):
     other = shutil.copytree(TINY, tmp_path / "other-teacher")
     before = snapshot(other)
-    with pytest.raises(GuardError, match=r"--outliers-out .*other-teacher: holds a pretrained teacher"):
-        testbed.main(["--model", str(teacher), "--outliers-out", str(other)])
+    with pytest.raises(GuardError, match=r"--outliers_out .*other-teacher: holds a pretrained teacher"):
+        testbed.main(["--model", str(teacher), "--outliers-out", str(other)])  # the old spelling, still read
     assert snapshot(other) == before
     stress = shutil.copytree(STRESS, tmp_path / "stress")  # the README's rebuild writes over its own output
-    assert layout.check_output_dir(stress, [teacher], "--outliers-out", replaces=("stress variant",)) == stress
+    assert layout.check_output_dir(stress, [teacher], "--outliers_out", replaces=("stress variant",)) == stress
 
 
 # ---------------------------------------------------------------------------------------------------- fit / run

@@ -4,11 +4,11 @@ A device call takes the repository's tree plus at most 64 MiB in all, so the car
 need beyond the machine's image (:data:`IMAGE_LIST`, recorded there):
 
 * ``wheels/``: cp312 wheels of the :data:`CARRIED` distributions, the only ones the stages import that the image
-  lacks: LightningCLI's ``jsonargparse[signatures]`` (with ``docstring_parser`` and ``typeshed_client``) for
-  ``loopq.fit`` / ``evaluate`` / ``export`` / ``generate``, and DeepSpeed (with ``hjson`` and pydantic 2) for the
-  paper config's ``LoopQDeepSpeedStrategy``. Their versions are the tested pins of ``constraints.txt``. Installed
-  there offline into a target directory (``pip install --no-index --no-deps --target``), as wheels, since Lightning
-  reads DeepSpeed's and jsonargparse's installed metadata.
+  lacks: ``jsonargparse[signatures]`` (with ``docstring_parser`` and ``typeshed_client``), the parser of every
+  command (:mod:`loopq.commands.cli`), the check's own driver and stage runner included, and DeepSpeed (with
+  ``hjson`` and pydantic 2) for the paper config's ``LoopQDeepSpeedStrategy``. Their versions are the tested pins
+  of ``constraints.txt``. Installed there offline into a target directory (``pip install --no-index --no-deps
+  --target``), as wheels, since Lightning reads DeepSpeed's and jsonargparse's installed metadata.
 * ``data.tar.xz``: the slices of the shared data the stages read (:data:`DATA`): the start of each calibration text
   (``calibration``, ``paper-shape``), the start of WikiText-2's test text (``pipeline`` reads its first
   ``PIPELINE_WINDOWS`` windows) and the SmolLM2 tokenizer (``paper-shape``), unpacked there into the folder
@@ -26,10 +26,12 @@ import io
 import json
 import re
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
-from loopq.errors import OneLineParser, UsageError, run_cli
+from loopq.commands.cli import Command
+from loopq.errors import UsageError, run_cli
 from loopq.files import atomic_write
 from loopq.paths import REPO_ROOT, data_dir
 
@@ -159,36 +161,45 @@ def write_manifest(carry: Path) -> dict[str, object]:
     return manifest
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m loopq.commands.gpu_check.carry", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("pins", help="name==version of the carried wheels")
-    data = sub.add_parser("data", help="write DIR/data.tar.xz and DIR/MANIFEST.json")
-    data.add_argument("--out", type=Path, required=True)
-    size = sub.add_parser("size", help="tree + carry bytes against the limit; exit 1 beyond it")
-    size.add_argument("carry", type=Path)
-    args = parser.parse_args(argv)
-    if args.command == "pins":
-        print("\n".join(pins()))
-        return 0
-    if args.command == "data":
-        archive = data_archive(data_dir())
-        args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out / "data.tar.xz", lambda tmp: tmp.write_bytes(archive))
-        write_manifest(args.out)
-        return 0
-    tree, carry = tree_bytes(), carry_bytes(args.carry)
+def pins_command() -> int:
+    """Print name==version of the carried wheels."""
+    print("\n".join(pins()))
+    return 0
+
+
+def data(out: Path = CARRY_DIR) -> int:
+    """Write OUT/data.tar.xz and OUT/MANIFEST.json.
+
+    Args:
+        out: the carry folder to write them into
+    """
+    archive = data_archive(data_dir())
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "data.tar.xz", lambda tmp: tmp.write_bytes(archive))
+    write_manifest(out)
+    return 0
+
+
+def size(carry: Path) -> int:
+    """Print the tree + carry bytes against the limit; exit status 1 beyond it.
+
+    Args:
+        carry: the carry folder
+    """
+    tree, carried = tree_bytes(), carry_bytes(carry)
     mib = 2**20
     print(
-        f"tree {tree / mib:.1f} MiB + carry {carry / mib:.1f} MiB = {(tree + carry) / mib:.1f} MiB "
+        f"tree {tree / mib:.1f} MiB + carry {carried / mib:.1f} MiB = {(tree + carried) / mib:.1f} MiB "
         f"(limit {LIMIT_BYTES / mib:.0f} MiB)"
     )
-    return 0 if tree + carry <= LIMIT_BYTES else 1
+    return 0 if tree + carried <= LIMIT_BYTES else 1
 
 
-def _exit_with_status() -> None:
-    raise SystemExit(main())
+SUBCOMMANDS = {"pins": pins_command, "data": data, "size": size}
+COMMAND = Command(SUBCOMMANDS, "loopq.commands.gpu_check.carry", __doc__, positional=True)
+
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 if __name__ == "__main__":
-    run_cli(_exit_with_status)
+    run_cli(lambda: sys.exit(main()))

@@ -19,7 +19,6 @@ goal is ``below goal`` without failing. Without a CUDA GPU it prints one line sa
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import platform
@@ -28,32 +27,28 @@ from pathlib import Path
 
 import torch
 
+from loopq.commands.cli import Command
 from loopq.commands.gpu_check import driver
 from loopq.commands.gpu_check.carry import commit
 from loopq.commands.gpu_check.peaks import peaks_for
 from loopq.commands.gpu_check.table import exit_status, format_table, markdown
-from loopq.errors import OneLineParser, UsageError
+from loopq.errors import UsageError
 
 NO_GPU = "no CUDA GPU: nothing to check (torch.cuda.is_available() is False)"
 STAGES_MODULE = "loopq.commands.gpu_check.registry"
 
 
-def parse_args(argv: list[str] | None, stages: list[str]) -> argparse.Namespace:
-    parser = OneLineParser(prog="python -m loopq.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true", help="more steps, layers and shapes (longer limits)")
-    parser.add_argument("--out", type=Path, default=None, help="directory for gpu_check.json and gpu_check.md")
-    parser.add_argument("--budget", type=float, default=driver.DEFAULT_BUDGET_S, help="total seconds (default 480)")
-    choice = {"choices": stages, "metavar": "STAGE", "nargs": "+", "action": "extend", "default": []}
-    parser.add_argument("--only", help="run only these: " + ", ".join(stages), **choice)  # type: ignore[arg-type]
-    parser.add_argument("--skip", help="skip these", **choice)  # type: ignore[arg-type]
-    parser.add_argument("--stages_from", default=STAGES_MODULE, help=argparse.SUPPRESS)  # a test's fake stages
-    parser.add_argument("--refresh_s", type=float, default=driver.REFRESH_S, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out}: is a file; give a directory, e.g. {args.out.parent / 'gpu-check'}")
-    if not args.budget > 0:
-        raise UsageError(f"--budget {args.budget:g}: give a positive number of seconds, e.g. 480")
-    return args
+def check_options(out: Path | None, budget: float, chosen: dict[str, tuple[str, ...]], stages: list[str]) -> None:
+    """``--out`` is no file, ``--budget`` positive, and every stage named by ``--only`` / ``--skip`` (``chosen``)
+    is one of ``stages``."""
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file; give a directory, e.g. {out.parent / 'gpu-check'}")
+    if not budget > 0:
+        raise UsageError(f"--budget {budget:g}: give a positive number of seconds, e.g. 480")
+    for option, names in chosen.items():
+        unknown = [name for name in names if name not in stages]
+        if unknown:
+            raise UsageError(f"{option} {' '.join(unknown)}: not a stage; use some of {', '.join(stages)}")
 
 
 def kernel_section(details: dict[str, object]) -> str:
@@ -72,12 +67,28 @@ def kernel_section(details: dict[str, object]) -> str:
 driver.SECTIONS["kernel-bench"] = kernel_section
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the check; returns the exit status (0: nothing failed or no GPU, 1: a stage failed or was cut)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--stages_from", default=STAGES_MODULE)
-    module = importlib.import_module(pre.parse_known_args(argv)[0].stages_from)
-    args = parse_args(argv, list(module.LIMITS))
+def gpu_check(
+    full: bool = False,
+    out: Path | None = None,
+    budget: float = driver.DEFAULT_BUDGET_S,
+    only: tuple[str, ...] = (),
+    skip: tuple[str, ...] = (),
+    stages_from: str = STAGES_MODULE,
+    refresh_s: float = driver.REFRESH_S,
+) -> int:
+    """Run the check; returns the exit status (0: nothing failed or no GPU, 1: a stage failed or was cut).
+
+    Args:
+        full: more steps, layers and shapes (longer limits)
+        out: directory for gpu_check.json and gpu_check.md
+        budget: total seconds
+        only: run only these stages (the table's names; a wrong one is refused with the list)
+        skip: skip these stages
+        stages_from: the module whose STAGES and LIMITS are run (a test's fake stages)
+        refresh_s: seconds between two writes of the results while a stage runs
+    """
+    module = importlib.import_module(stages_from)
+    check_options(out, budget, {"--only": only, "--skip": skip}, list(module.LIMITS))
     if getattr(module, "NEEDS_CUDA", True):
         if not torch.cuda.is_available():
             print(NO_GPU, flush=True)
@@ -96,16 +107,21 @@ def main(argv: list[str] | None = None) -> int:
             module.LIMITS,
             module.__name__,
             Path(scratch),
-            args.out,
-            full=args.full,
-            budget_s=args.budget,
-            only=args.only,
-            skip=args.skip,
+            out,
+            full=full,
+            budget_s=budget,
+            only=only,
+            skip=skip,
             meta=meta,
-            refresh_s=args.refresh_s,
+            refresh_s=refresh_s,
         )
     print(format_table(results), flush=True)
     return exit_status(results)
+
+
+COMMAND = Command(gpu_check, "loopq.gpu_check", __doc__)
+
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 def _carried_commit() -> str | None:

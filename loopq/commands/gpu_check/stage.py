@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -25,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loopq.commands.cli import Command
 from loopq.commands.gpu_check.table import FAIL, StageResult
-from loopq.errors import OneLineParser, one_line, run_cli
+from loopq.errors import one_line, run_cli
 
 
 @dataclass
@@ -104,23 +106,26 @@ def run(module: str, name: str, ctx: Context) -> StageResult:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m loopq.commands.gpu_check.stage", description=__doc__.split("\n\n")[0])
-    parser.add_argument("module")
-    parser.add_argument("name")
-    parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--progress", type=Path, required=True)
-    parser.add_argument("--seconds", type=float, required=True)
-    parser.add_argument("--full", action="store_true")
-    args = parser.parse_args(argv)
-    ctx = Context(not args.full, args.workdir, args.progress, time.monotonic() + args.seconds)
-    run(args.module, args.name, ctx)
+def stage(module: str, name: str, *, workdir: Path, progress: Path, seconds: float, full: bool = False) -> int:
+    """Run stage ``name`` of ``module`` under a deadline; returns 0 (a failure is in the progress file). The two
+    positional arguments come first, the rest are options (keyword-only).
+
+    Args:
+        module: the module whose STAGES mapping holds the stage functions
+        name: the stage
+        workdir: the scratch folder shared by the stages of one check
+        progress: the file the stage records what it measured to
+        seconds: the stage's time limit
+        full: the long mode (more steps, layers and shapes)
+    """
+    run(module, name, Context(not full, workdir, progress, time.monotonic() + seconds))
     return 0
 
 
-def _exit_with_status() -> None:
-    raise SystemExit(main())
+COMMAND = Command(stage, "loopq.commands.gpu_check.stage", __doc__, positional=True)
+
+build_parser, main = COMMAND.parser, COMMAND.run
 
 
 if __name__ == "__main__":
-    run_cli(_exit_with_status)
+    run_cli(lambda: sys.exit(main()))

@@ -33,41 +33,50 @@ available (``loopq.evaluate`` only records ``--bits`` as given). Table 1 uses, p
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from loopq.artifacts.layout import RUN_LOCK
+from loopq.commands.cli import Command
 from loopq.commands.report.build import build_report
 from loopq.commands.report.inputs import ReportInputError, expand, load_result, load_run, run_names
 from loopq.commands.report.output import check_report_dir
 from loopq.commands.report.tables import DEFAULT_BLOCKS
-from loopq.errors import OneLineParser
 from loopq.locks import DirectoryLock
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = OneLineParser(prog="python -m loopq.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", nargs="+", required=True, help="loopq.evaluate result JSONs")
-    parser.add_argument("--runs", nargs="*", default=[], help="loopq.fit run directories")
-    parser.add_argument("--sweeps", nargs="*", default=[], help="result JSONs with slt_budget / num_samples")
-    parser.add_argument("--out", type=Path, required=True, help="report directory to write")
-    parser.add_argument("--bits", nargs="+", default=list(DEFAULT_BLOCKS), help="Table-1 blocks (default: %(default)s)")
-    parser.add_argument("--loops", type=int, default=None, help="loop count of Table 1 (default: the most common)")
-    return parser.parse_args(argv)
+def write_report(
+    results: tuple[str, ...],
+    out: Path,
+    runs: tuple[str, ...] = (),
+    sweeps: tuple[str, ...] = (),
+    bits: tuple[str, ...] = DEFAULT_BLOCKS,
+    loops: int | None = None,
+) -> Path:
+    """Write the report (module docstring); returns the path of ``report.md``.
 
-
-def main(argv: list[str] | None = None) -> Path:
-    args = parse_args(argv)
-    run_paths = [Path(p) for p in args.runs]
+    Args:
+        results: loopq.evaluate result JSONs (globs are expanded)
+        out: report directory to write
+        runs: loopq.fit run directories
+        sweeps: result JSONs with slt_budget / num_samples
+        bits: Table-1 blocks
+        loops: loop count of Table 1 (default: the most common)
+    """
+    run_paths = [Path(p) for p in runs]
     names = run_names(run_paths)
-    check_report_dir(args.out, names)  # before anything is read: a user's report.md is never replaced
-    result_paths = expand(args.results)
+    check_report_dir(out, names)  # before anything is read: a user's report.md is never replaced
+    result_paths = expand(results)
     if not result_paths:
-        raise ReportInputError(f"--results {' '.join(args.results)}: no files")
-    results = [load_result(p) for p in result_paths]
-    sweeps = [load_result(p) for p in expand(args.sweeps)]
-    runs = [load_run(p, name) for p, name in zip(run_paths, names, strict=True)]
-    with DirectoryLock(args.out, RUN_LOCK, "loopq.report", "--out"):  # one writer at a time
-        report = build_report(results, runs, sweeps, args.out, [b.lower() for b in args.bits], args.loops)
+        raise ReportInputError(f"--results {' '.join(results)}: no files")
+    result_data = [load_result(p) for p in result_paths]
+    sweep_data = [load_result(p) for p in expand(sweeps)]
+    run_data = [load_run(p, name) for p, name in zip(run_paths, names, strict=True)]
+    with DirectoryLock(out, RUN_LOCK, "loopq.report", "--out"):  # one writer at a time
+        report = build_report(result_data, run_data, sweep_data, out, [b.lower() for b in bits], loops)
     print(f"report written to {report}")
     return report
+
+
+COMMAND = Command(write_report, "loopq.report", __doc__)
+
+build_parser, main = COMMAND.parser, COMMAND.run
