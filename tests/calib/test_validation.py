@@ -219,3 +219,33 @@ def test_student_from_best_is_refused_without_something_to_choose_by():
     last = config()
     last.model.student_from = "last"
     check_student_choice(last)  # the paper's default needs nothing
+
+
+SHIPPED = ["configs/tiny.yaml", "configs/small.yaml", "configs/baselines/flatquant-tiny.yaml"]
+SHIPPED += ["configs/baselines/spinquant-tiny.yaml"]
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_the_student_best_overlay_adds_a_monitoring_checkpoint_to_any_shipped_config(config):
+    """``--config <c> --config configs/student-best.yaml`` keeps the config's own callbacks, appends one
+    ModelCheckpoint monitoring the held-out KL (mode min) and passes the ``student_from best`` guard."""
+    from loopq.commands import fit
+    from loopq.errors import UsageError
+    from loopq.planning.guards import check_student_choice
+
+    parser = fit.build_parser()
+    plain = parser.parse_args(["--config", str(REPO_ROOT / config)])
+    both = parser.parse_args(
+        ["--config", str(REPO_ROOT / config), "--config", str(REPO_ROOT / "configs/student-best.yaml")]
+    )
+    names = [cb.class_path for cb in both.trainer.callbacks]
+    assert names[:-1] == [cb.class_path for cb in plain.trainer.callbacks]
+    added = both.trainer.callbacks[-1]
+    assert added.class_path.endswith("ModelCheckpoint")
+    assert (added.init_args["monitor"], added.init_args["mode"]) == ("val/heldout/kl_full", "min")
+    assert both.model.student_from == "best" and plain.model.student_from == "last"
+    if both.data.val_samples or both.data.val_sources:
+        check_student_choice(both)
+    else:  # configs/small.yaml validates nothing: best has nothing to choose by, said at the start
+        with pytest.raises(UsageError, match="nothing is validated"):
+            check_student_choice(both)
