@@ -33,7 +33,7 @@ from loopq.errors import LoopQError
 from loopq.files import atomic_write, read_json, read_safetensors
 from loopq.models import LoopLM, load_looplm
 from loopq.models.base import dtype_problem
-from loopq.provenance import ProvenanceError, teacher_fingerprint
+from loopq.provenance import ProvenanceError, flat_record, teacher_fingerprint
 from loopq.quant import QuantConfig, prepare, quant_groups
 
 RECALIBRATE = "calibrate the student again with python -m loopq.fit"
@@ -266,3 +266,34 @@ def check_student_state(path: Path, state: dict[str, torch.Tensor], student: tor
             problem = f"has shape {tuple(tensor.shape)}, the student built from its teacher {tuple(params[name].shape)}"
         if problem is not None:
             raise StudentFormatError(f"{path}: tensor {name!r} {problem}; {RECALIBRATE}")
+
+
+def student_at_checkpoint(directory: str | Path, ckpt_path: str | Path, out: str | Path) -> Path:
+    """Write to ``out`` the student of the calibration that wrote ``directory`` as it was at ``ckpt_path``, one of
+    that run's checkpoints (same teacher and config, else refused in one line): the last step's when
+    ``model.student_from: best`` chose another, or any step's, to compare them (issue 41). The checkpoint is read
+    weights-only; ``provenance.selected`` records it and its step."""
+    from loopq.calib.checkpoint_io import load_weights_only
+
+    student, meta = load_student(directory)
+    state = load_weights_only(ckpt_path)
+    recorded = (state.get("loopq") or {}).get("provenance")
+    if recorded is None or flat_record(recorded) != flat_record(meta.get("provenance")):
+        raise StudentFormatError(
+            f"{ckpt_path}: not a checkpoint of the calibration that wrote {directory} (another teacher or config); "
+            "pass one from that run's checkpoints/ folder"
+        )
+    prefix = "student."
+    weights = {k[len(prefix) :]: v for k, v in state["state_dict"].items() if k.startswith(prefix)}
+    missing = sorted(stored_tensors(student).keys() - weights.keys())
+    if missing:  # the frozen weights are the teacher's and not in a checkpoint; everything calibrated must be
+        raise StudentFormatError(f"{ckpt_path}: holds no {missing[0]} (and {len(missing) - 1} more); {RECALIBRATE}")
+    unexpected = student.load_state_dict(weights, strict=False).unexpected_keys
+    if unexpected:
+        raise StudentFormatError(f"{ckpt_path}: {unexpected[0]} is not a tensor of this student; {RECALIBRATE}")
+    promoted = [name for name, group in quant_groups(student).items() if group.promoted]
+    selected = {"checkpoint": str(Path(ckpt_path).resolve()), "step": int(state["global_step"])}
+    provenance = {**meta["provenance"], "selected": selected}
+    return write_student(
+        student, student_meta(student, meta["teacher"], out, promoted, state["loopq"]["mu"], provenance), out
+    )

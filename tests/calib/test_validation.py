@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 
+from loopq.artifacts.student import StudentFormatError, student_at_checkpoint
 from loopq.calib.module import LoopQCalibration
 from loopq.calib.validation import LoopPerplexity, ValidationMetrics, measure, token_mean
 from loopq.data.calibration import CalibrationDataModule, rank_shard
@@ -156,6 +157,14 @@ def test_validation_changes_no_bit_and_a_checkpoint_reproduces_the_logged_values
     (plain, meta_plain), (validated, meta) = read_student(tmp_path / "plain"), read_student(tmp_path)
     assert_same_tensors(plain, validated, atol=0)
     assert meta_plain["promoted"] == meta["promoted"] and meta_plain["mu"] == meta["mu"]
+    # the last checkpoint made into a student (student_at_checkpoint) is the student the run wrote, bit for bit
+    student_at_checkpoint(tmp_path / "student", tmp_path / "checkpoints" / "last.ckpt", tmp_path / "at" / "student")
+    rebuilt, meta_rebuilt = read_student(tmp_path / "at")
+    assert_same_tensors(rebuilt, validated, atol=0)
+    assert (meta_rebuilt["promoted"], meta_rebuilt["mu"]) == (meta["promoted"], meta["mu"])
+    assert meta_rebuilt["provenance"]["selected"]["step"] == 6
+    with pytest.raises(StudentFormatError, match="not a checkpoint of the calibration that wrote"):  # other config
+        student_at_checkpoint(tmp_path / "student", tmp_path / "plain" / "checkpoints" / "last.ckpt", tmp_path / "x")
     logged = val_rows(tmp_path)
     step = max(logged)  # Lightning logs validation at global_step - 1: the checkpoint of step 6
     ckpt = next((tmp_path / "checkpoints").glob(f"*step={step + 1}.ckpt"))
@@ -194,6 +203,11 @@ def test_student_from_best_is_the_monitored_checkpoint_and_is_recorded(tmp_path)
     assert meta["mu"] == chosen["loopq"]["mu"]
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert any(not torch.equal(weights[k], last["student." + k]) for k in weights)  # not the last step's
+    # the chosen checkpoint made into a student again (student_at_checkpoint) is the student written
+    student_at_checkpoint(
+        tmp_path / "student", tmp_path / "checkpoints" / "chosen.ckpt", tmp_path / "again" / "student"
+    )
+    assert_same_tensors(read_student(tmp_path / "again")[0], weights, atol=0)
 
 
 def test_student_from_best_is_refused_without_something_to_choose_by():
