@@ -7,8 +7,9 @@ registers and spills; no GPU needed) and :mod:`loopq.kernels.ptx` reads the PTX.
 (M = 1, 2, 4, 8, 16 tokens; 16 runs the BLOCK_M = 8 binary): the seconds ``triton.compile`` took (about 0 where an
 earlier row compiled the same variant: Triton's cache), the main K loop's PTX instructions per thread, the weight
 code bytes that thread loads per iteration and their ratio (instructions per weight byte), ``shfl`` / ``bar.sync``
-inside the loop, the widths of the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile:
-``cp.async.wait_group`` depths inside its loops, registers, spills. Per fast quantizer: registers, spills.
+inside the loop, the widths of the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile
+of the config table (W4A4 and W4A8): the ``cp.async.wait_group`` and ``wgmma.wait_group`` depths inside its loops
+(a 0 is a full drain), registers, spills. Per fast quantizer: registers, spills.
 ``docs/benchmarks.md`` quotes its table;
 ``tests/kernels/test_ptx_stats.py`` asserts the acceptance limits on the same numbers.
 """
@@ -63,12 +64,15 @@ def decode_row(arch: int, m: int) -> dict:
     }
 
 
-def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig) -> dict:
-    code = compile_gemm(GPUTarget("cuda", arch, 32), True, cfg).asm["ptx"]
+def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig, a_bits: int) -> dict:
+    start = time.perf_counter()
+    code = compile_gemm(GPUTarget("cuda", arch, 32), a_bits == 4, cfg).asm["ptx"]
+    seconds = time.perf_counter() - start
     regs, spills = ptxas_usage(code, arch)
     return {
-        "kernel": f"prefill {cfg.block_m}x{cfg.block_n} g{cfg.block_g} s{cfg.num_stages}",
+        "kernel": f"prefill W4A{a_bits} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{cfg.block_g}",
         "arch": arch,
+        "compile_s": round(seconds, 1),
         "cp_async_waits_in_loop": ptx.waits_in_loops(code),
         "wgmma_waits_in_loop": ptx.waits_in_loops(code, "wgmma.wait_group"),
         "registers": regs,
@@ -91,19 +95,21 @@ def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tupl
         if "decode" in kernels:
             rows += [decode_row(arch, m) for m in decode_m]
         if "prefill" in kernels:
-            rows += [prefill_row(arch, cfg) for cfg in gemm_kernel.CANDIDATES]
+            rows += [prefill_row(arch, cfg, bits) for cfg in gemm_kernel.CANDIDATES for bits in (4, 8)]
         if "quantize" in kernels:
             rows += [quantizer_row(arch, k, n1, n2) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88))]
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    decode = [r for r in rows if r["kernel"] == "decode"]
-    out = [
-        "| arch | M | BLOCK_M | unroll | compile s | loop instr. | code B / iter. | instr. / B | shfl | bar.sync | "
-        "code load B | scale load B | dp4a | regs | spills |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    decode, others = [r for r in rows if r["kernel"] == "decode"], [r for r in rows if r["kernel"] != "decode"]
+    out = []
+    if decode:
+        out += [
+            "| arch | M | BLOCK_M | unroll | compile s | loop instr. | code B / iter. | instr. / B | shfl | bar.sync | "
+            "code load B | scale load B | dp4a | regs | spills |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in decode:
         out.append(
             f"| sm_{r['arch']} | {r['M']} | {r['BLOCK_M']} | {r['UNROLL']} | {r['compile_s']} | "
@@ -111,17 +117,16 @@ def markdown(rows: list[dict]) -> str:
             f"{r['shfl']} | {r['bar_sync']} | {r['code_load_bytes']} | {r['scale_load_bytes']} | {r['dp4a']} | "
             f"{r['registers']} | {r['spills']} |"
         )
-    out += [
-        "",
-        "| arch | kernel | cp.async waits in loop | wgmma waits in loop | regs | spills |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r["kernel"] != "decode":
-            waits = r.get("cp_async_waits_in_loop", "-"), r.get("wgmma_waits_in_loop", "-")
-            out.append(
-                f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {r['registers']} | {r['spills']} |"
-            )
+    if decode and others:
+        out.append("")
+    if others:
+        out += [
+            "| arch | kernel | cp.async waits in loop | wgmma waits in loop | regs | spills |",
+            "|---|---|---|---|---|---|",
+        ]
+    for r in others:
+        waits = r.get("cp_async_waits_in_loop", "-"), r.get("wgmma_waits_in_loop", "-")
+        out.append(f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {r['registers']} | {r['spills']} |")
     return "\n".join(out)
 
 
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = collect(args.arch, tuple(args.kernels), tuple(args.m))
     print(f"triton {triton.__version__}")
+    rows = [r | {"triton": triton.__version__} for r in rows]
     print("\n".join(json.dumps(r) for r in rows) if args.json else markdown(rows))
     return 0
 

@@ -3,10 +3,12 @@
 Calls of more than 16 tokens (:mod:`loopq.kernels.ops`; M <= 16 runs :mod:`loopq.kernels.decode_kernel`). Prefill
 is compute-bound, so the kernel is organised around the tensor cores:
 
-* one program owns a ``BLOCK_M x BLOCK_N`` output tile (:func:`prefill_config`: 64 x 256 with 8 warps where
-  the grid still fills the GPU, smaller tiles otherwise), programs are numbered in groups of ``GROUP_M`` tile rows
+* one program owns a ``BLOCK_M x BLOCK_N`` output tile (:func:`prefill_config`: 64 x 128 with 8 warps where
+  the grid still fills the GPU, 64 x 64 otherwise), programs are numbered in groups of ``GROUP_M`` tile rows
   (grouped rasterisation: consecutive programs share the same weight columns, which stay in L2);
-* each K iteration covers ``BLOCK_G`` 32-groups (``BLOCK_K = 32 BLOCK_G``, 64 or 128): the iteration's scales
+* each K iteration covers ``BLOCK_G`` 32-groups (``BLOCK_K = 32 BLOCK_G``; :func:`block_g_for` makes it divide
+  K, so no load of the loop is masked along K and the row strides ``16 G`` / ``32 G`` bytes let the compiler copy
+  16 bytes per thread): the iteration's scales
   are loaded as one short contiguous vector per row (``[BLOCK_M, BLOCK_G]``, ``[BLOCK_N, BLOCK_G]``) and split
   into columns in registers; a statically unrolled loop issues one int8 ``tl.dot`` of depth 32 per group with
   int32 accumulation (exact: |sum| <= 32 * 128 * 8) and rescales it once, vectorised over the tile,
@@ -16,6 +18,14 @@ is compute-bound, so the kernel is organised around the tensor cores:
 * the int4 nibbles are unpacked to int8 (sign extension ``(n ^ 8) - 8``) and put back in natural K order with
   ``tl.join`` + ``tl.reshape``, which only pairs the two nibbles of a byte in the same thread before the operand
   is written to shared memory for the tensor cores. The stored weight layout is unchanged (export format v2).
+
+What the compiled loop does not overlap (``docs/benchmarks.md``, kernel section): on sm_90 each group's ``wgmma`` is
+followed by ``wgmma.wait_group 0``. Triton keeps a warp-group dot in flight across iterations only when its result is
+consumed by nothing but the next dot's accumulator and its shared-memory operand comes straight from the pipelined
+copies; a per-group rescale and an operand unpacked in registers break both, so the overlap of the tensor cores
+with the CUDA-core rescale comes from the other warp group and the second program on the SM (128 registers:
+two programs of 8 warps per SM). The scale vectors (4 to 8 bytes per row) are too narrow for ``cp.async`` and are
+plain loads at the top of the iteration.
 
 Rounding contract (the decode kernel's, :mod:`loopq.kernels.decode_kernel`): every group dot is an exact integer
 (and exact in fp32, below 2^24); the term ``(dot s_a) s_w`` is rounded at most twice (with FMA contraction, which
@@ -50,22 +60,31 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    block_g: int  # 32-groups per K iteration (2 or 4)
+    block_g: int  # 32-groups per K iteration (1, 2 or 4; at most: see block_g_for)
     group_m: int = 8
 
     def programs(self, m: int, n: int) -> int:
         return triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n)
 
 
-#: tiles from the largest (most reuse per byte loaded, ~fewest CUDA-core rescales per MAC) to the smallest; each
-#: checked ahead of time for sm_80 / sm_90 (``tests/kernels/gpu_compile.py``: no spills, tensor-core dots)
-#: (sm_90: 255 / 177 / 178 registers per thread; 64 x 256 spills with four groups per iteration, so it takes two;
-#: 128 x 128 spills at every depth and group count tried, so it is not offered)
+#: tiles from the largest (most reuse per byte loaded) to the smallest, each checked ahead of time for sm_80 and
+#: sm_90 under the pinned Triton and the GPU image's 3.6 (``scripts/ptx_stats.py --kernels prefill``, asserted by
+#: ``tests/kernels/test_ptx_stats.py``): at most 168 registers per thread (76 to 148 measured), no spills, and no
+#: ``cp.async.wait_group 0`` in the K loop (a depth of 4 stages keeps 3 iterations of loads in flight; 2 stages
+#: wait for depth 0). 64 x 256 (255 registers with 8 warps, spills on sm_80 with 16) and 128 x 128 (spills) are not
+#: offered; 64 x 128 at 128 registers runs two programs per SM, the occupancy of one 64 x 256 program of 16 warps.
 CANDIDATES: tuple[PrefillConfig, ...] = (
-    PrefillConfig(64, 256, 8, 3, 2),
-    PrefillConfig(64, 128, 8, 4, 4),
-    PrefillConfig(64, 64, 4, 4, 4),
+    PrefillConfig(64, 128, 8, 4, 2),
+    PrefillConfig(64, 64, 8, 4, 1),
 )
+
+
+def block_g_for(block_g: int, groups: int) -> int:
+    """The groups one K iteration covers: the largest power of two <= ``block_g`` that divides ``groups``, so the
+    K loop needs no mask (Ouro's K = 2048 and 5632 have 64 and 176 groups: the configured 2 or 4)."""
+    while groups % block_g:
+        block_g //= 2
+    return block_g
 
 
 def m_bucket(m: int) -> int:
@@ -120,7 +139,7 @@ def _gemm_kernel(
     out_ptr,
     M,
     N,
-    K,
+    G,
     A_INT4: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -128,39 +147,33 @@ def _gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    groups = K // 32
-    row_a = K // 2 if A_INT4 else K  # bytes per activation row
+    # the row strides derive from G (K = 32 G): divisible by 16 when G is (Ouro: 64, 176 groups), so the
+    # compiler sees 16-byte aligned rows and copies each thread's codes 16 bytes at a time
+    groups = G
+    row_w = G * 16  # bytes per weight row
+    row_a = G * 16 if A_INT4 else G * 32  # bytes per activation row
     # 64-bit scalar bases (M * K may exceed 2^31), 32-bit offsets inside the tile: half the registers
     m0, n0 = pid_m.to(tl.int64) * BLOCK_M, pid_n.to(tl.int64) * BLOCK_N
     a_base, sa_base = a_ptr + m0 * row_a, sa_ptr + m0 * groups
-    w_base, sw_base = w_ptr + n0 * (K // 2), sw_ptr + n0 * groups
+    w_base, sw_base = w_ptr + n0 * row_w, sw_ptr + n0 * groups
     rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M - pid_m * BLOCK_M, rn < N - pid_n * BLOCK_N  # 32-bit compares
     gs = tl.arange(0, BLOCK_G)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g0 in range(0, groups, BLOCK_G):
+    for g0 in range(0, groups, BLOCK_G):  # BLOCK_G divides groups (the launcher's choice): no mask along K
         # the iteration's scales, one short contiguous vector per row, split into groups in registers
-        g_live = g0 + gs < groups  # K = 32 * groups need not be a multiple of BLOCK_K
-        sa_tile = tl.load(
-            sa_base + rm[:, None] * groups + (g0 + gs)[None, :], mask=m_mask[:, None] & g_live[None, :], other=0.0
-        )
-        sw_tile = tl.load(
-            sw_base + rn[:, None] * groups + (g0 + gs)[None, :], mask=n_mask[:, None] & g_live[None, :], other=0.0
-        )
+        sa_tile = tl.load(sa_base + rm[:, None] * groups + (g0 + gs)[None, :], mask=m_mask[:, None], other=0.0)
+        sw_tile = tl.load(sw_base + rn[:, None] * groups + (g0 + gs)[None, :], mask=n_mask[:, None], other=0.0)
         for i in tl.static_range(BLOCK_G):
             g = g0 + i
-            live = (g * 16 + tl.arange(0, 16) < groups * 16)[None, :]  # a group past K: masked to zero codes
-            w_off = rn[:, None] * (K // 2) + (g * 16 + tl.arange(0, 16))[None, :]
-            w_even, w_odd = _unpack_int4(tl.load(w_base + w_off, mask=n_mask[:, None] & live))
+            w_off = rn[:, None] * row_w + (g * 16 + tl.arange(0, 16))[None, :]
+            w_even, w_odd = _unpack_int4(tl.load(w_base + w_off, mask=n_mask[:, None]))
             if A_INT4:
                 a_off = rm[:, None] * row_a + (g * 16 + tl.arange(0, 16))[None, :]
-                a_even, a_odd = _unpack_int4(tl.load(a_base + a_off, mask=m_mask[:, None] & live))
+                a_even, a_odd = _unpack_int4(tl.load(a_base + a_off, mask=m_mask[:, None]))
                 a = _interleave(a_even, a_odd, BLOCK_M)
             else:
-                a_live = (g * 32 + tl.arange(0, 32) < groups * 32)[None, :]
-                a = tl.load(
-                    a_base + rm[:, None] * row_a + (g * 32 + tl.arange(0, 32))[None, :], mask=m_mask[:, None] & a_live
-                )
+                a = tl.load(a_base + rm[:, None] * row_a + (g * 32 + tl.arange(0, 32))[None, :], mask=m_mask[:, None])
             dot = tl.dot(a, tl.trans(_interleave(w_even, w_odd, BLOCK_N)), out_dtype=tl.int32)
             sa = _column(sa_tile, i, BLOCK_G).to(tl.float32)
             sw = _column(sw_tile, i, BLOCK_G).to(tl.float32)
@@ -172,9 +185,12 @@ def _gemm_kernel(
 
 @triton.jit
 def _column(tile, i: tl.constexpr, COLS: tl.constexpr):
-    """Column ``i`` of a ``[rows, COLS]`` tile (``COLS`` = 2 or 4) by ``tl.split``: no arithmetic, no shuffles
-    across threads once the few columns sit in one thread. Column ``2 a + b`` of ``[rows, 2, 2]`` is (a, b)."""
-    if COLS == 2:
+    """Column ``i`` of a ``[rows, COLS]`` tile (``COLS`` = 1, 2 or 4) by ``tl.reshape`` / ``tl.split``: no
+    arithmetic, no shuffles across threads once the few columns sit in one thread. Column ``2 a + b`` of
+    ``[rows, 2, 2]`` is (a, b)."""
+    if COLS == 1:
+        col = tl.reshape(tile, [tile.shape[0]])
+    elif COLS == 2:
         c0, c1 = tl.split(tile)
         col = c0 if i == 0 else c1
     else:
@@ -209,11 +225,11 @@ def gemm(
         out,
         m,
         n,
-        k,
+        k // 32,
         A_INT4=a_int4,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_G=cfg.block_g,
+        BLOCK_G=block_g_for(cfg.block_g, k // 32),
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

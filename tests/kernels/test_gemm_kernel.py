@@ -6,7 +6,7 @@ The bound is :func:`loopq.kernels.reference.gemm_fp64`'s, ``|out - ref64| <= gam
 dots, at most two roundings per term and G - 1 additions. ``ops`` sends M <= 16 to the split-K decode kernel
 (``test_decode_kernel.py``); these tests call the tile kernel directly, so they cover every M and every tile of
 :data:`loopq.kernels.gemm_kernel.CANDIDATES`, with M, N not multiples of the tile and K not a multiple of the
-iteration's ``32 * BLOCK_G``.
+configured ``32 * BLOCK_G`` (5 groups: the launcher takes one group per iteration, :func:`block_g_for`).
 """
 
 from functools import partial
@@ -18,11 +18,12 @@ from loopq.kernels import gemm_kernel, gemm_w4a4, gemm_w4a8, quantize_activation
 from loopq.kernels.gemm_kernel import CANDIDATES, PrefillConfig, prefill_config
 from tests.kernels.cases import assert_within_bound, cuda_only
 
-#: (M, N, K, config): ragged M / N tails, K = 5 groups (a masked half / three masked quarters of an iteration),
+#: (M, N, K, config): ragged M / N tails, K = 5 groups (one group per iteration: neither 2 nor 4 divides 5) and 6
+#: (configured 4, run as 2 per iteration),
 #: Ouro's K = 2048 and 5632 at small M, N, and a grid of several tile rows for the grouped rasterisation
 CASES = {
     "m33-n96-k160-small": (33, 96, 160, PrefillConfig(32, 32, 4, 2, 2, group_m=2)),
-    "m70-n40-k160-g4": (70, 40, 160, PrefillConfig(32, 32, 4, 2, 4, group_m=2)),
+    "m70-n40-k192-g4": (70, 40, 192, PrefillConfig(32, 32, 4, 2, 4, group_m=2)),
     "m17-n48-k2048": (17, 48, 2048, PrefillConfig(32, 32, 4, 2, 4)),
     "m20-n40-k5632": (20, 40, 5632, PrefillConfig(32, 32, 4, 2, 4)),
     "m130-n72-k128-default": (130, 72, 128, None),
@@ -50,7 +51,7 @@ def test_within_the_fp32_bound(case, bits, device):
 
 def test_extreme_codes(device):
     """All-(-8) / all-(-128) operands with unit scales: exact integers, the int32 group dot's largest values, over
-    an iteration that is half masked (3 groups at BLOCK_G = 2 and 4)."""
+    three groups (one per iteration, whatever the configured BLOCK_G)."""
     for cfg in (PrefillConfig(32, 32, 4, 2, 2), PrefillConfig(32, 32, 4, 2, 4)):
         a4 = torch.full((40, 48), 0x88, dtype=torch.uint8, device=device)
         a8 = torch.full((40, 96), -128, dtype=torch.int8, device=device)
@@ -87,14 +88,20 @@ def test_group_scales_land_on_their_group(device):
 def test_config_table():
     """Per M bucket: the largest candidate whose grid has >= 132 programs (one H100 wave), else the smallest;
     cached per bucket, so every M of a bucket gets the same launch."""
-    assert [(c.block_m, c.block_n) for c in CANDIDATES] == [(64, 256), (64, 128), (64, 64)]
-    assert prefill_config(4096, 2048) == CANDIDATES[0]  # 64 x 8 = 512 programs of 64 x 256
-    assert prefill_config(256, 11264) == CANDIDATES[0]  # 4 x 44 = 176
-    assert prefill_config(256, 2048) == CANDIDATES[2]  # 4 x 8 = 32, 4 x 16 = 64, then 64 x 64: 128, the smallest
-    assert prefill_config(1024, 2048) == CANDIDATES[1]  # 16 x 8 = 128 < 132 at 64 x 256; 16 x 16 = 256
+    assert [(c.block_m, c.block_n) for c in CANDIDATES] == [(64, 128), (64, 64)]
+    assert prefill_config(4096, 2048) == CANDIDATES[0]  # 64 x 16 = 1024 programs of 64 x 128
+    assert prefill_config(256, 11264) == CANDIDATES[0]  # 4 x 88 = 352
+    assert prefill_config(256, 2048) == CANDIDATES[1]  # 4 x 16 = 64 < 132, then 64 x 64: 128, the smallest
+    assert prefill_config(1024, 2048) == CANDIDATES[0]  # 16 x 16 = 256
     assert prefill_config(300, 6144) is prefill_config(512, 6144)
     for cfg in CANDIDATES:
-        assert cfg.block_g in (2, 4) and cfg.num_stages >= 3
+        assert cfg.block_g in (1, 2, 4) and cfg.num_stages >= 3  # 2 stages wait for depth 0 in the K loop
+
+
+def test_groups_per_iteration_divide_k():
+    """The K loop has no mask: an iteration's groups divide K's (Ouro's 64 and 176 keep the configured 2)."""
+    assert [gemm_kernel.block_g_for(2, g) for g in (64, 176, 5, 6)] == [2, 2, 1, 2]
+    assert [gemm_kernel.block_g_for(4, g) for g in (64, 176, 5, 6, 10)] == [4, 4, 1, 2, 2]
 
 
 @cuda_only

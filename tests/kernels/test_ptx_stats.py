@@ -4,7 +4,9 @@
 ``scripts/ptx_stats.py`` compiles the decode kernel for 1, 2, 4, 8 and 16 tokens (a subprocess: this session has
 TRITON_INTERPRET=1): every variant's main loop contains no ``shfl`` or ``bar.sync`` and loads the weight codes and
 their scales 16 bytes at a time, nothing spills (``ptxas -v``), each compiles in seconds, and at M = 1 the loop
-executes at most 8 PTX instructions per weight byte per thread.
+executes at most 8 PTX instructions per weight byte per thread. The prefill GEMM's tiles: no ``cp.async`` wait for
+depth 0 inside the K loop, at most 168 registers, no spills - under the pinned Triton and, where
+``LOOPQ_EXTRA_TRITON`` names a folder holding another (the GPU image's 3.6), under that one too.
 """
 
 import json
@@ -83,3 +85,32 @@ def test_decode_main_loop_proxies(tmp_path):
     for r in (r for r in rows if r["M"] == 1):
         assert r["per_byte"] <= 8, r
         assert r["dp4a"] == 2 * r["code_bytes"] // 4, r  # two dp4a per 4-byte weight word at M = 1
+
+
+#: a second Triton to check the proxies under (compiled code differs between versions; the GPU image runs 3.6):
+#: a folder holding its package, e.g. ``pip install --no-deps --target DIR triton==3.6.0`` (docs/benchmarks.md)
+EXTRA_TRITON = os.environ.get("LOOPQ_EXTRA_TRITON", "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
+@pytest.mark.parametrize("triton_dir", ["pinned", "extra"])
+def test_prefill_loop_proxies(triton_dir, tmp_path):
+    """Every tile of the prefill config table, W4A4 and W4A8, for sm_90 and sm_80: the K loop never waits for its
+    copies to drain (no ``cp.async.wait_group 0`` inside a loop, and at least one deeper wait: the loop is
+    pipelined), at most 168 registers, no spills. Eight compiles, about a second each."""
+    if triton_dir == "extra" and not EXTRA_TRITON:
+        pytest.skip("LOOPQ_EXTRA_TRITON unset: no second Triton to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = [EXTRA_TRITON] if triton_dir == "extra" else []
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
+    cmd = [sys.executable, "scripts/ptx_stats.py", "--arch", "90", "80", "--kernels", "prefill", "--json"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * 2 * 2, rows  # two archs, two tiles, two activation widths
+    if triton_dir == "extra":
+        assert {r["triton"] for r in rows} != {triton.__version__}, "LOOPQ_EXTRA_TRITON did not change the version"
+    for r in rows:
+        assert r["cp_async_waits_in_loop"] and min(r["cp_async_waits_in_loop"]) > 0, r
+        assert r["registers"] <= 168 and r["spills"] == 0, r
