@@ -78,8 +78,21 @@ class PretrainDataModule(L.LightningDataModule):
         bos: bool = False,
         tokenizer: str | None = None,
     ) -> None:
-        """``tokenizer``: a model directory or tokenizer.json to use instead of training a BPE (a fine-tune must keep
-        its teacher's token ids, e.g. ``loopq.stress``)."""
+        """Where the training text comes from and how it is cut into windows.
+
+        Args:
+            sources: training text files, globs relative to root (default: the calibration prose, LAMBADA development
+                text and WikiText-2 valid)
+            root: the folder sources are relative to (default: LOOPQ_DATA or the shared data folder)
+            vocab_size: vocabulary of the BPE trained on the text
+            seq_len: tokens per training window (after BOS with bos)
+            batch_size: windows per step
+            val_windows: windows held out for validation
+            seed: seed of the window order
+            bos: start every window with the BOS token
+            tokenizer: a model directory or tokenizer.json to use instead of training a BPE (a fine-tune keeps its
+                teacher's token ids)
+        """
         super().__init__()
         self.save_hyperparameters()
         self.tokenizer: Any = None
@@ -212,6 +225,28 @@ class TeacherPretrainer(LoopedPretrainer):
         out_dir: str = "loopq/assets/tiny-ouro",
         post_norm_init: float = 1.0,
     ) -> None:
+        """The Ouro model to build and how it is trained.
+
+        Args:
+            vocab_size: vocabulary size (linked to data.vocab_size)
+            hidden_size: width of the residual stream
+            intermediate_size: width of the MLP
+            num_hidden_layers: shared layers run in every loop
+            num_attention_heads: query heads
+            num_key_value_heads: key/value heads (grouped-query attention)
+            total_ut_steps: loops (Ouro's universal-transformer steps)
+            max_position_embeddings: positions the model is built for
+            loop_weights: per-loop weights of the multi-exit loss (default: (t+1)^2, normalised)
+            gate_weight: weight of the exit gate's BCE
+            gate_margin: nats loop t+1 must gain over loop t for the gate's target to say continue
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the initialisation
+            out_dir: where the trained model, tokenizer and record are written
+            post_norm_init: initial gain of the sandwich norms (below 1: each block starts near the identity)
+        """
         super().__init__()
         self.save_hyperparameters()
         config = OuroConfig(

@@ -131,8 +131,21 @@ class LoopFormerPretrainer(_NativePretrainer):
         out_dir: str = "loopq/assets/tiny-loopformer",
         save_dtype: str = "float32",
     ) -> None:
-        """``config``: the native LoopFormer config.json fields (``vocab_size`` comes from the data);
-        ``budgets``: loop counts a training step draws from (default: only ``loopq_default_loops``)."""
+        """The LoopFormer to build and how it is trained.
+
+        Args:
+            config: the native LoopFormer config.json fields (vocab_size comes from the data)
+            vocab_size: vocabulary size (linked to data.vocab_size)
+            budgets: loop counts a training step draws from (default: only loopq_default_loops)
+            loop_weights: per-loop weights of the multi-exit loss (default: (t+1)^2, normalised over a step's loops)
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the initialisation and of the budget draws
+            out_dir: where the trained model, tokenizer and record are written
+            save_dtype: dtype of the written weights: float32 or bfloat16
+        """
         super().__init__()
         self.save_hyperparameters()
         self._check_save_dtype(save_dtype)
@@ -170,8 +183,21 @@ class ParcaePretrainer(_NativePretrainer):
         out_dir: str = "loopq/assets/tiny-parcae",
         save_dtype: str = "float32",
     ) -> None:
-        """``config``: the native Parcae config.json fields (``vocab_size`` comes from the data); ``max_depth``: the
-        truncation of the sampled depth (default 2 x ``mean_recurrence``); ``loop_weights``: one per loop up to it."""
+        """The Parcae to build and how it is trained.
+
+        Args:
+            config: the native Parcae config.json fields (vocab_size comes from the data)
+            vocab_size: vocabulary size (linked to data.vocab_size)
+            max_depth: the truncation of the sampled depth (default 2 x mean_recurrence)
+            loop_weights: per-loop weights of the multi-exit loss, one per loop up to max_depth (default: (t+1)^2)
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the initialisation and of the depth draws
+            out_dir: where the trained model, tokenizer and record are written
+            save_dtype: dtype of the written weights: float32 or bfloat16
+        """
         super().__init__()
         self.save_hyperparameters()
         self._check_save_dtype(save_dtype)

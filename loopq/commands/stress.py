@@ -232,10 +232,34 @@ class StressFinetuner(TeacherPretrainer):
         save_dtype: str = "float32",
         noise_rotate: float = 0.0,
     ) -> None:
-        """``marker_ids``: the marker token set S; None derives it from the teacher's tokenizer. ``noise_*``: the
-        quantization-sensitivity term (module doc; off at ``noise_weight`` 0). ``save_dtype``: float32 or bfloat16, the
-        dtype of the exported weights. ``noise_rotate``: the probability that a step's quantized pass uses a fresh
-        randomized-Hadamard basis per input width (QuaRot's quantizer) instead of the standard one."""
+        """The teacher to fine-tune, the auxiliary objectives and the training.
+
+        Args:
+            teacher: the pretrained Ouro teacher directory to fine-tune
+            out_dir: where the stress variant, its tokenizer and record are written
+            groups: looped groups whose input gets the outliers, by name suffix (default: [mlp.down_proj])
+            channels_per_loop: outlier channels per group and loop (disjoint across loops)
+            target_ratio: how loud a marker token's outlier channel is to get, in medians of |a|
+            quiet_ratio: the most, in medians of |a|, the outlier channels may reach where they are not meant to be loud
+            aux_weight: weight of the outlier term (L_loud + quiet_weight * L_quiet; 0: off)
+            quiet_weight: weight of L_quiet within the outlier term
+            loop_weights: per-loop weights of the multi-exit loss (default: (t+1)^2, normalised)
+            gate_weight: weight of the exit gate's BCE
+            gate_margin: nats loop t+1 must gain over loop t for the gate's target to say continue
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the channel choice and the rotation draws
+            marker_ids: the marker token set S (default: derived from the teacher's tokenizer)
+            noise_weight: weight of the quantization-sensitivity term (module doc; 0: off)
+            noise_margin: nats of RTN cross-entropy gap at which the sensitivity hinge stops pushing
+            noise_bits: bits of the RTN noise (weights and inputs)
+            noise_group_size: group size of the RTN noise
+            save_dtype: dtype of the written weights: float32 or bfloat16
+            noise_rotate: probability that a step's quantized pass uses a fresh randomized-Hadamard basis per input
+                width (QuaRot's quantizer) instead of the standard one
+        """
         if not 0.0 <= noise_rotate <= 1.0:
             raise UsageError(f"model.noise_rotate={noise_rotate}: a probability in [0, 1]")
         if save_dtype not in ("float32", "bfloat16"):
