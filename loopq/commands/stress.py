@@ -64,13 +64,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from jsonargparse import capture_parser
-from lightning.pytorch.cli import LightningCLI
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from loopq.artifacts.layout import check_output_dir
-from loopq.commands.cli import SharedParsing
-from loopq.commands.pretrain import TeacherPretrainer, export_teacher, fit_resumable, per_loop_token_losses
+from loopq.commands.pretrain import (
+    PretrainCLI,
+    TeacherPretrainer,
+    check_save_dtype,
+    fit_resumable,
+    per_loop_token_losses,
+)
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.errors import UsageError
 from loopq.models.loading import load_looplm, resolve_model_dir
@@ -206,6 +210,8 @@ def quant_noise(
 class StressFinetuner(TeacherPretrainer):
     """loopq.pretrain's objective on a pretrained Ouro teacher, plus the token- and loop-dependent outlier term."""
 
+    program = "loopq.stress"
+
     def __init__(
         self,
         teacher: str = "loopq/assets/small-ouro",
@@ -262,8 +268,7 @@ class StressFinetuner(TeacherPretrainer):
         """
         if not 0.0 <= noise_rotate <= 1.0:
             raise UsageError(f"model.noise_rotate={noise_rotate}: a probability in [0, 1]")
-        if save_dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"model.save_dtype={save_dtype!r}: use float32 or bfloat16")
+        check_save_dtype(save_dtype)
         directory = resolve_model_dir(teacher)
         base = load_looplm(directory)
         if not isinstance(base, OuroLM):
@@ -333,24 +338,22 @@ class StressFinetuner(TeacherPretrainer):
         self.log(f"{stage}/rotated_basis", float(rotations is not None))
         return hinge
 
-    def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            extra = {
-                "stress": {
-                    "teacher": self.hparams.teacher,
-                    "marker_token_ids": self.marker_ids.tolist(),
-                    "channels": {name: ch.tolist() for name, ch in self.channels.items()},
-                }
+    def record_extra(self) -> dict[str, Any]:
+        channels = {name: ch.tolist() for name, ch in self.channels.items()}
+        return {
+            "stress": {
+                "teacher": self.hparams.teacher,
+                "marker_token_ids": self.marker_ids.tolist(),
+                "channels": channels,
             }
-            dtype = getattr(torch, self.hparams.save_dtype)
-            export_teacher(self, self.trainer.datamodule, program="loopq.stress", extra=extra, dtype=dtype)
+        }
 
 
-class StressCLI(SharedParsing, LightningCLI):
-    def add_arguments_to_parser(self, parser: Any) -> None:
+class StressCLI(PretrainCLI):
+    description = "Fine-tune a pretrained Ouro teacher into a stress variant with token- and loop-dependent outliers."
+
+    def add_own_arguments(self, parser: Any) -> None:
         parser.link_arguments("model.teacher", "data.tokenizer")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
-        parser.add_argument("--overwrite", type=bool, default=False, help="let model.out_dir replace any model")
 
     def before_instantiate_classes(self) -> None:
         """``model.out_dir`` may not be the teacher; it may hold only a teacher this command or loopq.pretrain wrote."""
