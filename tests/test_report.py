@@ -12,9 +12,9 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from loopq.commands.report import ReportInputError, load_result, load_run, main
 from loopq.commands.report.figures import slt_matrix
-from loopq.commands.report.inputs import read_loop_errors
+from loopq.commands.report.inputs import ReportInputError, load_result, load_run, read_loop_errors
+from loopq.commands.report.write_report import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -121,6 +121,29 @@ class LoopQCalibration(L.LightningModule):
         adaptive_mu: bool = True,
         student_from: Literal["last", "best"] = "last",
     ) -> None:
+        """Load the teacher and prepare its fake-quant student.
+
+        Args:
+            teacher: teacher model directory (config.json, weights, tokenizer) or hub id
+            quant: the quantization config (bits, group size, LAS, SLT, CTA; loopq.quant.QuantConfig)
+            lam: weight of the trajectory terms against the top-k logit KL (Eq. 8; 0: logit KL only)
+            state_reduction: how d(a, b) reduces the hidden dimension: mean or sum
+            temperature: temperature of the top-k logit KL
+            topk: teacher logits kept per token for the KL (the cached targets)
+            lr: learning rate of the transforms and adapters
+            clip_lr_mult: the clipping ratios' learning rate as a multiple of lr
+            weight_decay: AdamW weight decay
+            warmup_steps: linear warm-up steps before the cosine schedule
+            init_clipping: initialise the LAS clipping ratios from the first batch's activations
+            checkpoint_loops: recompute every (loop, layer) call in the backward (less memory, more time)
+            compile_quantizers: run the transform + fake-quant chains torch.compile-d (faster after compiling)
+            teacher_dtype: dtype of the frozen teacher: bf16, fp32, or auto (bf16 under a bf16 trainer.precision)
+            target_cache_dir: folder caching the teacher's targets on disk (default: computed in memory)
+            output_dir: where the student is written (default: <trainer.default_root_dir>/student)
+            objective: trajectory (LoopQ's Eq. 8) or layerwise (FlatQuant's layer-wise MSE)
+            adaptive_mu: update the trajectory weights mu_t during calibration (loopq.calib.mu)
+            student_from: the student is the last step's, or the checkpoint best on held-out validation
+        """
         super().__init__()
         quant = quant or QuantConfig()
         if objective not in OBJECTIVES:

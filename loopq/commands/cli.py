@@ -86,6 +86,27 @@ def as_typed(message: str, parser: ArgumentParser) -> str:
     return head + required + ", ".join(typed.get(name, name) for name in names.split(", ")) if required else message
 
 
+def lightning_cli(cli_class: type, model: type, data: type, args: list[str] | None, command: str, **kwargs: Any) -> Any:
+    """``cli_class`` (a LightningCLI with :class:`SharedParsing`) over ``model`` and ``data``, built from ``args`` (a
+    list, or ``sys.argv``), not run: seed 0 by default, the resolved config saved over an earlier one, ``python -m
+    <command>`` as its program. YAML is read through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate
+    keys refused); ``--help`` starts with ``cli_class.description``. ``kwargs``: more LightningCLI arguments."""
+    from loopq.config_yaml import install as install_checked_yaml
+
+    install_checked_yaml(args)
+    parser_kwargs = {**PARSER_SETTINGS, "prog": f"python -m {command}", "description": cli_class.description}
+    return cli_class(
+        model,
+        data,
+        run=False,
+        args=args,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs=parser_kwargs,
+        **kwargs,
+    )
+
+
 class SharedParsing:
     """A LightningCLI mixin (``fit``, ``run``, ``pretrain``, ``stress``): the command line is parsed after
     :func:`prepare_argv`, with the command's ``renames``."""

@@ -43,8 +43,7 @@ from loopq.calib.deepspeed import read_sidecar
 from loopq.calib.module import LoopQCalibration, resolve_teacher_dtype
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
-from loopq.commands.cli import SharedParsing
-from loopq.config_yaml import install as install_checked_yaml
+from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.calibration import CalibrationDataModule
 from loopq.errors import UsageError
 from loopq.locks import DirectoryLock
@@ -114,11 +113,14 @@ def check_moved_keys(argv: list[str]) -> None:
                     )
 
 
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
 class LoopQCLI(SharedParsing, LightningCLI):
     """The calibration's command line (module docstring); ``loopq.run`` subclasses it with its own options."""
 
-    #: the first line of ``--help``
-    description = __doc__.split("\n\n")[0]
+    #: the first line of ``--help``: the module docstring's first paragraph
+    description = DESCRIPTION
     #: what ``--force`` does
     force_help = "replace a student in the output directory that was calibrated with another config or teacher"
 
@@ -267,24 +269,10 @@ def close_process_group() -> None:
 
 
 def build_cli(args: list[str] | None = None, cli_class: type[LoopQCLI] = LoopQCLI) -> LoopQCLI:
-    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI; ``loopq.run`` passes a subclass. YAML is
-    read through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused)."""
-    install_checked_yaml(args)
-    return cli_class(
-        LoopQCalibration,
-        CalibrationDataModule,
-        run=False,
-        args=args,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={
-            "default_env": False,
-            "exit_on_error": False,
-            "description": cli_class.description,
-            "prog": f"python -m {cli_class.command}",
-        },
-    )
+    """Parse ``args`` (a list, or ``sys.argv``) into the calibration CLI (:func:`~loopq.commands.cli.lightning_cli`);
+    ``loopq.run`` passes a subclass."""
+    model, data = LoopQCalibration, CalibrationDataModule
+    return lightning_cli(cli_class, model, data, args, cli_class.command, trainer_defaults=TRAINER_DEFAULTS)
 
 
 def build_parser() -> Any:

@@ -52,8 +52,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
-from loopq.commands.cli import SharedParsing
-from loopq.config_yaml import install as install_checked_yaml
+from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
@@ -78,8 +77,21 @@ class PretrainDataModule(L.LightningDataModule):
         bos: bool = False,
         tokenizer: str | None = None,
     ) -> None:
-        """``tokenizer``: a model directory or tokenizer.json to use instead of training a BPE (a fine-tune must keep
-        its teacher's token ids, e.g. ``loopq.stress``)."""
+        """Where the training text comes from and how it is cut into windows.
+
+        Args:
+            sources: training text files, globs relative to root (default: the calibration prose, LAMBADA development
+                text and WikiText-2 valid)
+            root: the folder sources are relative to (default: LOOPQ_DATA or the shared data folder)
+            vocab_size: vocabulary of the BPE trained on the text
+            seq_len: tokens per training window (after BOS with bos)
+            batch_size: windows per step
+            val_windows: windows held out for validation
+            seed: seed of the window order
+            bos: start every window with the BOS token
+            tokenizer: a model directory or tokenizer.json to use instead of training a BPE (a fine-tune keeps its
+                teacher's token ids)
+        """
         super().__init__()
         self.save_hyperparameters()
         self.tokenizer: Any = None
@@ -127,10 +139,29 @@ def gate_targets(token_losses: Tensor, margin: float) -> Tensor:
     return (gain < margin).to(token_losses.dtype)
 
 
+#: the dtypes a trained model may be written in (``save_dtype``)
+SAVE_DTYPES = ("float32", "bfloat16")
+
+
+def loop_weight_tensor(loop_weights: Sequence[float] | None, count: int) -> Tensor:
+    """``model.loop_weights`` (default (t+1)^2), checked: ``count`` non-negative entries, not all 0."""
+    weights = torch.tensor(loop_weights or [float((t + 1) ** 2) for t in range(count)], dtype=torch.float32)
+    if len(weights) != count or (weights < 0).any() or weights.sum() <= 0:
+        raise UsageError(f"model.loop_weights needs {count} non-negative entries (one per loop), got {loop_weights}")
+    return weights
+
+
+def check_save_dtype(save_dtype: str) -> None:
+    if save_dtype not in SAVE_DTYPES:
+        raise UsageError(f"model.save_dtype={save_dtype!r}: use one of {SAVE_DTYPES}")
+
+
 class LoopedPretrainer(L.LightningModule):
     """What every architecture's pretrainer shares: the optimiser and schedule, the wall time over resumed segments,
-    the logged steps and the export on fit end. A subclass builds ``self.model`` (a :class:`LoopLM`), calls
-    :meth:`init_training` and implements ``_objective``."""
+    the logged steps and the export on fit end (with the record of ``program`` and :meth:`record_extra`). A subclass
+    builds ``self.model`` (a :class:`LoopLM`), calls :meth:`init_training` and implements ``_objective``."""
+
+    program = "loopq.pretrain"
 
     def init_training(self, weights: Tensor) -> None:
         """Register the normalised per-loop loss weights and start the wall-time and rate clocks."""
@@ -182,10 +213,14 @@ class LoopedPretrainer(L.LightningModule):
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def record_extra(self) -> dict[str, Any]:
+        """Entries the training record adds (a fine-tune's auxiliary objective)."""
+        return {}
+
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:
             dtype = getattr(torch, self.hparams.get("save_dtype", "float32"))
-            export_teacher(self, self.trainer.datamodule, dtype=dtype)
+            export_teacher(self, self.trainer.datamodule, self.program, self.record_extra(), dtype)
 
 
 class TeacherPretrainer(LoopedPretrainer):
@@ -212,6 +247,28 @@ class TeacherPretrainer(LoopedPretrainer):
         out_dir: str = "loopq/assets/tiny-ouro",
         post_norm_init: float = 1.0,
     ) -> None:
+        """The Ouro model to build and how it is trained.
+
+        Args:
+            vocab_size: vocabulary size (linked to data.vocab_size)
+            hidden_size: width of the residual stream
+            intermediate_size: width of the MLP
+            num_hidden_layers: shared layers run in every loop
+            num_attention_heads: query heads
+            num_key_value_heads: key/value heads (grouped-query attention)
+            total_ut_steps: loops (Ouro's universal-transformer steps)
+            max_position_embeddings: positions the model is built for
+            loop_weights: per-loop weights of the multi-exit loss (default: (t+1)^2, normalised)
+            gate_weight: weight of the exit gate's BCE
+            gate_margin: nats loop t+1 must gain over loop t for the gate's target to say continue
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the initialisation
+            out_dir: where the trained model, tokenizer and record are written
+            post_norm_init: initial gain of the sandwich norms (below 1: each block starts near the identity)
+        """
         super().__init__()
         self.save_hyperparameters()
         config = OuroConfig(
@@ -227,10 +284,7 @@ class TeacherPretrainer(LoopedPretrainer):
         )
         self.model = OuroLM.from_config(config, seed=seed)
         init_post_norms(self.model, post_norm_init)
-        weights = torch.tensor(loop_weights or [float((t + 1) ** 2) for t in range(total_ut_steps)])
-        if len(weights) != total_ut_steps:
-            raise ValueError(f"model.loop_weights needs {total_ut_steps} entries (one per loop), got {len(weights)}")
-        self.init_training(weights)
+        self.init_training(loop_weight_tensor(loop_weights, total_ut_steps))
 
     def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
         """(the Ouro objective, the per-loop mean CEs [T] it was made of, with their graph)."""
@@ -305,10 +359,18 @@ def export_teacher(
 
 
 class PretrainCLI(SharedParsing, LightningCLI):
+    """``loopq.pretrain``'s command line (``loopq.stress`` subclasses it)."""
+
+    #: the first line of ``--help``
+    description = "Train a looped teacher (Ouro, LoopFormer or Parcae) on real English text."
+
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.link_arguments("data.vocab_size", "model.vocab_size")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
         parser.add_argument("--overwrite", type=bool, default=False, help="let model.out_dir replace any model")
+        self.add_own_arguments(parser)
+
+    def add_own_arguments(self, parser: Any) -> None:
+        parser.link_arguments("data.vocab_size", "model.vocab_size")
         parser.add_argument("--architecture", type=str, default="ouro", help=f"one of {sorted(ARCHITECTURES)}")
 
     def before_instantiate_classes(self) -> None:
@@ -324,21 +386,12 @@ def fit_resumable(
     args: list[str] | None,
     command: str | None = None,
 ) -> None:
-    """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data), fit from ``--ckpt_path`` when given,
-    and stop cleanly on SIGTERM / SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130. YAML is read
-    through :mod:`loopq.config_yaml` (alias expansion bounded, duplicate keys refused).
+    """Parse ``args`` with ``cli_class`` (``model_class`` on the pretraining data;
+    :func:`~loopq.commands.cli.lightning_cli`), fit from ``--ckpt_path`` when given, and stop cleanly on SIGTERM /
+    SIGINT: the step in flight finishes, last.ckpt is saved, exit 143 / 130.
     ``command``: the name the run lock records (default: ``loopq.<model_class's module>``)."""
-    install_checked_yaml(args)
     command = command or f"loopq.{model_class.__module__.rpartition('.')[2]}"
-    cli = cli_class(
-        model_class,
-        PretrainDataModule,
-        run=False,
-        args=args,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False, "exit_on_error": False, "prog": f"python -m {command}"},
-    )
+    cli = lightning_cli(cli_class, model_class, PretrainDataModule, args, command)
     install_stop_on_signal(cli.trainer)
     root = cli.trainer.default_root_dir
     try:

@@ -27,20 +27,17 @@ What each family adds:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loopq.commands.pretrain import LoopedPretrainer
+from loopq.commands.pretrain import LoopedPretrainer, check_save_dtype, loop_weight_tensor
 from loopq.errors import UsageError
 from loopq.models.base import LoopLM
 from loopq.models.loopformer import LoopFormerLM
 from loopq.models.parcae import ParcaeLM
-
-SAVE_DTYPES = ("float32", "bfloat16")
 
 
 def exit_token_losses(model: LoopLM, ids: Tensor, num_loops: int, **kwargs: Any) -> Tensor:
@@ -82,21 +79,10 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
-def _loop_weight_tensor(loop_weights: Sequence[float] | None, count: int) -> Tensor:
-    weights = torch.tensor(loop_weights or [float((t + 1) ** 2) for t in range(count)], dtype=torch.float32)
-    if len(weights) != count or (weights < 0).any() or weights.sum() <= 0:
-        raise UsageError(f"model.loop_weights needs {count} non-negative entries (one per loop), got {loop_weights}")
-    return weights
-
-
 class _NativePretrainer(LoopedPretrainer):
     """Shared by the LoopFormer and Parcae pretrainers: the multi-exit CE over a step's loops, logged per loop."""
 
     model: LoopLM
-
-    def _check_save_dtype(self, save_dtype: str) -> None:
-        if save_dtype not in SAVE_DTYPES:
-            raise UsageError(f"model.save_dtype={save_dtype!r}: use one of {SAVE_DTYPES}")
 
     def _depth(self, stage: str) -> tuple[int, dict[str, Any]]:
         """(loops, forward kwargs) of this step; validation always runs the default."""
@@ -131,18 +117,31 @@ class LoopFormerPretrainer(_NativePretrainer):
         out_dir: str = "loopq/assets/tiny-loopformer",
         save_dtype: str = "float32",
     ) -> None:
-        """``config``: the native LoopFormer config.json fields (``vocab_size`` comes from the data);
-        ``budgets``: loop counts a training step draws from (default: only ``loopq_default_loops``)."""
+        """The LoopFormer to build and how it is trained.
+
+        Args:
+            config: the native LoopFormer config.json fields (vocab_size comes from the data)
+            vocab_size: vocabulary size (linked to data.vocab_size)
+            budgets: loop counts a training step draws from (default: only loopq_default_loops)
+            loop_weights: per-loop weights of the multi-exit loss (default: (t+1)^2, normalised over a step's loops)
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the initialisation and of the budget draws
+            out_dir: where the trained model, tokenizer and record are written
+            save_dtype: dtype of the written weights: float32 or bfloat16
+        """
         super().__init__()
         self.save_hyperparameters()
-        self._check_save_dtype(save_dtype)
+        check_save_dtype(save_dtype)
         native = {"model_type": "loopformer", "architectures": ["LoopFormerGPTForCausalLM"], **(config or {})}
         self.model = LoopFormerLM.from_config({**native, "vocab_size": vocab_size}, seed=seed)
         default = self.model.default_num_loops
         self.budgets = list(budgets or [default])
         if any(not isinstance(b, int) or b < 1 or b > default for b in self.budgets):
             raise UsageError(f"model.budgets={budgets}: loop counts between 1 and loopq_default_loops={default}")
-        self.init_training(_loop_weight_tensor(loop_weights, default))
+        self.init_training(loop_weight_tensor(loop_weights, default))
 
     def _depth(self, stage: str) -> tuple[int, dict[str, Any]]:
         if stage != "train" or len(self.budgets) == 1:
@@ -170,11 +169,24 @@ class ParcaePretrainer(_NativePretrainer):
         out_dir: str = "loopq/assets/tiny-parcae",
         save_dtype: str = "float32",
     ) -> None:
-        """``config``: the native Parcae config.json fields (``vocab_size`` comes from the data); ``max_depth``: the
-        truncation of the sampled depth (default 2 x ``mean_recurrence``); ``loop_weights``: one per loop up to it."""
+        """The Parcae to build and how it is trained.
+
+        Args:
+            config: the native Parcae config.json fields (vocab_size comes from the data)
+            vocab_size: vocabulary size (linked to data.vocab_size)
+            max_depth: the truncation of the sampled depth (default 2 x mean_recurrence)
+            loop_weights: per-loop weights of the multi-exit loss, one per loop up to max_depth (default: (t+1)^2)
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the initialisation and of the depth draws
+            out_dir: where the trained model, tokenizer and record are written
+            save_dtype: dtype of the written weights: float32 or bfloat16
+        """
         super().__init__()
         self.save_hyperparameters()
-        self._check_save_dtype(save_dtype)
+        check_save_dtype(save_dtype)
         native = {"_class_name": "ParcaeConfig", "model_class_name": "Parcae", **(config or {})}
         native.update(vocab_size=vocab_size, padded_vocab_size=vocab_size)
         self.model = ParcaeLM.from_config(native, seed=seed)
@@ -182,7 +194,7 @@ class ParcaePretrainer(_NativePretrainer):
         self.max_depth = max_depth or 2 * mean
         if self.max_depth < mean:
             raise UsageError(f"model.max_depth={max_depth}: at least mean_recurrence={mean}")
-        self.init_training(_loop_weight_tensor(loop_weights, self.max_depth))
+        self.init_training(loop_weight_tensor(loop_weights, self.max_depth))
 
     def _depth(self, stage: str) -> tuple[int, dict[str, Any]]:
         mean = self.model.default_num_loops

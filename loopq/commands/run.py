@@ -56,7 +56,8 @@ from loopq.calib.checkpoint_io import newest_intact
 from loopq.calib.line_progress import LineProgress
 from loopq.commands import fit
 from loopq.commands.evaluate import evaluate
-from loopq.commands.report import build_report, load_result, load_run
+from loopq.commands.report.build import build_report
+from loopq.commands.report.inputs import load_result, load_run
 from loopq.data.tokenizer import load_tokenizer
 from loopq.devices import resolve_device
 from loopq.errors import LoopQError

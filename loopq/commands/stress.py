@@ -64,13 +64,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from jsonargparse import capture_parser
-from lightning.pytorch.cli import LightningCLI
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from loopq.artifacts.layout import check_output_dir
-from loopq.commands.cli import SharedParsing
-from loopq.commands.pretrain import TeacherPretrainer, export_teacher, fit_resumable, per_loop_token_losses
+from loopq.commands.pretrain import (
+    PretrainCLI,
+    TeacherPretrainer,
+    check_save_dtype,
+    fit_resumable,
+    per_loop_token_losses,
+)
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.errors import UsageError
 from loopq.models.loading import load_looplm, resolve_model_dir
@@ -206,6 +210,8 @@ def quant_noise(
 class StressFinetuner(TeacherPretrainer):
     """loopq.pretrain's objective on a pretrained Ouro teacher, plus the token- and loop-dependent outlier term."""
 
+    program = "loopq.stress"
+
     def __init__(
         self,
         teacher: str = "loopq/assets/small-ouro",
@@ -232,14 +238,37 @@ class StressFinetuner(TeacherPretrainer):
         save_dtype: str = "float32",
         noise_rotate: float = 0.0,
     ) -> None:
-        """``marker_ids``: the marker token set S; None derives it from the teacher's tokenizer. ``noise_*``: the
-        quantization-sensitivity term (module doc; off at ``noise_weight`` 0). ``save_dtype``: float32 or bfloat16, the
-        dtype of the exported weights. ``noise_rotate``: the probability that a step's quantized pass uses a fresh
-        randomized-Hadamard basis per input width (QuaRot's quantizer) instead of the standard one."""
+        """The teacher to fine-tune, the auxiliary objectives and the training.
+
+        Args:
+            teacher: the pretrained Ouro teacher directory to fine-tune
+            out_dir: where the stress variant, its tokenizer and record are written
+            groups: looped groups whose input gets the outliers, by name suffix (default: [mlp.down_proj])
+            channels_per_loop: outlier channels per group and loop (disjoint across loops)
+            target_ratio: how loud a marker token's outlier channel is to get, in medians of |a|
+            quiet_ratio: the most, in medians of |a|, the outlier channels may reach where they are not meant to be loud
+            aux_weight: weight of the outlier term (L_loud + quiet_weight * L_quiet; 0: off)
+            quiet_weight: weight of L_quiet within the outlier term
+            loop_weights: per-loop weights of the multi-exit loss (default: (t+1)^2, normalised)
+            gate_weight: weight of the exit gate's BCE
+            gate_margin: nats loop t+1 must gain over loop t for the gate's target to say continue
+            lr: peak learning rate
+            weight_decay: AdamW weight decay of the matrices
+            warmup_steps: linear warm-up steps
+            min_lr_ratio: the cosine schedule's final learning rate as a fraction of lr
+            seed: seed of the channel choice and the rotation draws
+            marker_ids: the marker token set S (default: derived from the teacher's tokenizer)
+            noise_weight: weight of the quantization-sensitivity term (module doc; 0: off)
+            noise_margin: nats of RTN cross-entropy gap at which the sensitivity hinge stops pushing
+            noise_bits: bits of the RTN noise (weights and inputs)
+            noise_group_size: group size of the RTN noise
+            save_dtype: dtype of the written weights: float32 or bfloat16
+            noise_rotate: probability that a step's quantized pass uses a fresh randomized-Hadamard basis per input
+                width (QuaRot's quantizer) instead of the standard one
+        """
         if not 0.0 <= noise_rotate <= 1.0:
             raise UsageError(f"model.noise_rotate={noise_rotate}: a probability in [0, 1]")
-        if save_dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"model.save_dtype={save_dtype!r}: use float32 or bfloat16")
+        check_save_dtype(save_dtype)
         directory = resolve_model_dir(teacher)
         base = load_looplm(directory)
         if not isinstance(base, OuroLM):
@@ -309,24 +338,22 @@ class StressFinetuner(TeacherPretrainer):
         self.log(f"{stage}/rotated_basis", float(rotations is not None))
         return hinge
 
-    def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            extra = {
-                "stress": {
-                    "teacher": self.hparams.teacher,
-                    "marker_token_ids": self.marker_ids.tolist(),
-                    "channels": {name: ch.tolist() for name, ch in self.channels.items()},
-                }
+    def record_extra(self) -> dict[str, Any]:
+        channels = {name: ch.tolist() for name, ch in self.channels.items()}
+        return {
+            "stress": {
+                "teacher": self.hparams.teacher,
+                "marker_token_ids": self.marker_ids.tolist(),
+                "channels": channels,
             }
-            dtype = getattr(torch, self.hparams.save_dtype)
-            export_teacher(self, self.trainer.datamodule, program="loopq.stress", extra=extra, dtype=dtype)
+        }
 
 
-class StressCLI(SharedParsing, LightningCLI):
-    def add_arguments_to_parser(self, parser: Any) -> None:
+class StressCLI(PretrainCLI):
+    description = "Fine-tune a pretrained Ouro teacher into a stress variant with token- and loop-dependent outliers."
+
+    def add_own_arguments(self, parser: Any) -> None:
         parser.link_arguments("model.teacher", "data.tokenizer")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="'last' or a checkpoint: resume")
-        parser.add_argument("--overwrite", type=bool, default=False, help="let model.out_dir replace any model")
 
     def before_instantiate_classes(self) -> None:
         """``model.out_dir`` may not be the teacher; it may hold only a teacher this command or loopq.pretrain wrote."""

@@ -143,6 +143,22 @@ class CalibrationDataModule(L.LightningDataModule):
         val_samples: int = 0,
         val_sources: list[str] | None = None,
     ) -> None:
+        """Check the options; the text is read and tokenized in ``setup``.
+
+        Args:
+            tokenizer: model directory whose tokenizer.json encodes the text (set from model.teacher)
+            sources: calibration text files, globs relative to root (default: calibration/*.txt), or hf: specs
+            root: the folder sources are relative to (default: LOOPQ_DATA or the shared data folder)
+            num_samples: calibration windows
+            seq_len: tokens per window
+            batch_size: windows per step and process
+            holdout_samples: held-out windows for the per-loop diagnostics
+            seed: seed of the window draw
+            vocab_size: refuse token ids at or above this (the teacher's vocabulary)
+            num_workers: DataLoader worker processes
+            val_samples: windows per held-out validation set (0: no validation)
+            val_sources: text of the extra validation set (e.g. [wikitext2/wiki.valid.tokens])
+        """
         super().__init__()
         if num_samples < 1 or seq_len < 2 or batch_size < 1:
             raise DataError("data.num_samples, data.seq_len and data.batch_size must be positive (seq_len >= 2)")

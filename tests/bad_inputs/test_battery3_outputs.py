@@ -23,7 +23,7 @@ from loopq.artifacts.layout import EXPORT_FORMAT, EXPORT_META, EXPORT_WEIGHTS, R
 from loopq.artifacts.ownership import JOURNAL, begin
 from loopq.artifacts.seal import SEAL
 from loopq.commands import evaluate, export, generate
-from loopq.commands.report import main as report
+from loopq.commands.report.write_report import main as report
 from loopq.errors import GuardError, run_cli
 from loopq.paths import ASSETS, REPO_ROOT
 from tests.bad_inputs.test_artifact_integrity import write_tiny_student

@@ -45,7 +45,7 @@ import triton
 from loopq.artifacts.student import check_student_dir, read_student_meta
 from loopq.commands.gpu_check import flow, kernel_bench
 from loopq.commands.gpu_check.peaks import peaks_for
-from loopq.commands.gpu_check.proc import run_watched
+from loopq.commands.gpu_check.proc import failure, run_watched
 from loopq.commands.gpu_check.stage import Context
 from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, StageResult
 from loopq.models.ouro import OuroConfig, OuroLM
@@ -171,13 +171,6 @@ def read_losses(root: Path) -> list[float]:
     return losses
 
 
-def fit_failure(what: str, returncode: int, stderr: str) -> str:
-    """The line of a ``loopq.fit`` that exited non-zero: its last ``error:`` line, else its last line."""
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    last = (errors or stderr.strip().splitlines() or ["no output"])[-1]
-    return f"{what} exited with status {returncode}: {last}"
-
-
 def first_loss_agrees(cuda: float, cpu: float, tolerance: float = FIRST_LOSS_TOLERANCE) -> bool:
     """Whether the first step's loss on cuda is within ``tolerance`` (relative) of the CPU's."""
     return math.isfinite(cuda) and math.isfinite(cpu) and abs(cuda / cpu - 1) <= tolerance
@@ -189,7 +182,7 @@ def calibration_result(
     """The stage's verdict: ``loopq.fit`` on cuda exited 0, logged losses that are all finite, wrote a student, and
     (when the CPU's one-step losses are given) its first loss is within :data:`FIRST_LOSS_TOLERANCE` of the CPU's."""
     if returncode != 0:
-        return StageResult("calibration", FAIL, fit_failure("loopq.fit", returncode, stderr))
+        return StageResult("calibration", FAIL, failure("loopq.fit", returncode, stderr))
     losses = read_losses(root)
     if not losses or not all(math.isfinite(v) for v in losses):
         return StageResult("calibration", FAIL, f"logged losses missing or not finite: {losses}")
@@ -237,8 +230,7 @@ def calibration(ctx: Context, compare_cpu: bool = True) -> StageResult:
         cpu_proc = cpu_run.result() if cpu_run is not None else None
     if cpu_proc is not None and cpu_proc.returncode != 0:
         print(tail(cpu_proc.stderr, 40))
-        line = fit_failure("loopq.fit on the cpu", cpu_proc.returncode, cpu_proc.stderr)
-        return StageResult("calibration", FAIL, line)
+        return StageResult("calibration", FAIL, failure("loopq.fit on the cpu", cpu_proc.returncode, cpu_proc.stderr))
     cpu_losses = read_losses(cpu_root) if cpu_proc is not None else None
     result = calibration_result(proc.returncode, root, steps, proc.stderr, cpu_losses)
     if result.status == FAIL:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loopq.commands.gpu_check.proc import pythonpath
 from loopq.commands.gpu_check.stage import read_progress, write_text
 from loopq.commands.gpu_check.table import CUT, FAIL, RUNNING, SKIPPED, StageResult, exit_status, markdown_table
 from loopq.paths import REPO_ROOT
@@ -161,10 +162,10 @@ def run_stage(
     cmd = [sys.executable, "-m", "loopq.commands.gpu_check.stage", module, name]
     cmd += ["--workdir", str(workdir), "--progress", str(progress), "--seconds", f"{limit_s:.1f}"]
     cmd += ["--full"] * full
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     print(f"[gpu_check] {name} (limit {limit_s:.0f} s) ...", flush=True)
     began = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, start_new_session=True)
     last_write = began
     try:
         while (returncode := proc.poll()) is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -34,10 +33,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from loopq.commands.gpu_check.proc import run_watched
+from loopq.commands.gpu_check.proc import failure, run_watched
 from loopq.commands.gpu_check.table import FAIL, OK, StageResult
 from loopq.files import atomic_write
-from loopq.paths import REPO_ROOT, data_dir
+from loopq.paths import data_dir
 
 PIPELINE_WINDOWS = 16
 #: relative perplexity difference allowed between cpu and cuda: both run fp32 (no TF32 in matmuls by default), so
@@ -56,17 +55,8 @@ GIB = 2**30
 def run_command(
     args: list[str], env: dict[str, str] | None = None, timeout: float = SUBPROCESS_TIMEOUT_S
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m <args>`` from the repository root with this checkout first on ``PYTHONPATH``."""
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """``python -m <args>`` as :func:`~loopq.commands.gpu_check.proc.run_watched` runs a command."""
+    return run_watched([sys.executable, "-m", *args], timeout, env)
 
 
 def no_record(summary: str | None = None, **details: Any) -> None:
@@ -78,11 +68,10 @@ def no_limit() -> float:
 
 
 def failed(stage: str, what: str, proc: subprocess.CompletedProcess[str]) -> StageResult:
-    """The stage's failure line for a command that exited non-zero: its last ``error:`` line or its last line."""
-    lines = proc.stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error:")]
-    print("\n".join(lines[-40:]))
-    return StageResult(stage, FAIL, f"{what} exited with status {proc.returncode}: {(errors or lines or ['-'])[-1]}")
+    """The stage's failure for a command that exited non-zero (:func:`~loopq.commands.gpu_check.proc.failure`; its
+    last 40 lines printed)."""
+    print("\n".join(proc.stderr.strip().splitlines()[-40:]))
+    return StageResult(stage, FAIL, failure(what, proc.returncode, proc.stderr))
 
 
 # ------------------------------------------------------------------------------------------------- pipeline

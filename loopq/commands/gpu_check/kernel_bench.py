@@ -37,7 +37,6 @@ SHAPES: tuple[tuple[int, int], ...] = ((6144, 2048), (2048, 2048), (11264, 2048)
 TOKENS: tuple[int, ...] = (1, 16, 256, 4096)
 CLIP = 0.9
 INT4_WEIGHT_BYTES = 0.5 + 2 / 32  # a packed int4 code + its share of one fp16 scale per 32 weights
-BF16_WEIGHT_BYTES = 2.0
 GEMMS = ((4, gemm_w4a4), (8, gemm_w4a8))
 #: float64 working memory the GEMM reference may hold at once, whatever M and N (:func:`reference_rows`)
 REFERENCE_BYTES = 2**30

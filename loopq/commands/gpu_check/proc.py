@@ -54,3 +54,10 @@ def _written(file: IO[str]) -> str:
     """What the child wrote to ``file`` so far, read without moving the offset it shares with the child."""
     fd = file.fileno()
     return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
+def failure(what: str, returncode: int, stderr: str) -> str:
+    """The line of a command that exited non-zero: its last ``error:`` line, else its last line."""
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    return f"{what} exited with status {returncode}: {(errors or lines or ['no output'])[-1]}"

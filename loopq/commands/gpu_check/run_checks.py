@@ -4,17 +4,15 @@
                          [--skip STAGE ...]
     python -m loopq.gpu_check [the same options but --carry]   # from a checkout, TRITON_INTERPRET unset or 0
 
-Stages, most important first (:mod:`loopq.commands.gpu_check.checks`): ``environment``, ``calibration`` (the tiny
-config on cuda, its first loss against the CPU's), ``kernel-tests`` (the Triton kernel tests, compiled, on CUDA),
-``kernel-bench`` (W4A4 / W4A8 against BF16 at Ouro-1.4B's shapes), ``e2e`` (prefill and decode), ``pipeline``
-(export, evaluation and generation on cuda against the CPU), ``paper-shape`` (allocator peaks of the paper config
-against its plan) and ``profile`` (a real-shape student step, timed and profiled). Quick by default; ``--full``
-runs more steps, layers and shapes. Each stage runs in its own process under its own time limit, inside a total
-``--budget`` (default 480 s): a stage that would not finish in what is left is skipped, one that reaches its limit is
-cut and keeps what it had measured (:mod:`loopq.commands.gpu_check.driver`). ``--out DIR`` gets ``gpu_check.json``
-and ``gpu_check.md`` after every stage. It prints one table (stage, status, seconds, key numbers) and exits 1 if a
-stage failed or was cut - a kernel mismatch, an error, a non-finite loss, a time limit - else 0; a missed speed
-goal is ``below goal`` without failing. Without a CUDA GPU it prints one line saying so and exits 0.
+Stages, most important first (described in :mod:`loopq.commands.gpu_check.checks`): ``environment``, ``calibration``,
+``kernel-tests``, ``kernel-bench``, ``e2e``, ``pipeline``, ``paper-shape`` and ``profile``. Quick by default;
+``--full`` runs more steps, layers and shapes. Each stage runs in its own process under its own time limit, inside a
+total ``--budget`` (default 480 s): a stage that would not finish in what is left is skipped, one that reaches its
+limit is cut and keeps what it had measured (:mod:`loopq.commands.gpu_check.driver`). ``--out DIR`` gets
+``gpu_check.json`` and ``gpu_check.md`` after every stage. It prints one table (stage, status, seconds, key numbers)
+and exits 1 if a stage failed or was cut - a kernel mismatch, an error, a non-finite loss, a time limit - else 0; a
+missed speed goal is ``below goal`` without failing.
+Without a CUDA GPU it prints one line saying so and exits 0.
 """
 
 from __future__ import annotations

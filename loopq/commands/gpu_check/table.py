@@ -66,10 +66,17 @@ def grid(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Collectio
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+#: the columns of the stage table
+COLUMNS = ("stage", "status", "seconds", "key numbers")
+
+
+def stage_rows(results: Sequence[StageResult]) -> list[list[str]]:
+    return [[r.stage, r.status, f"{r.seconds:.1f}", r.summary] for r in results]
+
+
 def format_table(results: Sequence[StageResult]) -> str:
     """The check's one table (stage, status, seconds, key numbers) and its verdict line."""
-    rows = [[r.stage, r.status, f"{r.seconds:.1f}", r.summary] for r in results]
-    return grid(("stage", "status", "seconds", "key numbers"), rows, right={2}) + "\n" + verdict(results)
+    return grid(COLUMNS, stage_rows(results), right={2}) + "\n" + verdict(results)
 
 
 def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -83,5 +90,4 @@ def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def markdown_table(results: Sequence[StageResult]) -> str:
     """The stage table in Markdown, and the verdict line."""
-    rows = [[r.stage, r.status, f"{r.seconds:.1f}", r.summary] for r in results]
-    return markdown(("stage", "status", "seconds", "key numbers"), rows) + "\n\n" + verdict(results)
+    return markdown(COLUMNS, stage_rows(results)) + "\n\n" + verdict(results)

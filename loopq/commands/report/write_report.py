@@ -24,11 +24,8 @@ WikiText-2 perplexity, the evaluation subset sizes, notes on anything skipped, l
 * ``mu_<run>.png``: the adaptive mu_t over training;
 * ``loopq_report.json``: the sealed manifest of the files above, which lets the next report replace them.
 
-Grouping: a result's *model* is its ``variant`` field if present, else the teacher of the student or export
-directory named in ``model`` (read from its ``loopq_quant.json`` / ``loopq_export.json`` when that path exists
-here), else the last component of ``model``. A student's bit width is taken from its recorded quant config when
-available (``loopq.evaluate`` only records ``--bits`` as given). Table 1 uses, per model, the loop count that most
-(method, bits) pairs were evaluated at (``--loops`` overrides it).
+Grouping (which model a result belongs to, its bit width): :mod:`~loopq.commands.report.inputs`; Table 1's loop
+count: :mod:`~loopq.commands.report.tables` (``--loops`` overrides it).
 """
 
 from __future__ import annotations
