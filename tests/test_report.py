@@ -14,7 +14,9 @@ import pytest
 
 from loopq.commands.report.figures import slt_matrix
 from loopq.commands.report.inputs import ReportInputError, load_result, load_run, read_loop_errors
+from loopq.commands.report.output import report_files
 from loopq.commands.report.write_report import main
+from loopq.errors import GuardError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -256,3 +258,10 @@ def test_validation_curves_table_and_figure(results, run_dir, tmp_path):
         "| `tiny` | extra | 9-29 | 0.5000 -> 0.3000 | 29 | 35.00 -> 35.00 (33.00) |",
     ]
     assert_png(out / "validation_tiny.png")
+    # every file written is one the report's guard knows: a foreign file of that name elsewhere is not overwritten
+    assert {p.name for p in out.iterdir()} <= set(report_files(["tiny"]))
+    foreign = tmp_path / "theirs"
+    write(foreign / "validation_tiny.png", "a user's own figure")
+    with pytest.raises(GuardError, match=r"validation_tiny\.png"):
+        main(["--results", *map(str, results), "--runs", str(run_dir), "--out", str(foreign)])
+    assert (foreign / "validation_tiny.png").read_text() == "a user's own figure"

@@ -29,11 +29,13 @@ LOOP_SWEEP_FIGURE = "fig5_ppl_vs_loops.png"
 
 
 def run_figures(name: str) -> dict[str, str]:
-    """The file names of one run's figures, by figure: loop errors (Fig. 2), SLT selection (Fig. 3) and mu_t."""
+    """The file names of one run's figures, by figure: loop errors (Fig. 2), SLT selection (Fig. 3), mu_t and the
+    held-out validation curves."""
     return {
         "errors": f"fig2_loop_errors_{slug(name)}.png",
         "slt": f"fig3_slt_selection_{slug(name)}.png",
         "mu": f"mu_{slug(name)}.png",
+        "validation": f"validation_{slug(name)}.png",
     }
 
 
@@ -149,7 +151,7 @@ def plot_validation(run: Run, out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle(f"{run.name}: held-out validation", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / f"validation_{slug(run.name)}.png")
+    return save(fig, out / run_figures(run.name)["validation"])
 
 
 def series_points(
