@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from loopq.commands.evaluate import FP, ModelMethod, build, parse_model_method, static_config, static_method
-from loopq.paths import ASSETS
+from loopq.paths import ASSETS, data_dir
 from loopq.quant import quant_groups
 from loopq.quant.config import Bits
 
@@ -59,3 +59,31 @@ def test_quarot_is_built_from_the_teacher_and_calibration_text():
 def test_trained_methods_need_a_student(label):
     with pytest.raises(ValueError, match=f"--method {label} is calibrated by python -m loopq.fit"):
         parse_model_method(label, "w4a4")
+
+
+def test_lambada_perplexity_is_the_running_text_of_the_test_passages_under_the_same_windows(tmp_path):
+    """``--lambada_ppl``: the perplexity of the first N 64-token windows of the LAMBADA test passages joined by blank
+    lines, computed here from the jsonl and the teacher's logits directly (a second corpus beside WikiText-2)."""
+    import json
+    import math
+
+    import torch.nn.functional as F
+    from tokenizers import Tokenizer
+
+    from loopq.commands.evaluate import evaluate
+    from loopq.models import load_looplm
+
+    result = evaluate(
+        model=TEACHER, tasks=[], ppl_seq_len=64, ppl_windows=3, lambada_ppl=True, out=str(tmp_path / "r.json")
+    )
+    lines = (data_dir() / "lambada" / "lambada_test.jsonl").read_text().splitlines()
+    text = "\n\n".join(json.loads(line)["text"] for line in lines if line.strip())
+    ids = Tokenizer.from_file(str(ASSETS / "tiny-ouro" / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    windows = torch.tensor(ids[: 3 * 64]).view(3, 64)
+    with torch.no_grad():
+        logits = load_looplm(TEACHER)(windows).logits
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), windows[:, 1:].flatten())
+    assert result["lambada_windows"] == 3
+    assert result["lambada_ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    assert json.loads((tmp_path / "r.json").read_text())["lambada_ppl"] == result["lambada_ppl"]
+    assert result["lambada_ppl"] != pytest.approx(result["wikitext2_ppl"], rel=1e-3)  # another text

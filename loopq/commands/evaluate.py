@@ -40,7 +40,7 @@ from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError
 from loopq.files import atomic_write
 from loopq.locks import file_lock
-from loopq.metrics.perplexity import perplexity, wikitext2_stream
+from loopq.metrics.perplexity import PerplexityResult, lambada_stream, perplexity, wikitext2_stream
 from loopq.models import LoopLM
 from loopq.models.loading import resolve_model_dir
 from loopq.planning.guards import check_output_file, check_positions
@@ -158,6 +158,7 @@ def evaluate(
     num_loops: int | None = None,
     ppl_seq_len: int = 256,
     ppl_windows: PositiveInt | None = None,
+    lambada_ppl: bool = False,
     batch_size: int = 8,
     out: str | None = None,
     variant: str | None = None,
@@ -181,6 +182,8 @@ def evaluate(
         num_loops: loops to evaluate at (default: the model's)
         ppl_seq_len: WikiText-2 window length (tokens)
         ppl_windows: the first N WikiText-2 windows only (default: all)
+        lambada_ppl: also the perplexity of the LAMBADA test passages as running text, same windows (a second
+            corpus no calibration reads; ``lambada_ppl`` in the JSON)
         batch_size: evaluation batch size
         out: the results JSON to write
         variant: the model name the report groups by (default: the tokenizer directory's name)
@@ -200,10 +203,7 @@ def evaluate(
             model, student, exported, choice, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
         )
         tokenizer = load_tokenizer(tok_dir)
-        stream = torch.tensor(wikitext2_stream(tokenizer), device="cpu")  # host tokens; windows move per batch
-        if ppl_windows is not None:
-            stream = stream[: ppl_windows * ppl_seq_len]
-        ppl = perplexity(net, stream, ppl_seq_len, batch_size, num_loops, per_loop=True)
+        ppl = first_windows(net, wikitext2_stream(tokenizer), ppl_seq_len, ppl_windows, batch_size, num_loops)
         result: dict[str, Any] = {
             "method": method,
             "bits": bits,
@@ -216,6 +216,9 @@ def evaluate(
             "device": device_label(where),
             "provenance": provenance_of(model, student, exported),
         }
+        if lambada_ppl:
+            lambada = first_windows(net, lambada_stream(tokenizer), ppl_seq_len, ppl_windows, batch_size, num_loops)
+            result["lambada_ppl"], result["lambada_windows"] = lambada.ppl, lambada.num_windows
         if choice.baseline not in (None, "rtn"):
             result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
         if task_list:
@@ -224,6 +227,15 @@ def evaluate(
         if out:
             atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     return result
+
+
+def first_windows(
+    net: LoopLM, ids: list[int], seq_len: int, windows: int | None, batch_size: int, num_loops: int | None
+) -> PerplexityResult:
+    """Perplexity (and each loop's) of the first ``windows`` ``seq_len``-token windows of ``ids`` (all if None)."""
+    stream = torch.tensor(ids, device="cpu")  # host tokens; windows move per batch
+    stream = stream if windows is None else stream[: windows * seq_len]
+    return perplexity(net, stream, seq_len, batch_size, num_loops, per_loop=True)
 
 
 def device_label(device: torch.device) -> str:

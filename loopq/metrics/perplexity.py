@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from loopq.data.text import wikitext2_test
+from loopq.data.text import lambada_test, wikitext2_test
 from loopq.models.base import LoopLM, LoopLMError
 from loopq.models.finite import nonfinite_error
 
@@ -123,6 +123,12 @@ def wikitext2_ptq_text(raw: str | None = None) -> str:
     raw = wikitext2_test() if raw is None else raw
     rows = [line if line.strip() else "" for line in raw.splitlines(keepends=True)]
     return "\n\n".join(rows)
+
+
+def lambada_stream(tokenizer: Tokenizer) -> list[int]:
+    """The LAMBADA test passages as one running text (``"\\n\\n"``-joined, no special tokens): a second corpus no
+    calibration reads (novels, where WikiText-2 is encyclopedic), for perplexity under the same windows."""
+    return tokenizer.encode("\n\n".join(lambada_test()), add_special_tokens=False).ids
 
 
 def wikitext2_stream(tokenizer: Tokenizer) -> list[int]:
