@@ -79,6 +79,17 @@ CHUNK_GROUPS = TILE_LANES * SCALE_RUN
 OFFSET_BYTE = 0x88
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``) in plain integer arithmetic: ``triton.next_power_of_2`` is a
+    ``ConstexprFunction`` in Triton 3.9, whose host-side call costs microseconds, at every launch."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, the host-side ``triton.cdiv`` (see :func:`next_pow2`)."""
+    return -(-a // b)
+
+
 def tiled_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of :func:`tile_weight`'s codes ``[N/8, G/8, 8, 8, 16]`` (uint8) and scales ``[N/8, G/64, 8, 8, 8]``
     (fp16), N rounded up to 8 rows, the groups G = K/32 to 8 (codes) and 64 (scales) with zero padding."""

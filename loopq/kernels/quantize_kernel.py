@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopq.kernels.packing import GROUP_SIZE
+from loopq.kernels.packing import GROUP_SIZE, cdiv, next_pow2
 
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 
@@ -311,13 +311,14 @@ def _outputs(x: Tensor, bits: int, decode: bool = False) -> tuple[Tensor, Tensor
     return codes, torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
 
 
-def _clip32(clip: float) -> float:
-    return struct.unpack("f", struct.pack("f", clip))[0]  # the fp32 value, as a Python float
+def fp32_value(clip: float) -> float:
+    """The fp32 value of ``clip``, as a Python float (what the kernel's fp32 ``clip`` argument holds)."""
+    return struct.unpack("f", struct.pack("f", clip))[0]
 
 
 def dot_padding(n: int) -> int:
     """A Kronecker factor's size on the ``tl.dot`` path: the next power of two, at least 16 (the dot's minimum)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_pow2(n))
 
 
 class FastConfig(NamedTuple):
@@ -337,50 +338,79 @@ def fast_config(n1: int, n2: int) -> FastConfig:
     ``tests/kernels/gpu_compile.py``) this holds Ouro's widths without spills: 122 / 170 registers at K = 5632 and
     72 / 78 at K = 2048 on sm_90 / sm_80; the unchunked dots spilled 50 KB per thread at K = 5632."""
     n1p, n2p = dot_padding(n1), dot_padding(n2)
-    kp = n1p * n2p if n2p == n2 else triton.next_power_of_2(n1 * n2)
+    kp = n1p * n2p if n2p == n2 else next_pow2(n1 * n2)
     return FastConfig(n1p, n2p, kp, min(32, n1p), min(32, n2p), 8 if n1p * n2p >= 8192 else 4)
+
+
+class QuantizeLaunch(NamedTuple):
+    """Everything of one quantizer launch but its tensors and clip: which kernel, the grid, the constexprs, and
+    whether it needs the fp32 ``[M, K]`` scratch row of a transform whose ``n2`` is not a power of two. A function
+    of the shapes only (:func:`quantize_launch`), so a caller that repeats a call can keep it."""
+
+    fast: bool  # _quantize_dot_kernel, else _quantize_kernel
+    grid: tuple[int]
+    m: int
+    needs_scratch: bool
+    constexprs: dict[str, int | float | bool]  # with num_warps and enable_fp_fusion
+
+    def run(
+        self,
+        x: Tensor,
+        inv_d: Tensor | None,
+        left: Tensor | None,
+        right: Tensor | None,
+        scratch: Tensor | None,
+        codes: Tensor,
+        scales: Tensor,
+        clip32: float,
+    ) -> None:
+        """Launch on contiguous ``x`` (``M * K`` elements), fp32 contiguous factors (None without a transform),
+        ``clip32`` already an fp32 value (:func:`fp32_value`); an absent tensor's pointer is ``x``'s (unread)."""
+        kernel = _quantize_dot_kernel if self.fast else _quantize_kernel
+        kernel[self.grid](
+            x, x if inv_d is None else inv_d, x if left is None else left, x if right is None else right,
+            x if scratch is None else scratch, codes, scales, self.m, clip32, **self.constexprs,
+        )  # fmt: skip
+
+
+def quantize_launch(
+    m: int, k: int, factors: tuple[int, int] | None, bits: int, has_d: bool, decode: bool, fast: bool, cuda: bool
+) -> QuantizeLaunch:
+    """The launch of the exact kernel (``fast=False``, or no transform) or the ``tl.dot`` one for ``m >= 1`` tokens
+    of ``k`` channels, Kronecker factor sizes ``factors`` (None: no transform)."""
+    if fast and factors is not None:
+        grid, num_warps, scratch, shape = _fast_shape(m, *factors)
+    else:
+        grid, num_warps, scratch, shape = _exact_shape(m, k, factors, cuda)
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    constexprs = dict(K=k, BITS=bits, HAS_D=has_d, QMIN=float(qmin), QMAX=float(qmax), DECODE=decode, **shape)
+    constexprs |= dict(num_warps=num_warps, enable_fp_fusion=False)  # the quantization steps round like the reference
+    return QuantizeLaunch(fast and factors is not None, grid, m, scratch, constexprs)
+
+
+def _exact_shape(m: int, k: int, factors: tuple[int, int] | None, cuda: bool) -> tuple[tuple[int], int, bool, dict]:
+    """(grid, warps, scratch needed, constexprs) of :func:`_quantize_kernel`: ``BLOCK_M`` tokens per program, as
+    many as :func:`_tile_budget` allows."""
+    n1, n2 = factors or (1, 1)
+    kp, n1p, n2p = next_pow2(k), next_pow2(n1), next_pow2(n2)
+    tile = n1p * n2p if factors else kp
+    block_m = max(1, min(next_pow2(m), _tile_budget(cuda) // tile))
+    shape = dict(KP=kp, N1=n1, N2=n2, N1P=n1p, N2P=n2p, HAS_TRANSFORM=factors is not None, BLOCK_M=block_m)
+    return (cdiv(m, block_m),), 8 if tile * block_m >= 4096 else 4, factors is not None and n2p != n2, shape
+
+
+def _fast_shape(m: int, n1: int, n2: int) -> tuple[tuple[int], int, bool, dict]:
+    """(grid, warps, scratch needed, constexprs) of :func:`_quantize_dot_kernel`: one token per program."""
+    cfg = fast_config(n1, n2)
+    shape = dict(KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj)
+    return (m,), cfg.num_warps, cfg.n2p != n2, shape
 
 
 def _quantize_fast(
     x: Tensor, left: Tensor, right: Tensor, clip: float, bits: int, inv_d: Tensor | None = None, decode: bool = False
 ) -> tuple[Tensor, Tensor]:
-    m, k = x.shape
-    codes, scales = _outputs(x, bits, decode)
-    if m == 0:
-        return codes, scales
-    x = x.contiguous()
-    n1, n2 = left.shape[0], right.shape[0]
-    cfg = fast_config(n1, n2)
-    scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if cfg.n2p != n2 else x
-    left, right = left.float().contiguous(), right.float().contiguous()
-    _launch(_quantize_dot_kernel, (m,), x, inv_d, left, right, scratch, codes, scales, clip, bits, cfg.num_warps,
-            DECODE=decode, KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj)  # fmt: skip
-    return codes, scales
-
-
-def _launch(
-    kernel: triton.runtime.JITFunction,
-    grid: tuple[int],
-    x: Tensor,
-    inv_d: Tensor | None,
-    left: Tensor,
-    right: Tensor,
-    scratch: Tensor,
-    codes: Tensor,
-    scales: Tensor,
-    clip: float,
-    bits: int,
-    num_warps: int,
-    **shape: int | bool,
-) -> None:
-    """Launch either quantizer with the arguments they share; ``shape`` holds each kernel's own constexprs."""
-    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    kernel[grid](
-        x, x if inv_d is None else inv_d, left, right, scratch, codes, scales, x.shape[0], _clip32(clip),
-        K=x.shape[1], BITS=bits, HAS_D=inv_d is not None, QMIN=float(qmin), QMAX=float(qmax), **shape,
-        num_warps=num_warps,
-        enable_fp_fusion=False,  # the quantization steps round like the reference
-    )  # fmt: skip
+    """Launch :func:`_quantize_dot_kernel` (the fast path)."""
+    return _quantize(x, left, right, clip, bits, inv_d, decode, fast=True)
 
 
 def transform_error_bound(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
@@ -416,26 +446,31 @@ def _quantize_exact(
     decode: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Launch :func:`_quantize_kernel` (the exact path)."""
-    m, k = x.shape
+    return _quantize(x, left, right, clip, bits, inv_d, decode, fast=False)
+
+
+def _quantize(
+    x: Tensor,
+    left: Tensor | None,
+    right: Tensor | None,
+    clip: float,
+    bits: int,
+    inv_d: Tensor | None,
+    decode: bool,
+    fast: bool,
+) -> tuple[Tensor, Tensor]:
     codes, scales = _outputs(x, bits, decode)
-    if m == 0:
+    if x.shape[0] == 0:
         return codes, scales
+    factors = (left.shape[0], right.shape[0]) if left is not None and right is not None else None
+    launch = quantize_launch(*x.shape, factors, bits, inv_d is not None, decode, fast, x.is_cuda)
     x = x.contiguous()
-    has_transform = left is not None and right is not None
-    n1, n2 = (left.shape[0], right.shape[0]) if has_transform else (1, 1)
-    left = left.float().contiguous() if has_transform else x
-    right = right.float().contiguous() if has_transform else x
-    kp, n1p, n2p = (triton.next_power_of_2(n) for n in (k, n1, n2))
-    scratch = torch.empty(m, k, dtype=torch.float32, device=x.device) if has_transform and n2p != n2 else x
-    tile = n1p * n2p if has_transform else kp
-    block_m = max(1, min(triton.next_power_of_2(m), _tile_budget(x) // tile))
-    _launch(_quantize_kernel, (triton.cdiv(m, block_m),), x, inv_d, left, right, scratch, codes, scales, clip, bits,
-            8 if tile * block_m >= 4096 else 4,
-            DECODE=decode, KP=kp, N1=n1, N2=n2, N1P=n1p, N2P=n2p, HAS_TRANSFORM=has_transform,
-            BLOCK_M=block_m)  # fmt: skip
+    scratch = torch.empty(x.shape, dtype=torch.float32, device=x.device) if launch.needs_scratch else None
+    left, right = (left.float().contiguous(), right.float().contiguous()) if factors else (None, None)
+    launch.run(x, inv_d, left, right, scratch, codes, scales, fp32_value(clip))
     return codes, scales
 
 
-def _tile_budget(x: Tensor) -> int:
+def _tile_budget(cuda: bool) -> int:
     """fp32 elements per program: small on GPU (registers), larger in the CPU interpreter (numpy vectorisation)."""
-    return 4096 if x.is_cuda else 8192
+    return 4096 if cuda else 8192
