@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, quantize_weight
+from loopq.kernels.decode_plan import DecodePlan, plan_decode
 from loopq.kernels.ops import quantized_linear
 from loopq.kernels.packing import tile_weight, tiled_shapes
 from loopq.qspec import KERNEL_ACT_BITS, KERNEL_WEIGHT_BITS
@@ -145,6 +146,7 @@ class PackedLinearGroup(nn.Module):
         super().__init__()
         self.spec = spec
         self.backend: str | None = None
+        self._decode_plans: dict[tuple, tuple[tuple, DecodePlan]] = {}
         self._n, self._splits = sum(spec.splits), list(spec.splits)
         k, n, sw, st = spec.in_features, sum(spec.splits), spec.weight_slots, spec.transform_slots
         n1, n2 = kron_factors(k)
@@ -181,23 +183,40 @@ class PackedLinearGroup(nn.Module):
         return loop_slot(t if self.spec.looped else None, self.spec.slots)
 
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
-        slot = self.slot(t)
+        """Quantizer (cast and 1/d folded in) + GEMM (bias, output dtype): two launches on CUDA at decode. A call of
+        1..16 tokens repeats the plan (:mod:`loopq.kernels.decode_plan`) that the first checked call of its
+        (loop, shape, dtype, device, backend) built, while the buffers are the same (address and version)."""
+        key = (t, x.shape, x.dtype, x.device, self.backend)
+        entry = self._decode_plans.get(key)
+        if entry is not None and entry[0] == self._buffer_stamp():
+            return self._split(entry[1](x))
+        args = self._linear_args(x.reshape(-1, self.spec.in_features), self.slot(t))
+        y = quantized_linear(*args)
+        plan = plan_decode(*args, out_shape=(*x.shape[:-1], self._n))
+        if plan is not None:
+            self._decode_plans[key] = (self._buffer_stamp(), plan)
+        return self._split(y.reshape(*x.shape[:-1], self._n))
+
+    def _linear_args(self, x: Tensor, slot: int) -> tuple:
+        """:func:`quantized_linear`'s arguments for ``x [M, K]`` in loop slot ``slot``."""
         spec = self.spec
-        y = quantized_linear(
-            x.reshape(-1, spec.in_features),
-            self.weight[loop_slot(slot, spec.weight_slots)],
-            self.weight_scale[loop_slot(slot, spec.weight_slots)],
-            self._n,
-            None if self.left is None else self.left[loop_slot(slot, spec.transform_slots)],
-            None if self.right is None else self.right[loop_slot(slot, spec.transform_slots)],
-            None if self.inv_d is None else self.inv_d[loop_slot(slot, spec.transform_slots)],
-            self.host_clip(slot),
-            spec.a_bits,
-            self.bias,
-            x.dtype,
-            self.backend,
-        )  # quantizer (cast and 1/d folded in) + GEMM (bias, output dtype): two launches on CUDA at decode
-        return y.reshape(*x.shape[:-1], self._n).split(self._splits, dim=-1)
+        ws = loop_slot(slot, spec.weight_slots)
+        ts = loop_slot(slot, spec.transform_slots) if spec.transform_slots else 0
+        left, right, inv_d = (None if b is None else b[ts] for b in (self.left, self.right, self.inv_d))
+        clip = self.host_clip(slot)
+        return (x, self.weight[ws], self.weight_scale[ws], self._n, left, right, inv_d, clip, spec.a_bits, self.bias,
+                x.dtype, self.backend)  # fmt: skip
+
+    def _split(self, y: Tensor) -> tuple[Tensor, ...]:
+        """The group's outputs ``[..., N]`` -> one per linear."""
+        return (y,) if len(self._splits) == 1 else y.split_with_sizes(self._splits, dim=-1)
+
+    def _buffer_stamp(self) -> tuple[tuple[int, int] | None, ...]:
+        """Address and version of every buffer: a plan built on other values is stale (a move, an assignment or an
+        in-place write, e.g. ``load_state_dict``; inference tensors have no version and count as 0)."""
+        return tuple(
+            None if b is None else (b.data_ptr(), 0 if b.is_inference() else b._version) for b in self._buffers.values()
+        )
 
     def host_clip(self, slot: int) -> float:
         """``act_clip`` of ``slot`` as a float, read once per buffer version: a ``float()`` per call would sync the
@@ -212,6 +231,7 @@ class PackedLinearGroup(nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PackedLinearGroup:
         """Follow device moves but never dtype casts: ``model.to(torch.bfloat16)`` / ``.half()`` would round the
         fp16 scales and the fp32 transforms and clips, which the kernels read as they were exported."""
+        self._decode_plans = {}
         for name, t in self._buffers.items():
             if t is not None:
                 self._buffers[name] = t.to(fn(torch.empty(0, dtype=t.dtype, device=t.device)).device)

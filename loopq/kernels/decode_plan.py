@@ -1,0 +1,129 @@
+"""A prepared decode call: the host side of :func:`loopq.kernels.ops.quantized_linear`'s Triton path for 1..16
+tokens, decided once per (weight slot, input shape, dtype, device) instead of at every call.
+
+A decode step calls each quantized linear with the same shapes at every token, and the work of a checked call (shape
+and device checks, the transform factors' fp32 copies, the clip's fp32 value, the backend, both kernels' grids and
+constexprs) gives the same answer every time: ~125 us of Python per linear with the kernels stubbed
+(``bench/decode_overhead.py``), against a few microseconds of launch. :func:`plan_decode` computes it all after a
+checked call; :meth:`DecodePlan.__call__` then allocates the quantizer's codes and scales and the output (returned
+to the caller, so fresh at every call: a CUDA graph capture gets its own) and issues the same two launches as the
+checked call: the quantizer (:class:`~loopq.kernels.quantize_kernel.QuantizeLaunch`) and the decode GEMM
+(:func:`~loopq.kernels.decode_kernel._decode_kernel`, launched as :func:`~loopq.kernels.decode_kernel.gemm_tiled`
+launches it; ``tests/kernels/test_decode_plan.py`` checks that both paths launch the same kernels with the same
+arguments and give the same bits).
+
+A plan holds views of the tensors it was built from (weight slot, factors, diagonal, bias) and the clip as a float,
+so its caller must rebuild it when those change: :class:`~loopq.quant.packed.PackedLinearGroup` keys its plans on
+its buffers' addresses and version counters, as ``host_clip`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from triton.runtime import JITFunction
+
+from loopq.kernels import decode_kernel, ops, quantize_kernel
+from loopq.kernels.packing import GROUP_SIZE, cdiv
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class DecodePlan:
+    """The two launches of one quantized linear for a fixed input shape (see the module docstring)."""
+
+    quantize: quantize_kernel.QuantizeLaunch
+    inv_d: Tensor | None
+    left: Tensor | None  # fp32, contiguous; None without a transform
+    right: Tensor | None
+    clip: float  # fp32 value
+    scratch: Scratch
+    gemm_grid: tuple[int]
+    w_codes: Tensor  # the weight slot viewed as int32 words
+    w_scales: Tensor
+    bias: Tensor | None
+    sizes: tuple[int, int, int]  # M, N, groups
+    gemm_constexprs: dict[str, int | bool]
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    device: torch.device
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """``y [*x.shape[:-1], N]`` for ``x`` of the planned shape, dtype and device (not checked here)."""
+        x = x if x.is_contiguous() else x.contiguous()
+        s = self.scratch
+        self.quantize.run(x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip)
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        decode_kernel._decode_kernel[self.gemm_grid](
+            s.words, s.scales, self.w_codes, self.w_scales, out if self.bias is None else self.bias, out,
+            *self.sizes, **self.gemm_constexprs,
+        )  # fmt: skip
+        return out
+
+
+class Scratch(NamedTuple):
+    """The quantizer's outputs, consumed by the GEMM of the same call: int8 codes ``[M, K]`` (and as int32 words),
+    fp32 scales ``[M, K / 32]``, and the transform's fp32 row buffer where it needs one."""
+
+    codes: Tensor
+    words: Tensor
+    scales: Tensor
+    transform: Tensor | None
+
+
+@functools.cache
+def scratch(m: int, k: int, transform: bool, device: torch.device) -> Scratch:
+    """One :class:`Scratch` per shape and device, shared by every plan: a call's quantizer writes it and its GEMM
+    reads it, in stream order, so calls on one stream (eager decode, a CUDA graph's replay) never overlap on it.
+    Plans on two streams at once would race; the output, returned to the caller, is allocated per call."""
+    codes = torch.empty(m, k, dtype=torch.int8, device=device)
+    scales = torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=device)
+    rows = torch.empty(m, k, dtype=torch.float32, device=device) if transform else None
+    return Scratch(codes, codes.view(torch.int32), scales, rows)
+
+
+def plan_decode(
+    x: Tensor,
+    w_codes: Tensor,
+    w_scales: Tensor,
+    n: int,
+    left: Tensor | None,
+    right: Tensor | None,
+    inv_d: Tensor | None,
+    clip: float,
+    a_bits: int,
+    bias: Tensor | None,
+    out_dtype: torch.dtype | None,
+    backend: str | None,
+    out_shape: tuple[int, ...],
+) -> DecodePlan | None:
+    """The plan of ``quantized_linear`` with these arguments (which that call has checked), for inputs of ``x``'s
+    shape, dtype and device given as ``out_shape[:-1] + (K,)``; None where that call is not the Triton decode path
+    (torch backend, no tokens or more than :data:`~loopq.kernels.decode_kernel.MAX_M`)."""
+    m, k = x.shape
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not 0 < m <= decode_kernel.MAX_M or n == 0:
+        return None
+    if ops._resolve_backend(backend, x, "group_size", GROUP_SIZE, out_dtype) != "triton":
+        return None
+    left, right = ops._transform_factors(left, right, k, x.device)
+    fast = left is not None and quantize_kernel.uses_fast_path(None, x.device)
+    factors = None if left is None else (left.shape[0], right.shape[0])
+    launch = quantize_kernel.quantize_launch(m, k, factors, a_bits, inv_d is not None, True, fast, x.is_cuda)
+    fp32 = (None, None) if left is None else (left.float().contiguous(), right.float().contiguous())
+    spec = decode_kernel.specialization(m)
+    return DecodePlan(
+        launch, inv_d, *fp32, quantize_kernel.fp32_value(clip), scratch(m, k, launch.needs_scratch, x.device),
+        (w_codes.shape[0] * cdiv(m, spec["BLOCK_M"]),), w_codes.view(torch.int32), w_scales, bias,
+        (m, n, k // GROUP_SIZE), _gemm_constexprs(spec, bias is not None, x.is_cuda), out_shape, out_dtype, x.device,
+    )  # fmt: skip
+
+
+def _gemm_constexprs(spec: dict[str, int | bool], has_bias: bool, cuda: bool) -> dict[str, int | bool]:
+    """The constexprs and options :func:`~loopq.kernels.decode_kernel.gemm_tiled` launches with."""
+    asm = cuda and isinstance(decode_kernel._decode_kernel, JITFunction)
+    constexprs = dict(HAS_BIAS=has_bias, **spec, ASM=asm)
+    return constexprs | dict(num_warps=decode_kernel.NUM_WARPS, enable_fp_fusion=False)
