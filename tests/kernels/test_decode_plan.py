@@ -1,0 +1,163 @@
+"""The decode plan of a packed group (:mod:`loopq.kernels.decode_plan`): repeated decode calls skip the checked
+call, launch what it launches, give its bits, and follow every change of the group's buffers.
+
+The group has what the hot path reads: a transform whose ``n2`` is not a power of two (K = 96 = 8 x 12: the
+quantizer's scratch row), loop-dependent weights and transforms (2 slots), per-loop clips, the diagonal, a bias and
+three outputs.
+"""
+
+import pytest
+import torch
+
+from loopq.kernels import decode_kernel, ops
+from loopq.kernels import quantize_kernel as qk
+from loopq.quant import packed
+from loopq.quant.packed import PackedGroupSpec, PackedLinearGroup
+from tests.kernels.cases import ON_CUDA
+
+K, SPLITS = 96, (24, 8, 8)
+
+
+def make_group(device: torch.device, seed: int = 0) -> PackedLinearGroup:
+    spec = PackedGroupSpec(("a", "b", "c"), SPLITS, K, 4, True, 4, 2, 2, 4, True, True)
+    group = PackedLinearGroup(spec, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        group.weight.copy_(torch.randint(0, 256, group.weight.shape, generator=gen, dtype=torch.uint8))
+        group.weight_scale.copy_(0.001 + 0.01 * torch.rand(group.weight_scale.shape, generator=gen))
+        group.act_clip.copy_(0.5 + 0.5 * torch.rand(group.act_clip.shape, generator=gen))
+        for t in (group.left, group.right, group.bias):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        group.inv_d.copy_(0.5 + torch.rand(group.inv_d.shape, generator=gen))
+    group.backend = "triton"
+    return group
+
+
+def count_checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token counts of the group's checked calls (``quantized_linear``)."""
+    calls = []
+
+    def checked(x, *args):
+        calls.append(x.shape[0])
+        return ops.quantized_linear(x, *args)
+
+    monkeypatch.setattr(packed, "quantized_linear", checked)
+    return calls
+
+
+def tokens(m: int, device: torch.device, seed: int = 1) -> torch.Tensor:
+    return (2 * torch.randn(m, 1, K, generator=torch.Generator().manual_seed(seed))).half().to(device)
+
+
+def assert_same(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_repeated_decode_calls_take_the_plan_and_give_the_checked_bits(m, device, monkeypatch):
+    group, x = make_group(device), tokens(m, device)
+    checked = count_checked(monkeypatch)
+    loops = (0, 1, 3, 5)  # 5: past the calibrated slots
+    with torch.inference_mode():
+        first = [group(x, t) for t in loops]
+        again = [group(x, t) for t in loops]
+    assert checked == [m] * len(loops)  # the second round made no checked call
+    for got, want in zip(again, first, strict=True):
+        assert_same(got, want)
+    assert not torch.equal(again[0][0], again[1][0])  # the loops read other slots
+
+
+def _edits():
+    """In-place writes (version), a buffer assignment and a storage swap (address), as load_state_dict, a manual
+    edit or ``.to()`` would make them."""
+
+    def assign_bias(g):
+        g.bias = g.bias + 1
+
+    def swap_scales(g):
+        g.weight_scale.data = 2 * g.weight_scale
+
+    def load(g):
+        g.load_state_dict(make_group(g.act_clip.device, seed=5).state_dict())
+
+    return {
+        "act_clip": lambda g: g.act_clip.mul_(0.5),
+        "left": lambda g: g.left.mul_(2.0),
+        "inv_d": lambda g: g.inv_d[1].mul_(3.0),
+        "weight": lambda g: g.weight.bitwise_xor_(0x11),
+        "bias": assign_bias,
+        "weight_scale": swap_scales,
+        "load_state_dict": load,
+    }
+
+
+@pytest.mark.parametrize("edit", list(_edits()))
+def test_a_plan_follows_every_change_of_the_buffers(edit, device):
+    group, x = make_group(device), tokens(2, device)
+    before = group(x, 1)
+    assert_same(group(x, 1), before)  # planned
+    with torch.no_grad():
+        _edits()[edit](group)
+    reference = PackedLinearGroup(group.spec, device=device)  # a fresh group: the checked call on the new values
+    reference.load_state_dict(group.state_dict())
+    reference.backend = "triton"
+    want = reference(x, 1)
+    assert not all(torch.equal(a, b) for a, b in zip(want, before, strict=True))
+    assert_same(group(x, 1), want)
+
+
+class _Recorder:
+    """Kernel stubs recording each launch: kernel, grid, arguments (tensors as dtype and size), constexprs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.launches = []
+        for module, name in ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel")):
+            monkeypatch.setattr(module, name, self.kernel(name))
+
+    def kernel(self, name: str):
+        launches = self.launches
+
+        class Stub:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    described = [(a.dtype, a.numel()) if isinstance(a, torch.Tensor) else a for a in args]
+                    launches.append((name, grid, described, kwargs))
+
+                return launch
+
+        return Stub()
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "dot"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16])
+def test_the_plan_launches_what_the_checked_call_launches(m, fast, monkeypatch):
+    """Stubbed kernels on CPU: the same two launches, grids, scalars and constexprs (both quantizer kernels)."""
+    recorder = _Recorder(monkeypatch)
+    monkeypatch.setattr(ops, "triton_interpreted", lambda: True)
+    monkeypatch.setattr(qk, "uses_fast_path", lambda exact, device: exact is not True and fast)
+    group, x = make_group(torch.device("cpu")), tokens(m, torch.device("cpu"))
+    group(x, 2)
+    checked = list(recorder.launches)
+    group(x, 2)
+    assert len(checked) == 2 and recorder.launches[2:] == checked
+    assert checked[0][0] == ("_quantize_dot_kernel" if fast else "_quantize_kernel")
+
+
+def test_no_plan_for_prefill_or_the_torch_backend(device, monkeypatch):
+    group = make_group(device)
+    checked = count_checked(monkeypatch)
+    for _ in range(2):
+        group(tokens(17, device), 0)
+    group.backend = "torch"
+    for _ in range(2):
+        group(tokens(1, device), 0)
+    assert checked == [17, 17, 1, 1] and group._decode_plans == {}
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the interpreter's bfloat16 refusal")
+def test_a_new_input_dtype_is_checked_again(device):
+    group = make_group(device)
+    group(tokens(1, device), 0)
+    with pytest.raises(ValueError, match=r"^bfloat16 is not supported by Triton's CPU interpreter"):
+        group(tokens(1, device).bfloat16(), 0)
