@@ -12,9 +12,10 @@ checked call: the quantizer (:class:`~loopq.kernels.quantize_kernel.QuantizeLaun
 launches it; ``tests/kernels/test_decode_plan.py`` checks that both paths launch the same kernels with the same
 arguments and give the same bits).
 
-A plan holds views of the tensors it was built from (weight slot, factors, diagonal, bias) and the clip as a float,
-so its caller must rebuild it when those change: :class:`~loopq.quant.packed.PackedLinearGroup` keys its plans on
-its buffers' addresses and version counters, as ``host_clip`` does.
+A plan holds views of the tensors it was built from (weight slot, fp32 factors and diagonal, bias: an in-place write
+to them reaches it; other dtypes get no plan) and the clip as a float, so its caller must rebuild it when the clip
+or the tensors themselves change: :class:`~loopq.quant.packed.PackedLinearGroup` stamps its plans with its buffers'
+identities and addresses and the clips' version counter, as ``host_clip`` does.
 """
 
 from __future__ import annotations
@@ -110,13 +111,14 @@ def plan_decode(
     if ops._resolve_backend(backend, x, "group_size", GROUP_SIZE, out_dtype) != "triton":
         return None
     left, right = ops._transform_factors(left, right, k, x.device)
+    if not all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in (left, right, inv_d)):
+        return None  # a plan holds views, never copies: in-place writes to its tensors reach it
     fast = left is not None and quantize_kernel.uses_fast_path(None, x.device)
     factors = None if left is None else (left.shape[0], right.shape[0])
     launch = quantize_kernel.quantize_launch(m, k, factors, a_bits, inv_d is not None, True, fast, x.is_cuda)
-    fp32 = (None, None) if left is None else (left.float().contiguous(), right.float().contiguous())
     spec = decode_kernel.specialization(m)
     return DecodePlan(
-        launch, inv_d, *fp32, quantize_kernel.fp32_value(clip), scratch(m, k, launch.needs_scratch, x.device),
+        launch, inv_d, left, right, quantize_kernel.fp32_value(clip), scratch(m, k, launch.needs_scratch, x.device),
         (w_codes.shape[0] * cdiv(m, spec["BLOCK_M"]),), w_codes.view(torch.int32), w_scales, bias,
         (m, n, k // GROUP_SIZE), _gemm_constexprs(spec, bias is not None, x.is_cuda), out_shape, out_dtype, x.device,
     )  # fmt: skip

@@ -32,10 +32,11 @@ can be cast to BF16 as a whole: its FP modules follow, the packed groups do not.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -136,6 +137,39 @@ def activation_side(transform: KroneckerTransform) -> tuple[Tensor, Tensor, Tens
     return transform.left.matrix(), transform.right.matrix(), inv_d
 
 
+class BufferStamp(NamedTuple):
+    """What a group's decode plans were built on: its buffer objects, their addresses and the version of
+    ``act_clip``, the one buffer a plan copies (as a float; it holds views of the others, so in-place writes to
+    them reach it). The plans are stale after a move or an assignment (other objects), a ``.data`` swap (another
+    address) or a write to the clips, e.g. ``load_state_dict``."""
+
+    buffers: tuple[Tensor | None, ...]
+    live: tuple[Tensor, ...]
+    addresses: tuple[int, ...]
+    clip_version: int
+
+    @classmethod
+    def of(cls, buffers: dict[str, Tensor | None]) -> BufferStamp:
+        objects = tuple(buffers.values())
+        live = tuple(b for b in objects if b is not None)
+        return cls(objects, live, tuple(b.data_ptr() for b in live), _version(buffers["act_clip"]))
+
+    def holds(self, buffers: dict[str, Tensor | None]) -> bool:
+        """Whether ``buffers`` are still the same objects at the same addresses and clip version (runs at every
+        decode call: ~2 us)."""
+        return (
+            len(buffers) == len(self.buffers)
+            and all(map(operator.is_, buffers.values(), self.buffers))
+            and tuple([b.data_ptr() for b in self.live]) == self.addresses
+            and _version(buffers["act_clip"]) == self.clip_version
+        )
+
+
+def _version(t: Tensor) -> int:
+    """``t``'s version counter; inference tensors have none (0)."""
+    return 0 if t.is_inference() else t._version
+
+
 class PackedLinearGroup(nn.Module):
     """Integer replacement of a :class:`QuantLinearGroup` (same call: ``group(x, t) -> tuple of outputs``).
 
@@ -146,7 +180,7 @@ class PackedLinearGroup(nn.Module):
         super().__init__()
         self.spec = spec
         self.backend: str | None = None
-        self._decode_plans: dict[tuple, tuple[tuple, DecodePlan]] = {}
+        self._decode_plans: dict[tuple, tuple[BufferStamp, DecodePlan]] = {}
         self._n, self._splits = sum(spec.splits), list(spec.splits)
         k, n, sw, st = spec.in_features, sum(spec.splits), spec.weight_slots, spec.transform_slots
         n1, n2 = kron_factors(k)
@@ -188,13 +222,15 @@ class PackedLinearGroup(nn.Module):
         (loop, shape, dtype, device, backend) built, while the buffers are the same (address and version)."""
         key = (t, x.shape, x.dtype, x.device, self.backend)
         entry = self._decode_plans.get(key)
-        if entry is not None and entry[0] == self._buffer_stamp():
-            return self._split(entry[1](x))
+        if entry is not None:
+            if entry[0].holds(self._buffers):
+                return self._split(entry[1](x))
+            self._decode_plans = {}  # the buffers changed: every plan is stale
         args = self._linear_args(x.reshape(-1, self.spec.in_features), self.slot(t))
         y = quantized_linear(*args)
         plan = plan_decode(*args, out_shape=(*x.shape[:-1], self._n))
         if plan is not None:
-            self._decode_plans[key] = (self._buffer_stamp(), plan)
+            self._decode_plans[key] = (BufferStamp.of(self._buffers), plan)
         return self._split(y.reshape(*x.shape[:-1], self._n))
 
     def _linear_args(self, x: Tensor, slot: int) -> tuple:
@@ -211,18 +247,11 @@ class PackedLinearGroup(nn.Module):
         """The group's outputs ``[..., N]`` -> one per linear."""
         return (y,) if len(self._splits) == 1 else y.split_with_sizes(self._splits, dim=-1)
 
-    def _buffer_stamp(self) -> tuple[tuple[int, int] | None, ...]:
-        """Address and version of every buffer: a plan built on other values is stale (a move, an assignment or an
-        in-place write, e.g. ``load_state_dict``; inference tensors have no version and count as 0)."""
-        return tuple(
-            None if b is None else (b.data_ptr(), 0 if b.is_inference() else b._version) for b in self._buffers.values()
-        )
-
     def host_clip(self, slot: int) -> float:
         """``act_clip`` of ``slot`` as a float, read once per buffer version: a ``float()`` per call would sync the
         device at every linear of a decode step and cannot run inside a CUDA graph capture."""
         clips = self.act_clip
-        key = (clips.data_ptr(), 0 if clips.is_inference() else clips._version)
+        key = (clips.data_ptr(), _version(clips))
         if getattr(self, "_host_clips", (None,))[0] != key:
             self._host_clips = (key, clips.tolist())
         values = self._host_clips[1]

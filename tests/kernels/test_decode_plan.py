@@ -144,7 +144,8 @@ def test_the_plan_launches_what_the_checked_call_launches(m, fast, monkeypatch):
     assert checked[0][0] == ("_quantize_dot_kernel" if fast else "_quantize_kernel")
 
 
-def test_no_plan_for_prefill_or_the_torch_backend(device, monkeypatch):
+def test_no_plan_for_prefill_the_torch_backend_or_factors_it_would_copy(device, monkeypatch):
+    """A plan holds views: fp16 factors (converted at every checked call) get none."""
     group = make_group(device)
     checked = count_checked(monkeypatch)
     for _ in range(2):
@@ -152,7 +153,10 @@ def test_no_plan_for_prefill_or_the_torch_backend(device, monkeypatch):
     group.backend = "torch"
     for _ in range(2):
         group(tokens(1, device), 0)
-    assert checked == [17, 17, 1, 1] and group._decode_plans == {}
+    group.backend, group.left = "triton", group.left.half()
+    for _ in range(2):
+        group(tokens(1, device), 0)
+    assert checked == [17, 17, 1, 1, 1, 1] and group._decode_plans == {}
 
 
 @pytest.mark.skipif(ON_CUDA, reason="the interpreter's bfloat16 refusal")
