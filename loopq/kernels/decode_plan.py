@@ -50,14 +50,13 @@ class DecodePlan:
     gemm_constexprs: dict[str, int | bool]
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
-    device: torch.device
 
     def __call__(self, x: Tensor) -> Tensor:
         """``y [*x.shape[:-1], N]`` for ``x`` of the planned shape, dtype and device (not checked here)."""
         x = x if x.is_contiguous() else x.contiguous()
         s = self.scratch
         self.quantize.run(x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip)
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        out = x.new_empty(self.out_shape, dtype=self.out_dtype)  # x is on the planned device
         decode_kernel._decode_kernel[self.gemm_grid](
             s.words, s.scales, self.w_codes, self.w_scales, out if self.bias is None else self.bias, out,
             *self.sizes, **self.gemm_constexprs,
@@ -120,7 +119,7 @@ def plan_decode(
     return DecodePlan(
         launch, inv_d, left, right, quantize_kernel.fp32_value(clip), scratch(m, k, launch.needs_scratch, x.device),
         (w_codes.shape[0] * cdiv(m, spec["BLOCK_M"]),), w_codes.view(torch.int32), w_scales, bias,
-        (m, n, k // GROUP_SIZE), _gemm_constexprs(spec, bias is not None, x.is_cuda), out_shape, out_dtype, x.device,
+        (m, n, k // GROUP_SIZE), _gemm_constexprs(spec, bias is not None, x.is_cuda), out_shape, out_dtype,
     )  # fmt: skip
 
 
