@@ -3,11 +3,11 @@
     python bench/decode_overhead.py [--calls 2000] [--in-features 2048] [--out-features 6144]
 
 A decode step issues one call per quantized linear group; in eager mode its cost on the host is the Python and
-torch-dispatch work of :meth:`loopq.quant.packed.PackedLinearGroup.forward` (argument checks, slot lookup, output
-allocation, two kernel launches). This replaces every Triton kernel by a stub that returns at once and times the
-rest on CPU tensors: the host time per linear that the GPU launches would overlap with. Prints microseconds per
-call (median of 5 runs) and how many launches each call issued. Target (issue 43): <= 15 us per linear.
-"""
+torch-dispatch work of :meth:`loopq.quant.packed.PackedLinearGroup.forward`: after the first (checked) call of a
+shape, the plan of :mod:`loopq.kernels.decode_plan` (buffer stamp check, output allocation, two kernel launches).
+This replaces every Triton kernel by a stub that returns at once and times the rest on CPU tensors: the host time
+per linear that the GPU launches would overlap with. Prints microseconds per call (median of 5 runs) and how many
+launches each call issued. Target (issue 43): <= 15 us per linear."""
 
 from __future__ import annotations
 
