@@ -219,7 +219,7 @@ class PackedLinearGroup(nn.Module):
     def forward(self, x: Tensor, t: int | None = None) -> tuple[Tensor, ...]:
         """Quantizer (cast and 1/d folded in) + GEMM (bias, output dtype): two launches on CUDA at decode. A call of
         1..16 tokens repeats the plan (:mod:`loopq.kernels.decode_plan`) that the first checked call of its
-        (loop, shape, dtype, device, backend) built, while the buffers are the same (address and version)."""
+        (loop, shape, dtype, device, backend) built, while its :class:`BufferStamp` holds."""
         key = (t, x.shape, x.dtype, x.device, self.backend)
         entry = self._decode_plans.get(key)
         if entry is not None:
@@ -229,7 +229,7 @@ class PackedLinearGroup(nn.Module):
         args = self._linear_args(x.reshape(-1, self.spec.in_features), self.slot(t))
         y = quantized_linear(*args)
         plan = plan_decode(*args, out_shape=(*x.shape[:-1], self._n))
-        if plan is not None:
+        if plan is not None and (t is None or type(t) is int):  # a tensor index would hash by identity: no plan
             self._decode_plans[key] = (BufferStamp.of(self._buffers), plan)
         return self._split(y.reshape(*x.shape[:-1], self._n))
 
@@ -256,6 +256,10 @@ class PackedLinearGroup(nn.Module):
             self._host_clips = (key, clips.tolist())
         values = self._host_clips[1]
         return values[loop_slot(slot, len(values))]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles and deep copies leave the decode plans (views, shared scratch) behind; the copy builds its own."""
+        return {**self.__dict__, "_decode_plans": {}}
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PackedLinearGroup:
         """Follow device moves but never dtype casts: ``model.to(torch.bfloat16)`` / ``.half()`` would round the

@@ -6,6 +6,8 @@ quantizer's scratch row), loop-dependent weights and transforms (2 slots), per-l
 three outputs.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -165,3 +167,15 @@ def test_a_new_input_dtype_is_checked_again(device):
     group(tokens(1, device), 0)
     with pytest.raises(ValueError, match=r"^bfloat16 is not supported by Triton's CPU interpreter"):
         group(tokens(1, device).bfloat16(), 0)
+
+
+def test_copies_carry_no_plan_and_a_tensor_loop_index_gets_none(device):
+    """A deep copy (or pickle) builds its own plans on its own buffers; ``t`` as a tensor would key by identity."""
+    group, x = make_group(device), tokens(1, device)
+    want = group(x, 1)
+    copied = copy.deepcopy(group)
+    assert len(group._decode_plans) == 1 and copied._decode_plans == {}
+    assert_same(copied(x, 1), want)
+    group._decode_plans = {}
+    assert_same(group(x, torch.tensor(1)), want)
+    assert group._decode_plans == {}
