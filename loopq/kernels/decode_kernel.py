@@ -8,7 +8,7 @@ is cheaper than the memory system delivering it (an H100 SM issues ~4 warp-instr
 weight byte per thread at M = 1):
 
 * **the weight is laid out at export for the threads** (:func:`loopq.kernels.packing.tile_weight`): a program owns
-  8 output rows and runs 64 threads ``(r, j)``; thread ``(r, j)`` takes groups ``g = 64 c + 8 i + j``, so at each
+  8 output rows and runs 64 threads ``t = 8 j + r``; thread ``(r, j)`` takes groups ``g = 64 c + 8 i + j``, so at each
   ``i`` of chunk ``c`` the 64 threads read one contiguous 1 KB block, 16 bytes (one group, one ``ld.global.v4``)
   each, and the 8 fp16 scales a thread needs for the chunk are one 16-byte load too;
 * **nibbles are decoded with three or four integer ops per 4-byte word**: ``lo = w & 0x0F0F0F0F`` holds the four
@@ -25,8 +25,18 @@ weight byte per thread at M = 1):
 * **one launch, no split-K**: the K dimension is spread over the 8 lanes of a program instead, and the grid is
   ``N / 8`` programs (256 to 1408 on Ouro-1.4B's shapes, all issued in one wave of loads); the program writes the
   output dtype and adds the bias itself;
+* **every load's register layout follows from its shape alone, under any Triton version**: Triton's coalescing
+  pass orders a load's dimensions by address contiguity and breaks ties by dimension index - lowest first in 3.6,
+  highest first in 3.9. Loads shaped ``[R, J, 4]`` tied R and J, so 3.6 put the rows across a warp's lanes while
+  the activation scales (contiguous along j) put the lanes across j, and every group paid layout conversions
+  through shared memory (``bar.sync``, and tokens spread over lanes at ``BLOCK_M`` >= 4). So each load is a 2-D
+  ``[X, 16 bytes]`` tensor (the activation scales 1-D) over ``x = 64 m + 8 j + r``, where the only order is "vector
+  last, x across the threads": thread ``x % 64``, token ``x // 64`` in its registers, for every load in both
+  versions; the activations are then viewed as ``[BLOCK_M, 64, 4]`` (a reshape, no data moves) against the
+  weight's ``[64, 4]``. r is the fastest of the lanes, so no load's addresses are contiguous along x (which would
+  let the pass spread one thread's elements over x);
 * **a few compiled variants, each small**: a program holds ``BLOCK_M`` = 1, 2, 4 or 8 tokens in each thread's
-  registers as one ``[BLOCK_M, 8, 8, 4]`` block (M rounded up to a power of two; rows past M re-read the last
+  registers as one ``[BLOCK_M, 64, 4]`` block (M rounded up to a power of two; rows past M re-read the last
   token and are not stored); 9..16 tokens run two 8-token programs per tile, adjacent in launch order so the
   second reads the weight from L2. Up to 2 tokens a chunk's 8 groups are straight-line code (all 8 weight loads in
   flight); from 4 on they are a loop, so that one group's activations are live at a time (no spills) and each
@@ -68,6 +78,7 @@ UNROLL_M = 2
 #: threads of a program: TILE_ROWS x TILE_LANES = 64
 NUM_WARPS = TILE_ROWS * TILE_LANES // 32
 _ROWS, _LANES, _RUN, _CHUNK = (tl.constexpr(v) for v in (TILE_ROWS, TILE_LANES, SCALE_RUN, CHUNK_GROUPS))
+_THREADS = tl.constexpr(TILE_ROWS * TILE_LANES)
 _LO = tl.constexpr(0x0F0F0F0F)
 _BIAS = tl.constexpr(0x78787878)
 _SIGN = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32
@@ -90,11 +101,11 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 @triton.jit
 def _pick(tile, i: tl.constexpr):
-    """Entry ``i`` (0..7) of the last axis of a ``[R, J, 8]`` tile held in one thread, by ``tl.split`` (register
-    renaming, no arithmetic): entry ``i`` of ``[R, J, 2, 2, 2]`` is at ``(i % 2, i // 2 % 2, i // 4)`` reversed."""
-    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], tile.shape[1], 4, 2]))
+    """Entry ``i`` (0..7) of the last axis of a ``[T, 8]`` tile held in one thread, by ``tl.split`` (register
+    renaming, no arithmetic): entry ``i`` of ``[T, 2, 2, 2]`` is at ``(i % 2, i // 2 % 2, i // 4)`` reversed."""
+    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], 4, 2]))
     b = a0 if i % 2 == 0 else a1
-    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], tile.shape[1], 2, 2]))
+    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], 2, 2]))
     c = b0 if (i // 2) % 2 == 0 else b1
     c0, c1 = tl.split(c)
     return c0 if i // 4 == 0 else c1
@@ -102,59 +113,59 @@ def _pick(tile, i: tl.constexpr):
 
 @triton.jit
 def _chunk(
-    acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm,
+    acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8,
     MASKED: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc[m, r, j] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the thread's 8 groups
-    ``g = 64 c + 8 i + j`` of chunk ``c``, for all BLOCK_M tokens at once (``rm``: ``[BLOCK_M, 1, 1]``, held in
-    each thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
+    """``acc[m, t] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the 8 groups
+    ``g = 64 c + 8 i + j`` of chunk ``c`` of thread ``t = 8 j + r``, for all BLOCK_M tokens at once (held in each
+    thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
     only): the 8 groups as straight-line code (all 8 weight loads in flight, each scale picked by register
     renaming), else a loop (one group's registers live at a time, the scale picked with 8 selects; in the last
     chunk only over the 16-byte blocks that exist, so a K of a few groups costs a few steps)."""
-    sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8
+    sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8  # [T, 8]
     sw = tl.load(sw_tile + sw_off, cache_modifier=".cg").to(tl.float32)  # 16 B, L2 only (read once)
-    row = tl.minimum(rm, M - 1)  # rows past M read the last one; their outputs are not stored
     if UNROLL and not MASKED:
         for i in tl.static_range(_RUN):
-            acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, w4, row, MASKED, ASM)
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     else:
         steps = _RUN
         if MASKED:
             steps = tl.cdiv(G - c * _CHUNK, _LANES)  # the last chunk's groups that exist
         for i in range(steps):
-            sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=2)
-            acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED, ASM)
+            sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=1)
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     return acc
 
 
 @triton.jit
 def _group(
-    acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED: tl.constexpr, ASM: tl.constexpr
+    acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED: tl.constexpr, ASM: tl.constexpr
 ):  # fmt: skip
-    """The ``i``-th group of chunk ``c`` (``g = 64 c + 8 i + j``) for thread ``(r, j)``, all tokens: one 16-byte
-    weight load, two 16-byte activation loads and one scale load per token, 8 ``dp4a`` per token."""
-    g = c * _CHUNK + i * _LANES + j  # [1, J, 1]
-    w_off = ((c * _RUN + i) * (_ROWS * _LANES) + r * _LANES + j) * 4 + w4
-    # [BLOCK_M, R, J, 4] addresses: thread (r, j) reads its lane's activation words for every token; the scales
-    # are [BLOCK_M, R, J, 1] (not [BLOCK_M, R, J], which Triton could lay out like the [R, J, 8] weight scales)
-    rows4 = row[:, :, :, None]
-    a_row = tl.broadcast_to(a_ptr + rows4 * (G * 8) + (g * 8 + w4)[None, :, :, :], [row.shape[0], _ROWS, _LANES, 4])
-    sa_row = tl.broadcast_to(sa_ptr + rows4 * G + g[None, :, :, :], [row.shape[0], _ROWS, _LANES, 1])
+    """The ``i``-th group of chunk ``c`` (``g = 64 c + 8 i + j``) for thread ``t = 8 j + r``, all tokens: one
+    16-byte weight load, two 16-byte activation loads and one scale load per token, 8 ``dp4a`` per token. Every
+    load is a 2-D ``[T or BLOCK_M T, 4]`` (or 1-D) tensor whose element ``x`` belongs to thread ``x % T`` (see the
+    module docstring); the activations are then viewed as ``[BLOCK_M, T, 4]`` (a reshape: no data moves)."""
+    w_off = ((c * _RUN + i) * (_ROWS * _LANES) + r * _LANES + j) * 4 + w4  # [T, 4]
+    gx = c * _CHUNK + i * _LANES + jx  # [BLOCK_M T]: the group of each (token, thread)
+    a_row = a_ptr + rowx[:, None] * (G * 8) + gx[:, None] * 8 + w4  # [BLOCK_M T, 4]
+    sa_row = sa_ptr + rowx * G + gx
     if MASKED:
-        live = g < G
+        live = (c * _CHUNK + i * _LANES + j) < G
         wv = tl.load(w_tile + w_off, mask=live, other=0, eviction_policy="evict_first")
-        a_even = tl.load(a_row, mask=live[None, :, :, :], other=0)
-        a_odd = tl.load(a_row + 4, mask=live[None, :, :, :], other=0)
-        sa = tl.load(sa_row, mask=live[None, :, :, :], other=0.0)
+        a_even = tl.load(a_row, mask=(gx < G)[:, None], other=0)
+        a_odd = tl.load(a_row + 4, mask=(gx < G)[:, None], other=0)
+        sa = tl.load(sa_row, mask=gx < G, other=0.0)
     else:
         wv = tl.load(w_tile + w_off, eviction_policy="evict_first")
         a_even = tl.load(a_row)
         a_odd = tl.load(a_row + 4)
         sa = tl.load(sa_row)
-    lo = ((wv & _LO) + _BIAS) ^ _SIGN  # [R, J, 4] words of sign-extended int8 codes: even k
+    lo = ((wv & _LO) + _BIAS) ^ _SIGN  # [T, 4] words of sign-extended int8 codes: even k
     hi = (((wv >> 4) & _LO) + _BIAS) ^ _SIGN  # odd k
-    dot = _dp4a(lo[None, :, :, :], a_even, _dp4a(hi[None, :, :, :], a_odd, tl.zeros_like(a_even), ASM), ASM)
-    return acc + tl.sum(dot, axis=3, keep_dims=True).to(tl.float32) * (sa * sw_i[None, :, :, None])
+    shape: tl.constexpr = [acc.shape[0], acc.shape[1], 4]
+    a_even, a_odd = tl.reshape(a_even, shape), tl.reshape(a_odd, shape)
+    dot = _dp4a(lo[None, :, :], a_even, _dp4a(hi[None, :, :], a_odd, tl.zeros_like(a_even), ASM), ASM)
+    return acc + tl.sum(dot, axis=2).to(tl.float32) * (tl.reshape(sa, [acc.shape[0], acc.shape[1]]) * sw_i[None, :])
 
 
 @triton.jit
@@ -167,22 +178,25 @@ def _decode_kernel(
     token_blocks = tl.cdiv(M, BLOCK_M)
     tile = (tl.program_id(0) // token_blocks).to(tl.int64)
     first = (tl.program_id(0) % token_blocks) * BLOCK_M
-    r = tl.arange(0, _ROWS)[:, None, None]
-    j = tl.arange(0, _LANES)[None, :, None]
-    w4 = tl.arange(0, 4)[None, None, :]
-    s8 = tl.arange(0, _RUN)[None, None, :]
-    rm = first + tl.arange(0, BLOCK_M)[:, None, None]
+    t = tl.arange(0, _THREADS)
+    r = (t % _ROWS)[:, None]  # [T, 1]: thread t = 8 j + r owns tile row r and K lane j
+    j = (t // _ROWS)[:, None]
+    x = tl.arange(0, BLOCK_M * _THREADS)  # (token, thread) pairs, x = T m + t
+    jx = (x // _ROWS) % _LANES
+    rowx = tl.minimum(first + x // _THREADS, M - 1)  # rows past M read the last one; their outputs are not stored
+    w4 = tl.arange(0, 4)[None, :]
+    s8 = tl.arange(0, _RUN)[None, :]
     blocks = tl.cdiv(G, _LANES)  # 16-byte code blocks of 8 groups per tile row
     chunks = tl.cdiv(G, _CHUNK)
     w_tile = w_ptr + tile * (blocks * (_ROWS * _LANES * 4))  # int32 words
     sw_tile = sw_ptr + tile * (chunks * (_ROWS * _CHUNK))
-    acc = tl.zeros([BLOCK_M, _ROWS, _LANES, 1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, _THREADS], dtype=tl.float32)
     full = G // _CHUNK
     for c in range(full):
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm, False, UNROLL, ASM)
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8, False, UNROLL, ASM)
     if full < chunks:
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, M, G, r, j, w4, s8, rm, True, UNROLL, ASM)
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, R]: the lanes of each row, once, after the loop
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, G, r, j, jx, rowx, w4, s8, True, UNROLL, ASM)
+    out = tl.sum(tl.reshape(acc, [BLOCK_M, _LANES, _ROWS]), axis=1)  # [BLOCK_M, R]: the lanes of a row, once
     rn = tile * _ROWS + tl.arange(0, _ROWS)
     om = first + tl.arange(0, BLOCK_M)
     if HAS_BIAS:
