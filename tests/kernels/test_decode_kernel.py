@@ -127,7 +127,8 @@ def test_a_quantized_linear_is_two_launches(m, monkeypatch):
     quantizer and the decode GEMM and no torch kernel; prefill adds only the weight's layout conversion and the
     epilogue in torch (documented as open)."""
     launches = _Launches()
-    for mod, name in ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel")):
+    kernels = ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel"))
+    for mod, name in (*kernels, (decode_kernel, "_decode_mma_kernel")):
         monkeypatch.setattr(mod, name, launches.kernel(name))
     monkeypatch.setattr(ops.gemm_kernel, "_gemm_kernel", launches.kernel("_gemm_kernel"))
     monkeypatch.setattr(ops, "triton_interpreted", lambda: True)
@@ -138,7 +139,8 @@ def test_a_quantized_linear_is_two_launches(m, monkeypatch):
         y = ops.quantized_linear(x, wt, swt, n, left, right, inv_d, 0.9, 4, bias, torch.float16, backend="triton")
     assert y.shape == (m, n) and y.dtype == torch.float16
     if m <= decode_kernel.MAX_M:
-        assert launches.names == ["_quantize_kernel", "_decode_kernel"] and torch_ops.ops == []
+        gemm = "_decode_mma_kernel" if decode_kernel.uses_mma(m) else "_decode_kernel"
+        assert launches.names == ["_quantize_kernel", gemm] and torch_ops.ops == []
     else:
         assert launches.names == ["_quantize_kernel", "_gemm_kernel"]
 

@@ -94,18 +94,24 @@ def ptx_stats(triton_dir: str, tmp_path: Path, kernels: str, timeout: int) -> li
 @pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
 @pytest.mark.parametrize("triton_dir", ["pinned", "extra"])
 def test_decode_main_loop_proxies(triton_dir, tmp_path):
-    """Every decode launch shape (M = 1, 2, 4, 8, 16) for sm_90 and sm_80: no ``shfl`` / ``bar.sync`` in the main
-    loop, 16-byte code and scale loads, no spills, each variant compiled in seconds, and at M = 1 at most 8 PTX
-    instructions per weight byte per thread. Eight compiles, about a second each."""
+    """Every decode launch shape (M = 1, 2, 4, 8: the ``dp4a`` kernel; 16: the tensor-core kernel serving 9..16)
+    for sm_90 and sm_80: no ``shfl`` in the main loop, 16-byte code and scale loads, no spills, each variant
+    compiled in seconds; the ``dp4a`` loops without ``bar.sync``, at M = 1 at most 8 PTX instructions per weight
+    byte per thread. M = 16: at most 8 per weight byte under the pinned Triton; under 3.6 the tensor-core operand
+    is staged through shared memory byte by byte (15 per byte, docs/benchmarks.md): held to 16, the open item.
+    The tensor-core loop stages its operands through shared memory, so it has ``bar.sync`` (one warp-group each)."""
     rows = ptx_stats(triton_dir, tmp_path, "decode", 300)
     assert sorted((r["arch"], r["M"]) for r in rows) == [(a, m) for a in (80, 90) for m in (1, 2, 4, 8, 16)]
     for r in rows:
-        assert r["shfl"] == 0 and r["bar_sync"] == 0 and r["spills"] == 0, r
+        assert r["shfl"] == 0 and r["spills"] == 0, r
         assert r["code_load_bytes"] == [16] and r["scale_load_bytes"] == [16], r
         assert r["compile_s"] <= COMPILE_S, r
+        assert r["bar_sync"] == 0 or r["variant"].startswith("mma"), r
     for r in (r for r in rows if r["M"] == 1):
         assert r["per_byte"] <= 8, r
         assert r["dp4a"] == 2 * r["code_bytes"] // 4, r  # two dp4a per 4-byte weight word at M = 1
+    for r in (r for r in rows if r["M"] == 16):
+        assert r["variant"].startswith("mma") and r["per_byte"] <= (8 if triton_dir == "pinned" else 16), r
 
 
 @pytest.mark.slow
