@@ -4,8 +4,8 @@
 
 Triton compiles each kernel ahead of time (``triton.compile`` for ``sm_<arch>``, its bundled ``ptxas -v`` for
 registers and spills; no GPU needed) and :mod:`loopq.kernels.ptx` reads the PTX. Per decode GEMM launch shape
-(M = 1, 2, 4, 8, 16 tokens; 16 runs the BLOCK_M = 8 binary): the seconds ``triton.compile`` took (about 0 where an
-earlier row compiled the same variant: Triton's cache), the main K loop's PTX instructions per thread, the weight
+(M = 1, 2, 4, 8 tokens: the ``dp4a`` kernel's variants; 16: the tensor-core kernel that serves 9..16): the seconds
+``triton.compile`` took, the main K loop's PTX instructions per thread, the weight
 code bytes that thread loads per iteration and their ratio (instructions per weight byte), ``shfl`` / ``bar.sync``
 inside the loop, the widths of the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile
 of the config table (W4A4 and W4A8): the ``cp.async.wait_group`` and ``wgmma.wait_group`` depths inside its loops
@@ -49,7 +49,7 @@ def decode_row(arch: int, m: int) -> dict:
         "kernel": "decode",
         "arch": arch,
         "M": m,
-        **decode_kernel.specialization(m),
+        "variant": _variant(decode_kernel.specialization(m)),
         "compile_s": round(seconds, 1),
         "loop_instructions": len(loop.body),
         "code_bytes": sum(code_bytes),
@@ -62,6 +62,12 @@ def decode_row(arch: int, m: int) -> dict:
         "registers": regs,
         "spills": spills,
     }
+
+
+def _variant(spec: dict) -> str:
+    if "ROWS" in spec:
+        return f"mma {spec['ROWS']} rows x {spec['SPLIT']} warps"
+    return f"dp4a BLOCK_M={spec['BLOCK_M']}" + (" unrolled" if spec["UNROLL"] else " loop")
 
 
 def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig, a_bits: int) -> dict:
@@ -106,13 +112,13 @@ def markdown(rows: list[dict]) -> str:
     out = []
     if decode:
         out += [
-            "| arch | M | BLOCK_M | unroll | compile s | loop instr. | code B / iter. | instr. / B | shfl | bar.sync | "
+            "| arch | M | variant | compile s | loop instr. | code B / iter. | instr. / B | shfl | bar.sync | "
             "code load B | scale load B | dp4a | regs | spills |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in decode:
         out.append(
-            f"| sm_{r['arch']} | {r['M']} | {r['BLOCK_M']} | {r['UNROLL']} | {r['compile_s']} | "
+            f"| sm_{r['arch']} | {r['M']} | {r['variant']} | {r['compile_s']} | "
             f"{r['loop_instructions']} | {r['code_bytes']} | {r['per_byte']} | "
             f"{r['shfl']} | {r['bar_sync']} | {r['code_load_bytes']} | {r['scale_load_bytes']} | {r['dp4a']} | "
             f"{r['registers']} | {r['spills']} |"

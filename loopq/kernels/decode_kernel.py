@@ -8,7 +8,7 @@ is cheaper than the memory system delivering it (an H100 SM issues ~4 warp-instr
 weight byte per thread at M = 1):
 
 * **the weight is laid out at export for the threads** (:func:`loopq.kernels.packing.tile_weight`): a program owns
-  8 output rows and runs 64 threads ``(r, j)``; thread ``(r, j)`` takes groups ``g = 64 c + 8 i + j``, so at each
+  8 output rows and runs 64 threads ``t = 8 j + r``; thread ``(r, j)`` takes groups ``g = 64 c + 8 i + j``, so at each
   ``i`` of chunk ``c`` the 64 threads read one contiguous 1 KB block, 16 bytes (one group, one ``ld.global.v4``)
   each, and the 8 fp16 scales a thread needs for the chunk are one 16-byte load too;
 * **nibbles are decoded with three or four integer ops per 4-byte word**: ``lo = w & 0x0F0F0F0F`` holds the four
@@ -25,16 +25,38 @@ weight byte per thread at M = 1):
 * **one launch, no split-K**: the K dimension is spread over the 8 lanes of a program instead, and the grid is
   ``N / 8`` programs (256 to 1408 on Ouro-1.4B's shapes, all issued in one wave of loads); the program writes the
   output dtype and adds the bias itself;
+* **every load's register layout follows from its shape alone, under any Triton version**: Triton's coalescing
+  pass orders a load's dimensions by address contiguity and breaks ties by dimension index - lowest first in 3.6,
+  highest first in 3.9. Loads shaped ``[R, J, 4]`` tied R and J, so 3.6 put the rows across a warp's lanes while
+  the activation scales (contiguous along j) put the lanes across j, and every group paid layout conversions
+  through shared memory (``bar.sync``, and tokens spread over lanes at ``BLOCK_M`` >= 4). So each load is a 2-D
+  ``[X, 16 bytes]`` tensor (the activation scales 1-D) over ``x = 64 m + 8 j + r``, where the only order is "vector
+  last, x across the threads": thread ``x % 64``, token ``x // 64`` in its registers, for every load in both
+  versions; the activations are then viewed as ``[BLOCK_M, 64, 4]`` (a reshape, no data moves) against the
+  weight's ``[64, 4]``. r is the fastest of the lanes, so no load's addresses are contiguous along x (which would
+  let the pass spread one thread's elements over x);
 * **a few compiled variants, each small**: a program holds ``BLOCK_M`` = 1, 2, 4 or 8 tokens in each thread's
-  registers as one ``[BLOCK_M, 8, 8, 4]`` block (M rounded up to a power of two; rows past M re-read the last
-  token and are not stored); 9..16 tokens run two 8-token programs per tile, adjacent in launch order so the
-  second reads the weight from L2. Up to 2 tokens a chunk's 8 groups are straight-line code (all 8 weight loads in
+  registers as one ``[BLOCK_M, 64, 4]`` block (M rounded up to a power of two; rows past M re-read the last
+  token and are not stored). Up to 2 tokens a chunk's 8 groups are straight-line code (all 8 weight loads in
   flight); from 4 on they are a loop, so that one group's activations are live at a time (no spills) and each
-  variant compiles in seconds instead of the minutes that unrolling 16 tokens x 8 groups took.
+  variant compiles in seconds instead of the minutes that unrolling 16 tokens x 8 groups took;
+* **9..16 tokens run on the int8 tensor cores** (:func:`_decode_mma_kernel`, one variant): with ``dp4a`` every
+  token costs half an instruction per weight byte, 8 at 16 tokens before any decoding or scaling. A program owns 32
+  output rows (4 tiles) and 16 token slots (rows past M re-read the last token); its 4 warps split K by lane (warp
+  ``s`` takes ``j = s, s + 4``), and a step is one lane per warp: the 8 groups ``g = 64 c + 8 i + j`` of the
+  export layout's run (one 16-byte code load per group and row, the 8 weight scales of a row one 16-byte load),
+  each one ``tl.dot`` of depth 32 (``mma.m16n8k32``: ``[16 tokens, 32] x [32, 32 rows]``) and one rescale. The
+  weight operand is decoded in 3 instructions per 4-byte word for both nibbles: ``lop3`` keeps a byte's high
+  nibble and flips its top bit, which gives ``16 * code`` as an int8 for the offset-binary nibble, and a ``shl`` by
+  4 first does the same for the low one; so each dot is 16 times the group's (exact: ``|16 dot| <= 2^19``) and the
+  sum is multiplied by 1/16 (exact) after the loop, when the 4 warps' sums are added. The loop stages both dot
+  operands through shared memory (``bar.sync`` in it) and is not software-pipelined.
 
 Rounding contract (not bit-exact with :mod:`loopq.kernels.reference`, which adds the groups left to right): every
 group's integer dot is exact; each term ``t_g = dot_g * (s_a s_w)`` is rounded twice and the G terms are summed in
-fp32 in some bracketing (along a lane, then across the 8 lanes), each term passing through at most G - 1 additions.
+fp32 in some bracketing (along a lane, then across the 8 lanes or 4 warps), each term passing through at most G - 1
+additions (the tensor-core kernel contracts a term's second rounding into its addition: ``fma``, within the same
+bound).
 Hence, with ``u = 2^-24`` and ``gamma_n = n u / (1 - n u)``::
 
     |out - ref64| <= gamma_{G+1} * sum_k |a_k w_k s_a s_w|                      (fp32 output, no bias)
@@ -43,8 +65,9 @@ where ``ref64`` is the same codes and scales evaluated in float64 (:func:`loopq.
 which also returns this bound). The bias is added to the fp32 sum before the cast to the output dtype, as the torch
 path does.
 
-``dp4a`` is emitted with ``tl.inline_asm_elementwise`` on the GPU; the CPU interpreter cannot run inline assembly,
-so there (``ASM=False``) :func:`_dp4a` computes the same four sign-extended byte products with shifts.
+``dp4a`` and ``lop3`` are emitted with ``tl.inline_asm_elementwise`` on the GPU; the CPU interpreter cannot run
+inline assembly, so there (``ASM=False``) :func:`_dp4a` computes the same four sign-extended byte products with
+shifts and :func:`_nibbles16` the same int8 values with integer arithmetic.
 """
 
 from __future__ import annotations
@@ -58,8 +81,7 @@ from loopq.kernels.packing import CHUNK_GROUPS, GROUP_SIZE, SCALE_RUN, TILE_LANE
 
 #: the decode path serves calls of at most this many tokens (``loopq.kernels.ops`` dispatches on it)
 MAX_M = 16
-#: the most tokens a program holds in registers: a launch of M tokens runs ``cdiv(M, BLOCK_M)`` programs per tile
-#: (adjacent in launch order, so the second reads the tile's weight from L2)
+#: the most tokens the ``dp4a`` kernel serves (in each thread's registers); more run the tensor-core kernel
 MAX_BLOCK_M = 8
 #: up to this many tokens a chunk's 8 groups are straight-line code (8 weight loads in flight per thread); larger
 #: blocks loop over them, which keeps one group's activation registers live (no spills at 8 tokens) and the
@@ -68,6 +90,7 @@ UNROLL_M = 2
 #: threads of a program: TILE_ROWS x TILE_LANES = 64
 NUM_WARPS = TILE_ROWS * TILE_LANES // 32
 _ROWS, _LANES, _RUN, _CHUNK = (tl.constexpr(v) for v in (TILE_ROWS, TILE_LANES, SCALE_RUN, CHUNK_GROUPS))
+_THREADS = tl.constexpr(TILE_ROWS * TILE_LANES)
 _LO = tl.constexpr(0x0F0F0F0F)
 _BIAS = tl.constexpr(0x78787878)
 _SIGN = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32
@@ -90,11 +113,11 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 @triton.jit
 def _pick(tile, i: tl.constexpr):
-    """Entry ``i`` (0..7) of the last axis of a ``[R, J, 8]`` tile held in one thread, by ``tl.split`` (register
-    renaming, no arithmetic): entry ``i`` of ``[R, J, 2, 2, 2]`` is at ``(i % 2, i // 2 % 2, i // 4)`` reversed."""
-    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], tile.shape[1], 4, 2]))
+    """Entry ``i`` (0..7) of the last axis of a ``[T, 8]`` tile held in one thread, by ``tl.split`` (register
+    renaming, no arithmetic): entry ``i`` of ``[T, 2, 2, 2]`` is at ``(i % 2, i // 2 % 2, i // 4)`` reversed."""
+    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], 4, 2]))
     b = a0 if i % 2 == 0 else a1
-    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], tile.shape[1], 2, 2]))
+    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], 2, 2]))
     c = b0 if (i // 2) % 2 == 0 else b1
     c0, c1 = tl.split(c)
     return c0 if i // 4 == 0 else c1
@@ -102,59 +125,59 @@ def _pick(tile, i: tl.constexpr):
 
 @triton.jit
 def _chunk(
-    acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm,
+    acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8,
     MASKED: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc[m, r, j] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the thread's 8 groups
-    ``g = 64 c + 8 i + j`` of chunk ``c``, for all BLOCK_M tokens at once (``rm``: ``[BLOCK_M, 1, 1]``, held in
-    each thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
+    """``acc[m, t] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the 8 groups
+    ``g = 64 c + 8 i + j`` of chunk ``c`` of thread ``t = 8 j + r``, for all BLOCK_M tokens at once (held in each
+    thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
     only): the 8 groups as straight-line code (all 8 weight loads in flight, each scale picked by register
     renaming), else a loop (one group's registers live at a time, the scale picked with 8 selects; in the last
     chunk only over the 16-byte blocks that exist, so a K of a few groups costs a few steps)."""
-    sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8
+    sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8  # [T, 8]
     sw = tl.load(sw_tile + sw_off, cache_modifier=".cg").to(tl.float32)  # 16 B, L2 only (read once)
-    row = tl.minimum(rm, M - 1)  # rows past M read the last one; their outputs are not stored
     if UNROLL and not MASKED:
         for i in tl.static_range(_RUN):
-            acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, w4, row, MASKED, ASM)
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     else:
         steps = _RUN
         if MASKED:
             steps = tl.cdiv(G - c * _CHUNK, _LANES)  # the last chunk's groups that exist
         for i in range(steps):
-            sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=2)
-            acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED, ASM)
+            sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=1)
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     return acc
 
 
 @triton.jit
 def _group(
-    acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, w4, row, MASKED: tl.constexpr, ASM: tl.constexpr
+    acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED: tl.constexpr, ASM: tl.constexpr
 ):  # fmt: skip
-    """The ``i``-th group of chunk ``c`` (``g = 64 c + 8 i + j``) for thread ``(r, j)``, all tokens: one 16-byte
-    weight load, two 16-byte activation loads and one scale load per token, 8 ``dp4a`` per token."""
-    g = c * _CHUNK + i * _LANES + j  # [1, J, 1]
-    w_off = ((c * _RUN + i) * (_ROWS * _LANES) + r * _LANES + j) * 4 + w4
-    # [BLOCK_M, R, J, 4] addresses: thread (r, j) reads its lane's activation words for every token; the scales
-    # are [BLOCK_M, R, J, 1] (not [BLOCK_M, R, J], which Triton could lay out like the [R, J, 8] weight scales)
-    rows4 = row[:, :, :, None]
-    a_row = tl.broadcast_to(a_ptr + rows4 * (G * 8) + (g * 8 + w4)[None, :, :, :], [row.shape[0], _ROWS, _LANES, 4])
-    sa_row = tl.broadcast_to(sa_ptr + rows4 * G + g[None, :, :, :], [row.shape[0], _ROWS, _LANES, 1])
+    """The ``i``-th group of chunk ``c`` (``g = 64 c + 8 i + j``) for thread ``t = 8 j + r``, all tokens: one
+    16-byte weight load, two 16-byte activation loads and one scale load per token, 8 ``dp4a`` per token. Every
+    load is a 2-D ``[T or BLOCK_M T, 4]`` (or 1-D) tensor whose element ``x`` belongs to thread ``x % T`` (see the
+    module docstring); the activations are then viewed as ``[BLOCK_M, T, 4]`` (a reshape: no data moves)."""
+    w_off = ((c * _RUN + i) * (_ROWS * _LANES) + r * _LANES + j) * 4 + w4  # [T, 4]
+    gx = c * _CHUNK + i * _LANES + jx  # [BLOCK_M T]: the group of each (token, thread)
+    a_row = a_ptr + rowx[:, None] * (G * 8) + gx[:, None] * 8 + w4  # [BLOCK_M T, 4]
+    sa_row = sa_ptr + rowx * G + gx
     if MASKED:
-        live = g < G
+        live = (c * _CHUNK + i * _LANES + j) < G
         wv = tl.load(w_tile + w_off, mask=live, other=0, eviction_policy="evict_first")
-        a_even = tl.load(a_row, mask=live[None, :, :, :], other=0)
-        a_odd = tl.load(a_row + 4, mask=live[None, :, :, :], other=0)
-        sa = tl.load(sa_row, mask=live[None, :, :, :], other=0.0)
+        a_even = tl.load(a_row, mask=(gx < G)[:, None], other=0)
+        a_odd = tl.load(a_row + 4, mask=(gx < G)[:, None], other=0)
+        sa = tl.load(sa_row, mask=gx < G, other=0.0)
     else:
         wv = tl.load(w_tile + w_off, eviction_policy="evict_first")
         a_even = tl.load(a_row)
         a_odd = tl.load(a_row + 4)
         sa = tl.load(sa_row)
-    lo = ((wv & _LO) + _BIAS) ^ _SIGN  # [R, J, 4] words of sign-extended int8 codes: even k
+    lo = ((wv & _LO) + _BIAS) ^ _SIGN  # [T, 4] words of sign-extended int8 codes: even k
     hi = (((wv >> 4) & _LO) + _BIAS) ^ _SIGN  # odd k
-    dot = _dp4a(lo[None, :, :, :], a_even, _dp4a(hi[None, :, :, :], a_odd, tl.zeros_like(a_even), ASM), ASM)
-    return acc + tl.sum(dot, axis=3, keep_dims=True).to(tl.float32) * (sa * sw_i[None, :, :, None])
+    shape: tl.constexpr = [acc.shape[0], acc.shape[1], 4]
+    a_even, a_odd = tl.reshape(a_even, shape), tl.reshape(a_odd, shape)
+    dot = _dp4a(lo[None, :, :], a_even, _dp4a(hi[None, :, :], a_odd, tl.zeros_like(a_even), ASM), ASM)
+    return acc + tl.sum(dot, axis=2).to(tl.float32) * (tl.reshape(sa, [acc.shape[0], acc.shape[1]]) * sw_i[None, :])
 
 
 @triton.jit
@@ -167,22 +190,25 @@ def _decode_kernel(
     token_blocks = tl.cdiv(M, BLOCK_M)
     tile = (tl.program_id(0) // token_blocks).to(tl.int64)
     first = (tl.program_id(0) % token_blocks) * BLOCK_M
-    r = tl.arange(0, _ROWS)[:, None, None]
-    j = tl.arange(0, _LANES)[None, :, None]
-    w4 = tl.arange(0, 4)[None, None, :]
-    s8 = tl.arange(0, _RUN)[None, None, :]
-    rm = first + tl.arange(0, BLOCK_M)[:, None, None]
+    t = tl.arange(0, _THREADS)
+    r = (t % _ROWS)[:, None]  # [T, 1]: thread t = 8 j + r owns tile row r and K lane j
+    j = (t // _ROWS)[:, None]
+    x = tl.arange(0, BLOCK_M * _THREADS)  # (token, thread) pairs, x = T m + t
+    jx = (x // _ROWS) % _LANES
+    rowx = tl.minimum(first + x // _THREADS, M - 1)  # rows past M read the last one; their outputs are not stored
+    w4 = tl.arange(0, 4)[None, :]
+    s8 = tl.arange(0, _RUN)[None, :]
     blocks = tl.cdiv(G, _LANES)  # 16-byte code blocks of 8 groups per tile row
     chunks = tl.cdiv(G, _CHUNK)
     w_tile = w_ptr + tile * (blocks * (_ROWS * _LANES * 4))  # int32 words
     sw_tile = sw_ptr + tile * (chunks * (_ROWS * _CHUNK))
-    acc = tl.zeros([BLOCK_M, _ROWS, _LANES, 1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, _THREADS], dtype=tl.float32)
     full = G // _CHUNK
     for c in range(full):
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, M, G, r, j, w4, s8, rm, False, UNROLL, ASM)
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8, False, UNROLL, ASM)
     if full < chunks:
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, M, G, r, j, w4, s8, rm, True, UNROLL, ASM)
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, R]: the lanes of each row, once, after the loop
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, G, r, j, jx, rowx, w4, s8, True, UNROLL, ASM)
+    out = tl.sum(tl.reshape(acc, [BLOCK_M, _LANES, _ROWS]), axis=1)  # [BLOCK_M, R]: the lanes of a row, once
     rn = tile * _ROWS + tl.arange(0, _ROWS)
     om = first + tl.arange(0, BLOCK_M)
     if HAS_BIAS:
@@ -191,11 +217,127 @@ def _decode_kernel(
     tl.store(out_ptr + om[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _nibbles16(w, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """uint8 code bytes -> int8 ``16 * code`` of each byte's low (or, ``HIGH``, high) offset-binary nibble ``u``:
+    the nibble moved to the top of its byte (``<< 4`` for the low one) and masked, its top bit flipped (``u ^ 8`` is
+    the code's two's complement nibble), four bytes per 32-bit word: ``lop3`` (and + xor), plus ``shl``."""
+    if ASM and HIGH:
+        out = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;", "=r,r", [w], dtype=tl.int8, is_pure=True, pack=4
+        )
+    elif ASM:
+        out = tl.inline_asm_elementwise(
+            "shl.b32 $0, $1, 4;\nlop3.b32 $0, $0, 0xF0F0F0F0, 0x80808080, 0x6A;",
+            "=r,r", [w], dtype=tl.int8, is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        v = w.to(tl.int32)
+        if HIGH:
+            v = v >> 4
+        out = (((v & 0xF) - 8) * 16).to(tl.int8)
+    return out
+
+
+@triton.jit
+def _mma_lanes(
+    acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b16, b32, i8, MASKED: tl.constexpr, ASM: tl.constexpr
+):  # fmt: skip
+    """Groups ``g = 64 c + 8 i + j[s]`` (i = 0..7) of the program's rows for all 16 tokens, one lane ``j[s]`` per
+    warp ``s``: per group one int8 tensor-core dot of depth 32 per warp and one rescale of its ``[16, ROWS]``
+    tile."""
+    js = j[:, None, None]  # [S, 1, 1]
+    sw = tl.load(sw_rows[None, :, None] + (c * _ROWS * _CHUNK + js * _RUN) + i8[None, None, :], cache_modifier=".cg")
+    sw = sw.to(tl.float32)  # [S, ROWS, 8]: the 8 groups' scales, one 16-byte load per row
+    for i in tl.static_range(_RUN):
+        g2 = c * _CHUNK + i * _LANES + j[:, None]  # [S, 1]
+        g = g2[:, :, None]
+        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js * 16 + b16[None, :, None]  # [S, 16, ROWS]: bytes down
+        a_off = row[None, :, None] * (G * 32) + g * 32 + b32[None, None, :]  # [S, 16, 32]
+        if MASKED:
+            w = tl.load(w_rows[None, None, :] + w_off, mask=g < G, other=0x88, eviction_policy="evict_first")
+            a = tl.load(a_ptr + a_off, mask=g < G, other=0)
+            sa = tl.load(sa_ptr + row[None, :] * G + g2, mask=g2 < G, other=0.0)
+        else:
+            w = tl.load(w_rows[None, None, :] + w_off, eviction_policy="evict_first")
+            a = tl.load(a_ptr + a_off)
+            sa = tl.load(sa_ptr + row[None, :] * G + g2)
+        # the activation holds per group its 16 even-k codes, then its 16 odd-k codes: the low nibbles, then the high
+        wk = tl.join(_nibbles16(w, False, ASM), _nibbles16(w, True, ASM))  # [S, 16, ROWS, 2]
+        wk = tl.reshape(tl.permute(wk, [0, 3, 1, 2]), [w.shape[0], 32, w.shape[2]])  # [S, K, ROWS]
+        dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
+        acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick3(sw, i)[:, None, :]
+    return acc
+
+
+@triton.jit
+def _pick3(tile, i: tl.constexpr):
+    """Entry ``i`` (0..7) of the last axis of a ``[S, R, 8]`` tile held in one thread (see :func:`_pick`)."""
+    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], tile.shape[1], 4, 2]))
+    b = a0 if i % 2 == 0 else a1
+    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], tile.shape[1], 2, 2]))
+    c = b0 if (i // 2) % 2 == 0 else b1
+    c0, c1 = tl.split(c)
+    return c0 if i // 4 == 0 else c1
+
+
+@triton.jit
+def _decode_mma_kernel(
+    a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, M, N, G,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """9..16 tokens: program ``p`` computes output rows ``ROWS p ..`` for all tokens with int8 tensor-core dots,
+    its ``SPLIT`` warps taking every ``SPLIT``-th K lane; their sums are added once, after the loop."""
+    rn = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rc = tl.minimum(rn, N - 1)  # rows past N read the last one; their outputs are not stored
+    tile, r = (rc // _ROWS).to(tl.int64), rc % _ROWS
+    blocks, chunks = tl.cdiv(G, _LANES), tl.cdiv(G, _CHUNK)
+    w_rows = w_ptr + tile * (blocks * (_ROWS * _LANES * 16)) + r * (_LANES * 16)  # bytes
+    sw_rows = sw_ptr + tile * (chunks * (_ROWS * _CHUNK)) + r * _CHUNK
+    row = tl.minimum(tl.arange(0, 16), M - 1)
+    b16, b32, i8, s = tl.arange(0, 16), tl.arange(0, 32), tl.arange(0, _RUN), tl.arange(0, SPLIT)
+    acc = tl.zeros([SPLIT, 16, ROWS], dtype=tl.float32)
+    full = G // _CHUNK
+    for c in range(full):
+        for jj in range(_LANES // SPLIT):
+            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, c, jj * SPLIT + s, G, row, b16, b32, i8, False, ASM)
+    if full < chunks:
+        for jj in range(_LANES // SPLIT):
+            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, full, jj * SPLIT + s, G, row, b16, b32, i8, True, ASM)
+    om = tl.arange(0, 16)
+    out = tl.sum(acc, axis=0) * 0.0625  # the dots were of 16 x the codes: exact
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    mask = (om < M)[:, None] & (rn < N)[None, :]
+    tl.store(out_ptr + om[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+#: 9..16 tokens run :func:`_decode_mma_kernel`: output rows per program and warps (each warp every 4th K lane)
+MMA_ROWS, MMA_WARPS = 32, 4
+
+
+def uses_mma(m: int) -> bool:
+    """Whether a launch for ``m`` tokens runs the tensor-core kernel (9..16 tokens) rather than the ``dp4a`` one."""
+    return m > MAX_BLOCK_M
+
+
 def specialization(m: int) -> dict[str, int | bool]:
-    """The constexprs a launch for ``m`` tokens compiles with: ``BLOCK_M``, M rounded up to a power of two and
-    capped at :data:`MAX_BLOCK_M` (so 4 variants serve 1..16 tokens), and ``UNROLL`` up to :data:`UNROLL_M`."""
+    """The constexprs a launch for ``m`` tokens compiles with. Up to :data:`MAX_BLOCK_M` tokens (the ``dp4a``
+    kernel): ``BLOCK_M``, M rounded up to a power of two (so 4 variants serve 1..8 tokens), and ``UNROLL`` up to
+    :data:`UNROLL_M`; 9..16 tokens (the tensor-core kernel): ``ROWS`` and ``SPLIT``, one variant."""
+    if uses_mma(m):
+        return {"ROWS": MMA_ROWS, "SPLIT": MMA_WARPS}
     bm = min(triton.next_power_of_2(m), MAX_BLOCK_M)
     return {"BLOCK_M": bm, "UNROLL": bm <= UNROLL_M}
+
+
+def compile_options(m: int) -> dict[str, int | bool]:
+    """Warps, pipelining and FMA contraction of the launch for ``m`` tokens. The tensor-core kernel is not
+    software-pipelined (its 8 weight loads per step are in flight together; pipelining would route the weight
+    through ``cp.async`` and shared memory) and contracts its rescale into FMAs (inside the rounding bound)."""
+    if uses_mma(m):
+        return {"num_warps": MMA_WARPS, "num_stages": 1, "enable_fp_fusion": True}
+    return {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
 
 def gemm_tiled(
@@ -207,7 +349,8 @@ def gemm_tiled(
     out_dtype: torch.dtype,
     bias: Tensor | None = None,
 ) -> Tensor:
-    """One launch of :func:`_decode_kernel` (``N / 8 * cdiv(M, BLOCK_M)`` programs). ``a_codes``: int8 ``[M, K]``
+    """One launch: of :func:`_decode_kernel` for 1..8 tokens (``N / 8`` programs), of :func:`_decode_mma_kernel` for
+    9..16 (``N / 32`` programs of 4 warps). ``a_codes``: int8 ``[M, K]``
     in the decode order (:func:`loopq.kernels.packing.deinterleave_groups`), ``a_scales`` fp32 ``[M, K/32]``; the
     weight in the kernel layout (:func:`loopq.kernels.packing.tile_weight`) of ``n`` rows; ``bias`` fp32 ``[n]`` or
     None."""
@@ -218,11 +361,15 @@ def gemm_tiled(
     if n == 0:
         return out
     groups = k // GROUP_SIZE
-    spec = specialization(m)
-    _decode_kernel[(w_codes.shape[0] * triton.cdiv(m, spec["BLOCK_M"]),)](
-        a_codes.contiguous().view(torch.int32),
+    kernel, grid = _decode_kernel, w_codes.shape[0]  # one program per 8-row tile
+    if uses_mma(m):
+        kernel, grid = _decode_mma_kernel, triton.cdiv(n, MMA_ROWS)
+    else:
+        a_codes, w_codes = a_codes.contiguous().view(torch.int32), w_codes.view(torch.int32)
+    kernel[(grid,)](
+        a_codes.contiguous(),
         a_scales.contiguous(),
-        w_codes.view(torch.int32),
+        w_codes,
         w_scales,
         out if bias is None else bias,
         out,
@@ -230,9 +377,8 @@ def gemm_tiled(
         n,
         groups,
         HAS_BIAS=bias is not None,
-        **spec,
+        **specialization(m),
         ASM=a_codes.is_cuda and isinstance(_decode_kernel, triton.runtime.JITFunction),
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,
+        **compile_options(m),
     )
     return out

@@ -27,8 +27,8 @@ from loopq.kernels.packing import TILE_ROWS
 QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
 #: the fast quantizer at Ouro-1.4B's input widths (``kron_factors``: 2048 = 32 x 64, 5632 = 64 x 88), int4 and int8
 FAST_QUANT_CONFIGS = tuple((k, n1, n2, bits) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)) for bits in (4, 8))
-#: tokens per launch whose decode kernels are checked here: one of each compiled variant (BLOCK_M 1, 2, 4, 8;
-#: 9..16 tokens run the BLOCK_M = 8 binary, two programs per tile)
+#: tokens per launch whose dp4a decode kernels are checked here: one of each compiled variant (BLOCK_M 1, 2, 4, 8;
+#: 9..16 tokens run the tensor-core kernel, checked by ``scripts/ptx_stats.py``)
 DECODE_M = (1, 2, 4, 8)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -68,17 +68,17 @@ def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig
 
 
 def compile_decode(target: GPUTarget, m: int):
-    """:func:`decode_kernel._decode_kernel` as ``gemm_tiled`` launches it for ``m`` tokens (its
-    :func:`~decode_kernel.specialization`, bf16 output, a bias, 16-byte aligned pointers as torch allocates them)."""
-    sig = {"a_ptr": "*i32", "sa_ptr": "*fp32", "w_ptr": "*i32", "sw_ptr": "*fp16", "bias_ptr": "*fp32"}
-    sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "G": "i32"}
+    """The decode GEMM as ``gemm_tiled`` launches it for ``m`` tokens (:func:`decode_kernel._decode_kernel` up to 8,
+    :func:`decode_kernel._decode_mma_kernel` from 9; its :func:`~decode_kernel.specialization` and
+    :func:`~decode_kernel.compile_options`, bf16 output, a bias, 16-byte aligned pointers as torch allocates them)."""
+    mma = decode_kernel.uses_mma(m)
+    sig = {"a_ptr": "*i8" if mma else "*i32", "sa_ptr": "*fp32", "w_ptr": "*u8" if mma else "*i32"}
+    sig |= {"sw_ptr": "*fp16", "bias_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "G": "i32"}
     const = {"HAS_BIAS": True, **decode_kernel.specialization(m), "ASM": True}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    src = ASTSource(
-        decode_kernel._decode_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned
-    )
-    options = {"num_warps": decode_kernel.NUM_WARPS, "enable_fp_fusion": False}
-    return triton.compile(src, target=target, options=options)
+    kernel = decode_kernel._decode_mma_kernel if mma else decode_kernel._decode_kernel
+    src = ASTSource(kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned)
+    return triton.compile(src, target=target, options=decode_kernel.compile_options(m))
 
 
 def weight_load_bytes(ptx: str) -> list[int]:

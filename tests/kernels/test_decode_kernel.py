@@ -3,9 +3,10 @@ codes, bias and output dtype in the epilogue, and a quantized linear of two laun
 
 The bound is ``loopq.kernels.reference.gemm_fp64``'s: ``|out - ref64| <= gamma_{G+1} sum_k |a_k w_k s_a s_w|``
 (G groups, ``gamma_n = n 2^-24 / (1 - n 2^-24)``), derived in :mod:`loopq.kernels.decode_kernel`. Shapes are small
-for the interpreter but cover M = 1, 2 (unrolled), 3 (padded to 4), 11 and 16 (two 8-token programs per tile, the
-second one partly past M), a K of only a masked tail chunk (5 groups), one full chunk (64 groups) and a full chunk
-plus a tail (66), N not a multiple of the 8-row tile.
+for the interpreter but cover M = 1, 2 (unrolled), 3 (padded to 4) on the ``dp4a`` kernel and 11, 12 and 16 on the
+tensor-core one (16 token slots, the last ones past M), a K of only a masked tail chunk (2, 3 or 5 groups), one full
+chunk (64 groups) and a full chunk plus a tail (66), N not a multiple of the 8-row tile (nor of the tensor-core
+kernel's 32 rows).
 """
 
 import pytest
@@ -24,6 +25,7 @@ CASES = {
     "m3-chunk+tail": (3, 13, 2112),
     "m11-tail": (11, 9, 96),
     "m16-tail": (16, 9, 64),
+    "m12-chunk+tail": (12, 40, 2112),
     "m2-chunk": (2, 8, 2048),
 }
 
@@ -127,7 +129,8 @@ def test_a_quantized_linear_is_two_launches(m, monkeypatch):
     quantizer and the decode GEMM and no torch kernel; prefill adds only the weight's layout conversion and the
     epilogue in torch (documented as open)."""
     launches = _Launches()
-    for mod, name in ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel")):
+    kernels = ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel"))
+    for mod, name in (*kernels, (decode_kernel, "_decode_mma_kernel")):
         monkeypatch.setattr(mod, name, launches.kernel(name))
     monkeypatch.setattr(ops.gemm_kernel, "_gemm_kernel", launches.kernel("_gemm_kernel"))
     monkeypatch.setattr(ops, "triton_interpreted", lambda: True)
@@ -138,7 +141,8 @@ def test_a_quantized_linear_is_two_launches(m, monkeypatch):
         y = ops.quantized_linear(x, wt, swt, n, left, right, inv_d, 0.9, 4, bias, torch.float16, backend="triton")
     assert y.shape == (m, n) and y.dtype == torch.float16
     if m <= decode_kernel.MAX_M:
-        assert launches.names == ["_quantize_kernel", "_decode_kernel"] and torch_ops.ops == []
+        gemm = "_decode_mma_kernel" if decode_kernel.uses_mma(m) else "_decode_kernel"
+        assert launches.names == ["_quantize_kernel", gemm] and torch_ops.ops == []
     else:
         assert launches.names == ["_quantize_kernel", "_gemm_kernel"]
 

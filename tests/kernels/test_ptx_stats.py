@@ -5,7 +5,7 @@
 TRITON_INTERPRET=1): every variant's main loop contains no ``shfl`` or ``bar.sync`` and loads the weight codes and
 their scales 16 bytes at a time, nothing spills (``ptxas -v``), each compiles in seconds, and at M = 1 the loop
 executes at most 8 PTX instructions per weight byte per thread. The prefill GEMM's tiles: no ``cp.async`` wait for
-depth 0 inside the K loop, at most 168 registers, no spills - under the pinned Triton and, where
+depth 0 inside the K loop, at most 168 registers, no spills. Both under the pinned Triton and, where
 ``LOOPQ_EXTRA_TRITON`` names a folder holding another (the GPU image's 3.6), under that one too.
 """
 
@@ -68,28 +68,50 @@ def test_load_width_and_opcode():
         ptx.main_loop(SAMPLE, "evict_last")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
-def test_decode_main_loop_proxies(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "scripts/ptx_stats.py", "--arch", "90", "80", "--kernels", "decode", "--json"]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert sorted((r["arch"], r["M"]) for r in rows) == [(a, m) for a in (80, 90) for m in (1, 2, 4, 8, 16)]
-    for r in rows:
-        assert r["shfl"] == 0 and r["bar_sync"] == 0 and r["spills"] == 0, r
-        assert r["code_load_bytes"] == [16] and r["scale_load_bytes"] == [16], r
-        assert r["compile_s"] <= COMPILE_S, r
-    for r in (r for r in rows if r["M"] == 1):
-        assert r["per_byte"] <= 8, r
-        assert r["dp4a"] == 2 * r["code_bytes"] // 4, r  # two dp4a per 4-byte weight word at M = 1
-
-
 #: a second Triton to check the proxies under (compiled code differs between versions; the GPU image runs 3.6):
 #: a folder holding its package, e.g. ``pip install --no-deps --target DIR triton==3.6.0`` (docs/benchmarks.md)
 EXTRA_TRITON = os.environ.get("LOOPQ_EXTRA_TRITON", "")
+
+
+def ptx_stats(triton_dir: str, tmp_path: Path, kernels: str, timeout: int) -> list[dict]:
+    """``scripts/ptx_stats.py --json`` rows for sm_90 and sm_80 under the pinned Triton or (``"extra"``) the one in
+    ``LOOPQ_EXTRA_TRITON`` (skips where unset), with TRITON_INTERPRET unset and a fresh compile cache."""
+    if triton_dir == "extra" and not EXTRA_TRITON:
+        pytest.skip("LOOPQ_EXTRA_TRITON unset: no second Triton to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = [EXTRA_TRITON] if triton_dir == "extra" else []
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
+    cmd = [sys.executable, "scripts/ptx_stats.py", "--arch", "90", "80", "--kernels", kernels, "--json"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if triton_dir == "extra":
+        assert {r["triton"] for r in rows} != {triton.__version__}, "LOOPQ_EXTRA_TRITON did not change the version"
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
+@pytest.mark.parametrize("triton_dir", ["pinned", "extra"])
+def test_decode_main_loop_proxies(triton_dir, tmp_path):
+    """Every decode launch shape (M = 1, 2, 4, 8: the ``dp4a`` kernel; 16: the tensor-core kernel serving 9..16)
+    for sm_90 and sm_80: no ``shfl`` in the main loop, 16-byte code and scale loads, no spills, each variant
+    compiled in seconds; the ``dp4a`` loops without ``bar.sync``, at M = 1 at most 8 PTX instructions per weight
+    byte per thread. M = 16: at most 8 per weight byte under the pinned Triton; under 3.6 the tensor-core operand
+    is staged through shared memory byte by byte (15 per byte, docs/benchmarks.md): held to 16, the open item.
+    The tensor-core loop stages its operands through shared memory, so it has ``bar.sync`` (one warp-group each)."""
+    rows = ptx_stats(triton_dir, tmp_path, "decode", 300)
+    assert sorted((r["arch"], r["M"]) for r in rows) == [(a, m) for a in (80, 90) for m in (1, 2, 4, 8, 16)]
+    for r in rows:
+        assert r["shfl"] == 0 and r["spills"] == 0, r
+        assert r["code_load_bytes"] == [16] and r["scale_load_bytes"] == [16], r
+        assert r["compile_s"] <= COMPILE_S, r
+        assert r["bar_sync"] == 0 or r["variant"].startswith("mma"), r
+    for r in (r for r in rows if r["M"] == 1):
+        assert r["per_byte"] <= 8, r
+        assert r["dp4a"] == 2 * r["code_bytes"] // 4, r  # two dp4a per 4-byte weight word at M = 1
+    for r in (r for r in rows if r["M"] == 16):
+        assert r["variant"].startswith("mma") and r["per_byte"] <= (8 if triton_dir == "pinned" else 16), r
 
 
 @pytest.mark.slow
@@ -99,18 +121,8 @@ def test_prefill_loop_proxies(triton_dir, tmp_path):
     """Every tile of the prefill config table, W4A4 and W4A8, for sm_90 and sm_80: the K loop never waits for its
     copies to drain (no ``cp.async.wait_group 0`` inside a loop, and at least one deeper wait: the loop is
     pipelined), at most 168 registers, no spills. Eight compiles, about a second each."""
-    if triton_dir == "extra" and not EXTRA_TRITON:
-        pytest.skip("LOOPQ_EXTRA_TRITON unset: no second Triton to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    path = [EXTRA_TRITON] if triton_dir == "extra" else []
-    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
-    cmd = [sys.executable, "scripts/ptx_stats.py", "--arch", "90", "80", "--kernels", "prefill", "--json"]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    rows = ptx_stats(triton_dir, tmp_path, "prefill", 300)
     assert len(rows) == 2 * 2 * 2, rows  # two archs, two tiles, two activation widths
-    if triton_dir == "extra":
-        assert {r["triton"] for r in rows} != {triton.__version__}, "LOOPQ_EXTRA_TRITON did not change the version"
     for r in rows:
         assert r["cp_async_waits_in_loop"] and min(r["cp_async_waits_in_loop"]) > 0, r
         assert r["registers"] <= 168 and r["spills"] == 0, r
