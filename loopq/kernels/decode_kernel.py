@@ -72,12 +72,14 @@ shifts and :func:`_nibbles16` the same int8 values with integer arithmetic.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopq.kernels.packing import CHUNK_GROUPS, GROUP_SIZE, SCALE_RUN, TILE_LANES, TILE_ROWS
+from loopq.kernels.packing import CHUNK_GROUPS, GROUP_SIZE, SCALE_RUN, TILE_LANES, TILE_ROWS, cdiv, next_pow2
 
 #: the decode path serves calls of at most this many tokens (``loopq.kernels.ops`` dispatches on it)
 MAX_M = 16
@@ -327,7 +329,7 @@ def specialization(m: int) -> dict[str, int | bool]:
     :data:`UNROLL_M`; 9..16 tokens (the tensor-core kernel): ``ROWS`` and ``SPLIT``, one variant."""
     if uses_mma(m):
         return {"ROWS": MMA_ROWS, "SPLIT": MMA_WARPS}
-    bm = min(triton.next_power_of_2(m), MAX_BLOCK_M)
+    bm = min(next_pow2(m), MAX_BLOCK_M)
     return {"BLOCK_M": bm, "UNROLL": bm <= UNROLL_M}
 
 
@@ -338,6 +340,26 @@ def compile_options(m: int) -> dict[str, int | bool]:
     if uses_mma(m):
         return {"num_warps": MMA_WARPS, "num_stages": 1, "enable_fp_fusion": True}
     return {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+
+
+class GemmLaunch(NamedTuple):
+    """How :func:`gemm_tiled` launches for a shape: the kernel, its grid, whether the codes are read as int32 words
+    (the ``dp4a`` kernel) and its constexprs and compile options (also :mod:`loopq.kernels.decode_plan`'s)."""
+
+    kernel: Any
+    grid: tuple[int]
+    words: bool
+    constexprs: dict[str, int | bool]
+
+
+def gemm_launch(m: int, n: int, tiles: int, has_bias: bool, cuda: bool) -> GemmLaunch:
+    """The launch of ``m`` tokens (1..:data:`MAX_M`) against ``n`` weight rows stored as ``tiles`` 8-row tiles: one
+    program per tile for the ``dp4a`` kernel, one per :data:`MMA_ROWS` rows for the tensor-core one."""
+    mma = uses_mma(m)
+    kernel, grid = (_decode_mma_kernel, cdiv(n, MMA_ROWS)) if mma else (_decode_kernel, tiles)
+    asm = cuda and isinstance(_decode_kernel, triton.runtime.JITFunction)
+    constexprs = dict(HAS_BIAS=has_bias, **specialization(m), ASM=asm, **compile_options(m))
+    return GemmLaunch(kernel, (grid,), not mma, constexprs)
 
 
 def gemm_tiled(
@@ -360,25 +382,11 @@ def gemm_tiled(
     out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
     if n == 0:
         return out
-    groups = k // GROUP_SIZE
-    kernel, grid = _decode_kernel, w_codes.shape[0]  # one program per 8-row tile
-    if uses_mma(m):
-        kernel, grid = _decode_mma_kernel, triton.cdiv(n, MMA_ROWS)
-    else:
-        a_codes, w_codes = a_codes.contiguous().view(torch.int32), w_codes.view(torch.int32)
-    kernel[(grid,)](
-        a_codes.contiguous(),
-        a_scales.contiguous(),
-        w_codes,
-        w_scales,
-        out if bias is None else bias,
-        out,
-        m,
-        n,
-        groups,
-        HAS_BIAS=bias is not None,
-        **specialization(m),
-        ASM=a_codes.is_cuda and isinstance(_decode_kernel, triton.runtime.JITFunction),
-        **compile_options(m),
-    )
+    launch = gemm_launch(m, n, w_codes.shape[0], bias is not None, a_codes.is_cuda)
+    a_codes = a_codes.contiguous()
+    a_codes, w_codes = (a_codes.view(torch.int32), w_codes.view(torch.int32)) if launch.words else (a_codes, w_codes)
+    launch.kernel[launch.grid](
+        a_codes, a_scales.contiguous(), w_codes, w_scales, out if bias is None else bias, out, m, n, k // GROUP_SIZE,
+        **launch.constexprs,
+    )  # fmt: skip
     return out

@@ -8,8 +8,8 @@ constexprs) gives the same answer every time: ~125 us of Python per linear with 
 checked call; :meth:`DecodePlan.__call__` then allocates the quantizer's codes and scales and the output (returned
 to the caller, so fresh at every call: a CUDA graph capture gets its own) and issues the same two launches as the
 checked call: the quantizer (:class:`~loopq.kernels.quantize_kernel.QuantizeLaunch`) and the decode GEMM
-(:func:`~loopq.kernels.decode_kernel._decode_kernel`, launched as :func:`~loopq.kernels.decode_kernel.gemm_tiled`
-launches it; ``tests/kernels/test_decode_plan.py`` checks that both paths launch the same kernels with the same
+(:func:`~loopq.kernels.decode_kernel.gemm_launch`, the launch :func:`~loopq.kernels.decode_kernel.gemm_tiled`
+issues; ``tests/kernels/test_decode_plan.py`` checks that both paths launch the same kernels with the same
 arguments and give the same bits).
 
 A plan holds views of the tensors it was built from (weight slot, fp32 factors and diagonal, bias: an in-place write
@@ -26,10 +26,9 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from triton.runtime import JITFunction
 
 from loopq.kernels import decode_kernel, ops, quantize_kernel
-from loopq.kernels.packing import GROUP_SIZE, cdiv
+from loopq.kernels.packing import GROUP_SIZE
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -42,12 +41,11 @@ class DecodePlan:
     right: Tensor | None
     clip: float  # fp32 value
     scratch: Scratch
-    gemm_grid: tuple[int]
-    w_codes: Tensor  # the weight slot viewed as int32 words
+    gemm: decode_kernel.GemmLaunch
+    w_codes: Tensor  # the weight slot (as int32 words for the dp4a kernel)
     w_scales: Tensor
     bias: Tensor | None
     sizes: tuple[int, int, int]  # M, N, groups
-    gemm_constexprs: dict[str, int | bool]
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
 
@@ -57,9 +55,10 @@ class DecodePlan:
         s = self.scratch
         self.quantize.run(x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip)
         out = x.new_empty(self.out_shape, dtype=self.out_dtype)  # x is on the planned device
-        decode_kernel._decode_kernel[self.gemm_grid](
-            s.words, s.scales, self.w_codes, self.w_scales, out if self.bias is None else self.bias, out,
-            *self.sizes, **self.gemm_constexprs,
+        g = self.gemm
+        g.kernel[g.grid](
+            s.words if g.words else s.codes, s.scales, self.w_codes, self.w_scales,
+            out if self.bias is None else self.bias, out, *self.sizes, **g.constexprs,
         )  # fmt: skip
         return out
 
@@ -115,16 +114,9 @@ def plan_decode(
     fast = left is not None and quantize_kernel.uses_fast_path(None, x.device)
     factors = None if left is None else (left.shape[0], right.shape[0])
     launch = quantize_kernel.quantize_launch(m, k, factors, a_bits, inv_d is not None, True, fast, x.is_cuda)
-    spec = decode_kernel.specialization(m)
+    gemm = decode_kernel.gemm_launch(m, n, w_codes.shape[0], bias is not None, x.is_cuda)
     return DecodePlan(
         launch, inv_d, left, right, quantize_kernel.fp32_value(clip), scratch(m, k, launch.needs_scratch, x.device),
-        (w_codes.shape[0] * cdiv(m, spec["BLOCK_M"]),), w_codes.view(torch.int32), w_scales, bias,
-        (m, n, k // GROUP_SIZE), _gemm_constexprs(spec, bias is not None, x.is_cuda), out_shape, out_dtype,
+        gemm, w_codes.view(torch.int32) if gemm.words else w_codes, w_scales, bias, (m, n, k // GROUP_SIZE),
+        out_shape, out_dtype,
     )  # fmt: skip
-
-
-def _gemm_constexprs(spec: dict[str, int | bool], has_bias: bool, cuda: bool) -> dict[str, int | bool]:
-    """The constexprs and options :func:`~loopq.kernels.decode_kernel.gemm_tiled` launches with."""
-    asm = cuda and isinstance(decode_kernel._decode_kernel, JITFunction)
-    constexprs = dict(HAS_BIAS=has_bias, **spec, ASM=asm)
-    return constexprs | dict(num_warps=decode_kernel.NUM_WARPS, enable_fp_fusion=False)

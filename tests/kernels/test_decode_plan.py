@@ -114,7 +114,8 @@ class _Recorder:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.launches = []
-        for module, name in ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel")):
+        kernels = [(qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel")]
+        for module, name in [*kernels, (decode_kernel, "_decode_mma_kernel")]:  # 1..8 / 9..16 tokens
             monkeypatch.setattr(module, name, self.kernel(name))
 
     def kernel(self, name: str):
@@ -144,6 +145,7 @@ def test_the_plan_launches_what_the_checked_call_launches(m, fast, monkeypatch):
     group(x, 2)
     assert len(checked) == 2 and recorder.launches[2:] == checked
     assert checked[0][0] == ("_quantize_dot_kernel" if fast else "_quantize_kernel")
+    assert checked[1][0] == ("_decode_mma_kernel" if m > 8 else "_decode_kernel")  # tensor cores from 9 tokens
 
 
 def test_no_plan_for_prefill_the_torch_backend_or_factors_it_would_copy(device, monkeypatch):
