@@ -5,9 +5,10 @@ A decode step calls each quantized linear with the same shapes at every token, a
 and device checks, the transform factors' fp32 copies, the clip's fp32 value, the backend, both kernels' grids and
 constexprs) gives the same answer every time: ~125 us of Python per linear with the kernels stubbed
 (``bench/decode_overhead.py``), against a few microseconds of launch. :func:`plan_decode` computes it all after a
-checked call; :meth:`DecodePlan.__call__` then allocates the quantizer's codes and scales and the output (returned
-to the caller, so fresh at every call: a CUDA graph capture gets its own) and issues the same two launches as the
-checked call: the quantizer (:class:`~loopq.kernels.quantize_kernel.QuantizeLaunch`) and the decode GEMM
+checked call; :meth:`DecodePlan.__call__` then writes the quantizer's codes and scales to the plan's scratch (one
+per thread, allocated at its first call: the same call's GEMM consumes it, in stream order), allocates the output
+(returned to the caller, so fresh at every call: a CUDA graph capture gets its own) and issues the same two
+launches as the checked call: the quantizer (:class:`~loopq.kernels.quantize_kernel.QuantizeLaunch`) and the decode GEMM
 (:func:`~loopq.kernels.decode_kernel.gemm_launch`, the launch :func:`~loopq.kernels.decode_kernel.gemm_tiled`
 issues; ``tests/kernels/test_decode_plan.py`` checks that both paths launch the same kernels with the same
 arguments and give the same bits).
@@ -20,7 +21,7 @@ identities and addresses and the clips' version counter, as ``host_clip`` does.
 
 from __future__ import annotations
 
-import functools
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -40,7 +41,7 @@ class DecodePlan:
     left: Tensor | None  # fp32, contiguous; None without a transform
     right: Tensor | None
     clip: float  # fp32 value
-    scratch: Scratch
+    scratches: dict[int, Scratch]  # per thread, see __call__
     gemm: decode_kernel.GemmLaunch
     w_codes: Tensor  # the weight slot (as int32 words for the dp4a kernel)
     w_scales: Tensor
@@ -52,7 +53,13 @@ class DecodePlan:
     def __call__(self, x: Tensor) -> Tensor:
         """``y [*x.shape[:-1], N]`` for ``x`` of the planned shape, dtype and device (not checked here)."""
         x = x if x.is_contiguous() else x.contiguous()
-        s = self.scratch
+        # the quantizer's outputs live in scratch the same call's GEMM consumes, in stream order; one per plan and
+        # thread, so two groups of one shape, or two threads decoding with one model, never share it
+        s = self.scratches.get(threading.get_ident())
+        if s is None:
+            m, _, groups = self.sizes
+            fresh = scratch(m, groups * GROUP_SIZE, self.quantize.needs_scratch, x.device)
+            s = self.scratches.setdefault(threading.get_ident(), fresh)
         self.quantize.run(x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip)
         out = x.new_empty(self.out_shape, dtype=self.out_dtype)  # x is on the planned device
         g = self.gemm
@@ -73,11 +80,8 @@ class Scratch(NamedTuple):
     transform: Tensor | None
 
 
-@functools.cache
 def scratch(m: int, k: int, transform: bool, device: torch.device) -> Scratch:
-    """One :class:`Scratch` per shape and device, shared by every plan: a call's quantizer writes it and its GEMM
-    reads it, in stream order, so calls on one stream (eager decode, a CUDA graph's replay) never overlap on it.
-    Plans on two streams at once would race; the output, returned to the caller, is allocated per call."""
+    """A :class:`Scratch` for ``m`` tokens of ``k`` features on ``device``."""
     codes = torch.empty(m, k, dtype=torch.int8, device=device)
     scales = torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=device)
     rows = torch.empty(m, k, dtype=torch.float32, device=device) if transform else None
@@ -116,7 +120,7 @@ def plan_decode(
     launch = quantize_kernel.quantize_launch(m, k, factors, a_bits, inv_d is not None, True, fast, x.is_cuda)
     gemm = decode_kernel.gemm_launch(m, n, w_codes.shape[0], bias is not None, x.is_cuda)
     return DecodePlan(
-        launch, inv_d, left, right, quantize_kernel.fp32_value(clip), scratch(m, k, launch.needs_scratch, x.device),
+        launch, inv_d, left, right, quantize_kernel.fp32_value(clip), {},
         gemm, w_codes.view(torch.int32) if gemm.words else w_codes, w_scales, bias, (m, n, k // GROUP_SIZE),
         out_shape, out_dtype,
     )  # fmt: skip

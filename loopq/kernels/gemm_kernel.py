@@ -102,7 +102,7 @@ def _config_for_bucket(bucket: int, n: int) -> PrefillConfig:
 
 def prefill_config(m: int, n: int) -> PrefillConfig:
     """The largest candidate tile whose grid still has at least one program per SM at M's bucket (else the
-    smallest): M = 4096 gets 64 x 256 (Ouro-1.4B: 512 to 2816 programs), M = 256 on N = 2048 gets 64 x 64 (128)."""
+    smallest): M = 4096 gets 64 x 128, M = 256 on N = 2048 gets 64 x 64 (128 programs)."""
     return _config_for_bucket(m_bucket(m), n)
 
 

@@ -141,7 +141,8 @@ class BufferStamp(NamedTuple):
     """What a group's decode plans were built on: its buffer objects, their addresses and the version of
     ``act_clip``, the one buffer a plan copies (as a float; it holds views of the others, so in-place writes to
     them reach it). The plans are stale after a move or an assignment (other objects), a ``.data`` swap (another
-    address) or a write to the clips, e.g. ``load_state_dict``."""
+    address) or a write to the clips, e.g. ``load_state_dict``. Not seen (as by ``host_clip``): an in-place write
+    to the clips through ``.data`` or to inference tensors (neither bumps the version counter)."""
 
     buffers: tuple[Tensor | None, ...]
     live: tuple[Tensor, ...]
@@ -265,6 +266,7 @@ class PackedLinearGroup(nn.Module):
         """Follow device moves but never dtype casts: ``model.to(torch.bfloat16)`` / ``.half()`` would round the
         fp16 scales and the fp32 transforms and clips, which the kernels read as they were exported."""
         self._decode_plans = {}
+        self.__dict__.pop("_host_clips", None)  # keyed by address: a moved clip may reuse the old one's
         for name, t in self._buffers.items():
             if t is not None:
                 self._buffers[name] = t.to(fn(torch.empty(0, dtype=t.dtype, device=t.device)).device)

@@ -181,3 +181,19 @@ def test_copies_carry_no_plan_and_a_tensor_loop_index_gets_none(device):
     group._decode_plans = {}
     assert_same(group(x, torch.tensor(1)), want)
     assert group._decode_plans == {}
+
+
+def test_scratch_is_never_shared_by_two_groups_of_one_shape_nor_by_two_threads(device):
+    """The quantizer's codes and scales are consumed by the same call's GEMM: two groups of one shape (decoded one
+    after the other) and two threads decoding with one group each write their own scratch."""
+    import threading
+
+    first, second, x = make_group(device), make_group(device), tokens(1, device)
+    for group in (first, second):
+        group(x, 0), group(x, 0)
+    ((_, plan_a),), ((_, plan_b),) = first._decode_plans.values(), second._decode_plans.values()
+    other = threading.Thread(target=lambda: first(x, 0))
+    other.start(), other.join()
+    assert len(plan_a.scratches) == 2 and len(plan_b.scratches) == 1
+    scratch = [*plan_a.scratches.values(), *plan_b.scratches.values()]
+    assert len({s.codes.data_ptr() for s in scratch}) == len({s.scales.data_ptr() for s in scratch}) == 3
