@@ -273,16 +273,21 @@ def student_at_checkpoint(directory: str | Path, ckpt_path: str | Path, out: str
     that run's checkpoints (same teacher and config, else refused in one line): the last step's when
     ``model.student_from: best`` chose another, or any step's, to compare them (issue 41). The checkpoint is read
     weights-only; ``provenance.selected`` records it and its step."""
+    from loopq.artifacts.layout import check_output_dir
     from loopq.calib.checkpoint_io import load_weights_only
 
-    student, meta = load_student(directory)
+    if not Path(ckpt_path).is_file():
+        what = "a directory (DeepSpeed's checkpoints are not read here)" if Path(ckpt_path).is_dir() else "not found"
+        raise StudentFormatError(f"{ckpt_path}: {what}; pass a .ckpt file from the run's checkpoints/ folder")
+    check_output_dir(out, [directory], "out")  # never the run's own student, nor any other model directory
     state = load_weights_only(ckpt_path)
     recorded = (state.get("loopq") or {}).get("provenance")
-    if recorded is None or flat_record(recorded) != flat_record(meta.get("provenance")):
+    if recorded is None or flat_record(recorded) != flat_record(read_student_meta(directory).get("provenance")):
         raise StudentFormatError(
             f"{ckpt_path}: not a checkpoint of the calibration that wrote {directory} (another teacher or config); "
             "pass one from that run's checkpoints/ folder"
         )
+    student, meta = load_student(directory)
     prefix = "student."
     weights = {k[len(prefix) :]: v for k, v in state["state_dict"].items() if k.startswith(prefix)}
     missing = sorted(stored_tensors(student).keys() - weights.keys())

@@ -181,7 +181,7 @@ def evaluate(
         limit: lm-eval examples per task (default: all)
         num_loops: loops to evaluate at (default: the model's)
         ppl_seq_len: WikiText-2 window length (tokens)
-        ppl_windows: the first N WikiText-2 windows only (default: all)
+        ppl_windows: the first N perplexity windows only, of WikiText-2 (and LAMBADA) (default: all)
         lambada_ppl: also the perplexity of the LAMBADA test passages as running text, same windows (a second
             corpus no calibration reads; ``lambada_ppl`` in the JSON)
         batch_size: evaluation batch size
@@ -203,6 +203,7 @@ def evaluate(
             model, student, exported, choice, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
         )
         tokenizer = load_tokenizer(tok_dir)
+        second = lambada_stream(tokenizer) if lambada_ppl else None  # a missing file is said before any work
         ppl = first_windows(net, wikitext2_stream(tokenizer), ppl_seq_len, ppl_windows, batch_size, num_loops)
         result: dict[str, Any] = {
             "method": method,
@@ -216,8 +217,8 @@ def evaluate(
             "device": device_label(where),
             "provenance": provenance_of(model, student, exported),
         }
-        if lambada_ppl:
-            lambada = first_windows(net, lambada_stream(tokenizer), ppl_seq_len, ppl_windows, batch_size, num_loops)
+        if second is not None:
+            lambada = first_windows(net, second, ppl_seq_len, ppl_windows, batch_size, num_loops, per_loop=False)
             result["lambada_ppl"], result["lambada_windows"] = lambada.ppl, lambada.num_windows
         if choice.baseline not in (None, "rtn"):
             result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
@@ -230,12 +231,18 @@ def evaluate(
 
 
 def first_windows(
-    net: LoopLM, ids: list[int], seq_len: int, windows: int | None, batch_size: int, num_loops: int | None
+    net: LoopLM,
+    ids: list[int],
+    seq_len: int,
+    windows: int | None,
+    batch_size: int,
+    num_loops: int | None,
+    per_loop: bool = True,
 ) -> PerplexityResult:
     """Perplexity (and each loop's) of the first ``windows`` ``seq_len``-token windows of ``ids`` (all if None)."""
     stream = torch.tensor(ids, device="cpu")  # host tokens; windows move per batch
     stream = stream if windows is None else stream[: windows * seq_len]
-    return perplexity(net, stream, seq_len, batch_size, num_loops, per_loop=True)
+    return perplexity(net, stream, seq_len, batch_size, num_loops, per_loop=per_loop)
 
 
 def device_label(device: torch.device) -> str:

@@ -17,6 +17,7 @@ from loopq.calib.validation import LoopPerplexity, ValidationMetrics, measure, t
 from loopq.data.calibration import CalibrationDataModule, rank_shard
 from loopq.data.stream import disjoint_starts, spread_windows
 from loopq.data.text import DataError
+from loopq.errors import GuardError
 from loopq.metrics.perplexity import perplexity
 from loopq.paths import REPO_ROOT
 from loopq.quant import QuantConfig
@@ -165,6 +166,16 @@ def test_validation_changes_no_bit_and_a_checkpoint_reproduces_the_logged_values
     assert meta_rebuilt["provenance"]["selected"]["step"] == 6
     with pytest.raises(StudentFormatError, match="not a checkpoint of the calibration that wrote"):  # other config
         student_at_checkpoint(tmp_path / "student", tmp_path / "plain" / "checkpoints" / "last.ckpt", tmp_path / "x")
+    with pytest.raises(StudentFormatError, match=r"missing\.ckpt: not found; pass a \.ckpt file"):
+        student_at_checkpoint(tmp_path / "student", tmp_path / "missing.ckpt", tmp_path / "x")
+    (tmp_path / "dir.ckpt").mkdir()
+    with pytest.raises(StudentFormatError, match=r"dir\.ckpt: a directory \(DeepSpeed"):
+        student_at_checkpoint(tmp_path / "student", tmp_path / "dir.ckpt", tmp_path / "x")
+    before = (tmp_path / "student" / "loopq_student.safetensors").read_bytes()
+    for taken in (tmp_path / "student", tmp_path / "plain" / "student"):  # the run's own student, another model
+        with pytest.raises(GuardError, match="out "):
+            student_at_checkpoint(tmp_path / "student", tmp_path / "checkpoints" / "last.ckpt", taken)
+    assert (tmp_path / "student" / "loopq_student.safetensors").read_bytes() == before
     logged = val_rows(tmp_path)
     step = max(logged)  # Lightning logs validation at global_step - 1: the checkpoint of step 6
     ckpt = next((tmp_path / "checkpoints").glob(f"*step={step + 1}.ckpt"))
