@@ -233,3 +233,25 @@ def test_committed_summary_is_what_its_result_jsons_give(results_dir, tmp_path, 
     capsys.readouterr()
     fix = f"regenerate it: python -m loopq.experiments summary --out {results_dir}"
     assert text == (REPO / results_dir / "summary.md").read_text(), fix
+
+
+def test_extra_fit_options_read_as_yaml_reach_the_calibration_as_words():
+    """``--extra '[--trainer.max_steps, 100]'`` (the help's own example): YAML reads 100 and true as a number and a
+    boolean; the calibration's loopq.fit arguments get them back as the words typed."""
+    from loopq.commands.cli import prepare_argv
+
+    parser = experiments.build_parser()
+    argv = [
+        "table1",
+        "--model",
+        "m",
+        "--out",
+        "o",
+        "--extra",
+        "[--trainer.max_steps, 100, --model.cta, true, --x, 0.5]",
+    ]
+    config = parser.parse_args(prepare_argv(argv, parser, {}))
+    extra = config.table1.extra
+    assert extra == ["--trainer.max_steps", 100, "--model.cta", True, "--x", 0.5]
+    args = experiments.Calibration("m", Path("r"), "c.yaml", 4, tuple(extra)).args()
+    assert args[-6:] == ["--trainer.max_steps", "100", "--model.cta", "True", "--x", "0.5"]

@@ -86,6 +86,10 @@ ABLATIONS = {
 }
 
 
+#: one word of ``extra``: the option list is YAML, where ``100`` or ``true`` read as numbers and booleans
+FitOption = str | int | float | bool
+
+
 @dataclass(frozen=True)
 class Calibration:
     """One trained row's ``loopq.fit`` run: its ``config`` and ``extra`` options on teacher ``model`` at ``a_bits``
@@ -95,7 +99,7 @@ class Calibration:
     run: Path
     config: str
     a_bits: int
-    extra: tuple[str, ...] = ()
+    extra: tuple[FitOption, ...] = ()
 
     @property
     def student(self) -> Path:
@@ -106,7 +110,7 @@ class Calibration:
         teacher = ["--model.teacher", self.model, "--model.quant.a_bits", str(self.a_bits)]
         run = str(self.run.absolute())  # this process's path: not moved by LOOPQ_RUNS_DIR (loopq.paths.run_root)
         where = ["--trainer.default_root_dir", run, "--trainer.enable_progress_bar", "false"]
-        return ["--config", self.config, *teacher, *where, *self.extra]
+        return ["--config", self.config, *teacher, *where, *map(str, self.extra)]
 
 
 class Sweep(StageRunner):
@@ -220,7 +224,7 @@ def table1(
     seeds: list[int] | None = None,
     bits: list[str] | None = None,
     methods: list[str] | None = None,
-    extra: list[str] | None = None,
+    extra: list[FitOption] | None = None,
     ppl_windows: int | None = None,
     device: str = AUTO,
 ) -> list[Path]:
@@ -262,7 +266,7 @@ def ablations(
     limit: int | None = 200,
     tasks: list[str] | None = None,
     seeds: list[int] | None = None,
-    extra: list[str] | None = None,
+    extra: list[FitOption] | None = None,
     ppl_windows: int | None = None,
     device: str = AUTO,
 ) -> list[Path]:
@@ -297,7 +301,7 @@ def slt_budget(
     limit: int | None = 200,
     tasks: list[str] | None = None,
     seeds: list[int] | None = None,
-    extra: list[str] | None = None,
+    extra: list[FitOption] | None = None,
     ppl_windows: int | None = None,
     device: str = AUTO,
 ) -> list[Path]:
