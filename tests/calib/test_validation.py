@@ -252,7 +252,7 @@ SHIPPED += ["configs/baselines/spinquant-tiny.yaml"]
 
 @pytest.mark.parametrize("config", SHIPPED)
 def test_the_student_best_overlay_adds_a_monitoring_checkpoint_to_any_shipped_config(config):
-    """``--config <c> --config configs/student-best.yaml`` keeps the config's own callbacks, appends one
+    """``--config <c> --config configs/overlays/student-best.yaml`` keeps the config's own callbacks, appends one
     ModelCheckpoint monitoring the held-out KL (mode min) and passes the ``student_from best`` guard."""
     from loopq.commands import fit
     from loopq.errors import UsageError
@@ -261,7 +261,7 @@ def test_the_student_best_overlay_adds_a_monitoring_checkpoint_to_any_shipped_co
     parser = fit.build_parser()
     plain = parser.parse_args(["--config", str(REPO_ROOT / config)])
     both = parser.parse_args(
-        ["--config", str(REPO_ROOT / config), "--config", str(REPO_ROOT / "configs/student-best.yaml")]
+        ["--config", str(REPO_ROOT / config), "--config", str(REPO_ROOT / "configs/overlays/student-best.yaml")]
     )
     names = [cb.class_path for cb in both.trainer.callbacks]
     assert names[:-1] == [cb.class_path for cb in plain.trainer.callbacks]
