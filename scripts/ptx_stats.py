@@ -9,7 +9,9 @@ registers and spills; no GPU needed) and :mod:`loopq.kernels.ptx` reads the PTX.
 code bytes that thread loads per iteration and their ratio (instructions per weight byte), ``shfl`` / ``bar.sync``
 inside the loop, the widths of the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile
 of the config table (W4A4 and W4A8): the ``cp.async.wait_group`` and ``wgmma.wait_group`` depths inside its loops
-(a 0 is a full drain), registers, spills. Per fast quantizer: registers, spills.
+(a 0 is a full drain), and from the SASS (bundled ``cuobjdump``) of its K loop: the instructions per iteration,
+of them the ``I2F`` conversions (a quarter-rate unit before sm_90), the tensor-core MMAs and the rescale's
+``FMUL`` + ``FFMA``; registers, spills. Per fast quantizer: registers, spills.
 ``docs/benchmarks.md`` quotes its table;
 ``tests/kernels/test_ptx_stats.py`` asserts the acceptance limits on the same numbers.
 """
@@ -31,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from loopq.kernels import decode_kernel, gemm_kernel, ptx
-from tests.kernels.gpu_compile import compile_decode, compile_fast_quantizer, compile_gemm, ptxas_usage
+from tests.kernels.gpu_compile import compile_decode, compile_fast_quantizer, compile_gemm, ptxas_usage, sass_of
 
 DECODE_M = (1, 2, 4, 8, 16)
 #: the weight codes are loaded with the evict-first hint, their scales with ``ld.global.cg`` (``decode_kernel``)
@@ -75,8 +77,13 @@ def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig, a_bits: int) -> dict:
     code = compile_gemm(GPUTarget("cuda", arch, 32), a_bits == 4, cfg).asm["ptx"]
     seconds = time.perf_counter() - start
     regs, spills = ptxas_usage(code, arch)
+    sass = ptx.sass_loop(sass_of(code, arch))
     return {
         "kernel": f"prefill W4A{a_bits} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{cfg.block_g}",
+        "sass_loop": sum(sass.values()),
+        "sass_i2f": sass["I2F"],
+        "sass_mma": sum(v for k, v in sass.items() if "MMA" in k),
+        "sass_rescale": sass["FMUL"] + sass["FFMA"],
         "arch": arch,
         "compile_s": round(seconds, 1),
         "cp_async_waits_in_loop": ptx.waits_in_loops(code),
@@ -127,12 +134,18 @@ def markdown(rows: list[dict]) -> str:
         out.append("")
     if others:
         out += [
-            "| arch | kernel | cp.async waits in loop | wgmma waits in loop | regs | spills |",
-            "|---|---|---|---|---|---|",
+            "| arch | kernel | cp.async waits in loop | wgmma waits in loop | SASS loop (I2F / MMA / FMUL+FFMA) "
+            "| regs | spills |",
+            "|---|---|---|---|---|---|---|",
         ]
     for r in others:
         waits = r.get("cp_async_waits_in_loop", "-"), r.get("wgmma_waits_in_loop", "-")
-        out.append(f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {r['registers']} | {r['spills']} |")
+        sass = (
+            f"{r['sass_loop']} ({r['sass_i2f']} / {r['sass_mma']} / {r['sass_rescale']})" if "sass_loop" in r else "-"
+        )
+        out.append(
+            f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {sass} | {r['registers']} | {r['spills']} |"
+        )
     return "\n".join(out)
 
 

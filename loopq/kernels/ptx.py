@@ -1,4 +1,5 @@
-"""Facts about compiled kernels read from their PTX text: loops, instruction counts, load widths, waits.
+"""Facts about compiled kernels read from their PTX text (loops, instruction counts, load widths, waits) and from
+their SASS (the machine code ``cuobjdump -sass`` prints: what the GPU issues, e.g. ``I2F`` vs ``I2FP``).
 
 The kernels' speed claims are checked ahead of time on a CPU (``scripts/ptx_stats.py``,
 ``tests/kernels/test_ptx_stats.py``): Triton compiles them for sm_90 / sm_80 without a GPU and these pure functions
@@ -97,3 +98,26 @@ def waits_in_loops(ptx: str, instruction: str = "cp.async.wait_group") -> list[i
             if match:
                 depths.append(int(match.group(1)))
     return depths
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_BRANCH = re.compile(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)")
+
+
+def sass_loop(sass: str) -> Counter[str]:
+    """Opcodes (``FFMA``, ``I2F``, ...) of the longest loop of a ``cuobjdump -sass`` listing: from the target of a
+    backward ``BRA`` to that branch (one kernel per listing; predicated instructions count once)."""
+    lines = sass.splitlines()
+    at = {}
+    for i, line in enumerate(lines):
+        match = _SASS_LINE.search(line)
+        if match:
+            at[int(match.group(1), 16)] = (i, match.group(2))
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        branch, here = _SASS_BRANCH.search(line), _SASS_LINE.search(line)
+        if branch and here and int(branch.group(1), 16) < int(here.group(1), 16):
+            start = at.get(int(branch.group(1), 16))
+            if start and i + 1 - start[0] > len(best):
+                best = lines[start[0] : i + 1]
+    return Counter(m.group(2) for m in map(_SASS_LINE.search, best) if m)

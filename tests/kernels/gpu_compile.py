@@ -96,6 +96,19 @@ def weight_load_bytes(ptx: str) -> list[int]:
     return sizes
 
 
+def sass_of(ptx: str, arch: int) -> str:
+    """The SASS listing of ``ptx`` for ``arch``: the bundled ``ptxas`` (as :func:`ptxas_usage`) and ``cuobjdump``."""
+    ptxas = BIN / ("ptxas-blackwell" if arch >= 90 and (BIN / "ptxas-blackwell").exists() else "ptxas")
+    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        src.write_text(ptx)
+        subprocess.run([str(ptxas), f"--gpu-name={gpu}", str(src), "-o", str(cubin)], capture_output=True, check=True)
+        return subprocess.run(
+            [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+
+
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """(registers, spill bytes stored + loaded) from the bundled ``ptxas -v`` (the one triton uses for ``arch``)."""
     ptxas = BIN / ("ptxas-blackwell" if arch >= 90 and (BIN / "ptxas-blackwell").exists() else "ptxas")

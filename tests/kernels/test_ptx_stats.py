@@ -60,6 +60,24 @@ def test_loop_body_counts_by_hand():
     assert ptx.waits_in_loops(SAMPLE, "wgmma.wait_group") == [1]
 
 
+#: a hand-written ``cuobjdump -sass`` listing: a loop from 0x0020 to its backward branch at 0x0040 (three
+#: instructions, one predicated), a forward branch and the listing's closing self-branch, neither a loop body
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/              @P2  BRA 0x60 ;                             /* 0x000000400000a947 */
+        /*0020*/                   I2F R2, R0 ;                           /* 0x0000000000027306 */
+        /*0030*/              @!P0 FFMA R3, R2, R2, R3 ;                  /* 0x0000000202038223 */
+        /*0040*/              @P1  BRA 0x20 ;                             /* 0xffffffd000001947 */
+        /*0050*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*0060*/                   BRA 0x60;                              /* 0xfffffff000007947 */
+"""
+
+
+def test_sass_loop_by_hand():
+    assert ptx.sass_loop(SASS) == {"I2F": 1, "FFMA": 1, "BRA": 1}
+    assert ptx.sass_loop("        /*0000*/                   EXIT ;") == {}
+
+
 def test_load_width_and_opcode():
     assert ptx.load_width("ld.global.v2.b32 { %r1, %r2 }, [ %rd1 + 0 ];") == 8
     assert ptx.load_width("ld.global.b16 { %rs1 }, [ %rd1 + 0 ];") == 2
@@ -120,9 +138,19 @@ def test_decode_main_loop_proxies(triton_dir, tmp_path):
 def test_prefill_loop_proxies(triton_dir, tmp_path):
     """Every tile of the prefill config table, W4A4 and W4A8, for sm_90 and sm_80: the K loop never waits for its
     copies to drain (no ``cp.async.wait_group 0`` inside a loop, and at least one deeper wait: the loop is
-    pipelined), at most 168 registers, no spills. Eight compiles, about a second each."""
+    pipelined), at most 168 registers, no spills; in the loop's SASS: tensor-core MMAs and exactly the rescale the
+    kernel's docstring describes (one FMUL and one FFMA per accumulator element per group, and one int-to-float
+    conversion: ``I2F`` on sm_80, ``I2FP`` on sm_90), the issue-rate cost of docs/benchmarks.md. Eight compiles,
+    about a second each."""
     rows = ptx_stats(triton_dir, tmp_path, "prefill", 300)
     assert len(rows) == 2 * 2 * 2, rows  # two archs, two tiles, two activation widths
     for r in rows:
         assert r["cp_async_waits_in_loop"] and min(r["cp_async_waits_in_loop"]) > 0, r
         assert r["registers"] <= 168 and r["spills"] == 0, r
+        # the SASS of the K loop: tensor-core MMAs, and a rescale (FMUL + FFMA) per accumulator element per group
+        # (64 x 128 / 64 x 64 tiles, 256 threads, 2 / 1 groups per iteration: 32 or 16 elements per thread per group)
+        assert r["sass_mma"] > 0, r
+        per_group = r["sass_rescale"] / (2 if "64x128" in r["kernel"] else 1)
+        assert per_group == 2 * (32 if "64x128" in r["kernel"] else 16), r
+        # one int-to-float conversion per accumulator element per group: I2F on sm_80, I2FP (another unit) on sm_90
+        assert r["sass_i2f"] == (0 if r["arch"] == 90 else r["sass_rescale"] // 2), r
