@@ -52,6 +52,21 @@ def test_slt_sweep_calibrates_each_budget_and_tags_its_json(recorded, tmp_path):
     assert len(recorded["evaluate"]) == 4
 
 
+def test_a_sweep_at_another_width_keeps_the_w4a4_rows(recorded, tmp_path):
+    """One folder holds the SLT and sample-size sweeps at W4A4 and W4A8 side by side: the W4A8 rows are their own
+    rows (``slt-0-w4a8``), they neither overwrite nor recalibrate the W4A4 ones (a review found ``slt-0`` shared)."""
+    out = str(tmp_path / "slt")
+    w4a4 = experiments.slt_budget("teacher", out, budgets=[0])
+    w4a8 = experiments.slt_budget("teacher", out, budgets=[0], bits="w4a8")
+    assert [p.name for p in w4a4 + w4a8] == ["slt-0.json", "slt-0-w4a8.json"]
+    assert [c[0] for c in recorded["calibrate"]] == ["slt-0", "slt-0-w4a8"]
+    experiments.slt_budget("teacher", out, budgets=[0])  # still done
+    experiments.num_samples("teacher", out, sizes=[32])
+    experiments.num_samples("teacher", out, sizes=[32], bits="w4a8")
+    assert [c[0] for c in recorded["calibrate"]] == ["slt-0", "slt-0-w4a8", "samples-32", "samples-32-w4a8"]
+    assert {p.name for p in Path(out).glob("*.json")} >= {"slt-0.json", "slt-0-w4a8.json", "samples-32-w4a8.json"}
+
+
 def test_num_samples_sweep_sets_the_data_size(recorded, tmp_path):
     paths = experiments.num_samples("teacher", str(tmp_path / "n"), sizes=[32, 1024], bits="w4a8")
     assert [c[1:] for c in recorded["calibrate"]] == [
@@ -133,6 +148,20 @@ def test_summary_reports_mean_std_recovery_and_separation(tmp_path):
     assert "| 3 | 200.00 ± 1.00 | 0.50 |" in table["LoopQ"]  # R = ln(400/200) / ln(400/100)
     assert table["QuaRot"].endswith("+40.00 ** |") and table["SpinQuant"].endswith("+1.00 |")
     assert (tmp_path / "summary.md").read_text() == text
+
+
+def test_summary_counts_a_seeded_twin_of_the_default_run_once(tmp_path):
+    """``loopq-w4a4`` (the config's seed, 0) and ``loopq-w4a4-s0`` are one calibration: n = 3 over seeds 0, 1, 2,
+    not 4 with seed 0 twice (which biases the mean and shrinks the std)."""
+    rows = {"fp": ("FP", None, 100.0), "loopq-w4a4": ("LoopQ", 0, 210.0), "loopq-w4a4-s0": ("LoopQ", 0, 210.0)}
+    rows |= {"loopq-w4a4-s1": ("LoopQ", 1, 200.0), "loopq-w4a4-s2": ("LoopQ", 2, 190.0)}
+    for name, (method, seed, ppl) in rows.items():
+        data = {"method": method, "bits": "fp" if seed is None else "w4a4", "wikitext2_ppl": ppl}
+        if seed is not None:
+            data["provenance"] = {"config": {"seed_everything": seed}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    table = {line.split(" | ")[0].strip("| "): line for line in experiments.summary(str(tmp_path)).splitlines()}
+    assert "| 3 | 200.00 ± 10.00 |" in table["LoopQ"]
 
 
 def test_ablations_evaluate_on_the_requested_windows(recorded, tmp_path):

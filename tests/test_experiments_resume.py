@@ -82,6 +82,18 @@ def test_results_written_before_the_manifest_are_adopted_then_held_to_the_rule(r
     assert recorded["evaluate"] == ["quarot-w4a4", "fp", "quarot-w4a4"]
 
 
+def test_a_row_read_off_a_longer_evaluation_is_not_adopted(recorded, tmp_path):
+    """``loops`` without tasks writes the lower loop counts from the top one's per-loop perplexities, outside the
+    manifest; a later ``loops --tasks`` must evaluate them (with the tasks), not adopt them as done (a review found
+    them adopted, recorded with the tasks, and never evaluated)."""
+    derived = {"method": "FP", "bits": "fp", "wikitext2_ppl": 5.0, "per_loop_of": str(tmp_path / "fp-loops6.json")}
+    (tmp_path / "fp-loops4.json").write_text(json.dumps(derived))
+    sweep = experiments.Sweep(str(tmp_path), "cpu")
+    sweep.row("fp-loops4", model="teacher", method="FP", tasks=["lambada_openai"], num_loops=4)
+    assert recorded["evaluate"] == ["fp-loops4"]
+    assert "per_loop_of" not in json.loads((tmp_path / "fp-loops4.json").read_text())
+
+
 TINY = ("--config", "tests/configs/fit-test.yaml", "--trainer.max_steps", "2")
 
 

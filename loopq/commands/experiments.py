@@ -134,7 +134,8 @@ class Sweep(StageRunner):
             evaluation["student"] = str(calibration.student)
         inputs = {"evaluate": evaluation, **model_inputs(evaluation, calibration)}
         stage = Stage(slug, out, [out], lambda: self.compute(out, evaluation, calibration), inputs)
-        if stage.name not in self.manifest.stages and out.is_file():
+        if stage.name not in self.manifest.stages and out.is_file() and "per_loop_of" not in read_json(out):
+            # a row read off a longer evaluation (per_loop_result) is never adopted: it ran with other inputs
             self.manifest.start(slug, normalised(inputs))
             self.manifest.finish(slug, {"note": f"adopted: written before {MANIFEST}"}, 0.0)
         self.execute(stage, f"row {slug}", [])
@@ -211,6 +212,12 @@ def seed_args(seed: int | None) -> list[str]:
 
 def seeded(slug: str, seed: int | None) -> str:
     return slug if seed is None else f"{slug}-s{seed}"
+
+
+def with_bits(slug: str, bits: str) -> str:
+    """A sweep row's name: ``slug`` at the sweeps' default W4A4, ``slug-<bits>`` otherwise, so that one folder can
+    hold a sweep at each width (``summary`` groups them by bits)."""
+    return slug if bits == "w4a4" else f"{slug}-{bits}"
 
 
 def table1(
@@ -315,7 +322,7 @@ def slt_budget(
     sweep, written = Sweep(out, device), []
     for budget in budgets or [0, 2, 4, 8]:
         for seed in seeds or [None]:
-            slug = seeded(f"slt-{budget}", seed)
+            slug = seeded(with_bits(f"slt-{budget}", bits), seed)
             args = ("--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or []))
             calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, BITS[bits], args)
             common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
@@ -361,7 +368,7 @@ def num_samples(
     """
     sweep, written = Sweep(out, device), []
     for size in sizes or [32, 64, 128, 256, 512, 1024]:
-        slug = f"samples-{size}"
+        slug = with_bits(f"samples-{size}", bits)
         calibration = Calibration(
             model, sweep.root / "runs" / slug, fit_config, BITS[bits], ("--data.num_samples", str(size))
         )
@@ -453,8 +460,11 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     root = Path(out)
     results = [data for path in sorted(root.glob("*.json")) if "wikitext2_ppl" in (data := read_json(path))]
     rows: dict[tuple[str, str], list[float]] = {}
+    seen: set[tuple[str, str, object]] = set()
     for data in results:
-        if not any(k in data for k in SWEEP_TAGS):
+        run = (data["method"], data["bits"], calibration_seed(data))
+        if not any(k in data for k in SWEEP_TAGS) and (run[2] is None or run not in seen):
+            seen.add(run)  # an un-seeded row and its -s<seed> twin are one calibration: counted once
             rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
     lines = [
         f"Results in `{root}`: WikiText-2 PTQ perplexity, mean ± std over seeds (n); R = (ln RTN - ln M) / "
@@ -476,6 +486,13 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     atomic_write(root / "summary.md", lambda tmp: tmp.write_text(text))
     print(text)
     return text
+
+
+def calibration_seed(data: dict[str, Any]) -> object:
+    """The seed a calibrated row's student was trained with (its recorded ``seed_everything``); None for a row
+    without a calibration (FP, training-free baselines)."""
+    config = (data.get("provenance") or {}).get("config")
+    return config.get("seed_everything") if isinstance(config, dict) else None
 
 
 def recovery(rows: dict[tuple[str, str], list[float]], bits: str, ppl: float) -> str:
