@@ -301,12 +301,28 @@ def calibrate(cli: LoopQCLI) -> LoopQCalibration:
 def fit_settings(config: Any) -> dict[str, Any]:
     """The resolved calibration config as flat dotted keys, without the :data:`COSMETIC` options; of
     ``trainer.callbacks`` only those of the method (:data:`METHOD_CALLBACKS`) count - checkpointing, progress,
-    diagnostics or a debugging callback added for one segment of a run do not change the student."""
+    diagnostics or a debugging callback added for one segment of a run do not change the student. With
+    ``model.student_from: best`` the monitoring checkpoint's choice does (``student_choice``: what it monitors, in
+    which direction, and which steps it scores), so a changed choice reruns the calibration."""
     tree = config.as_dict()
     callbacks = (tree.get("trainer") or {}).get("callbacks")
     if isinstance(callbacks, list):
         tree["trainer"]["callbacks"] = [c for c in callbacks if is_method_callback(c)]
+        if (tree.get("model") or {}).get("student_from") == "best":
+            tree["student_choice"] = [_choice(c) for c in callbacks if _choice(c)]
     return {k: v for k, v in flatten(tree).items() if k not in COSMETIC}
+
+
+#: the ModelCheckpoint arguments that decide which checkpoint ``student_from: best`` loads
+CHOICE_KEYS = ("monitor", "mode", "every_n_train_steps", "every_n_epochs", "train_time_interval")
+
+
+def _choice(callback: Any) -> dict[str, Any]:
+    """A monitoring ModelCheckpoint's :data:`CHOICE_KEYS` (empty for any other callback)."""
+    if not isinstance(callback, dict) or not str(callback.get("class_path", "")).endswith("ModelCheckpoint"):
+        return {}
+    args = callback.get("init_args") or {}
+    return {k: args.get(k) for k in CHOICE_KEYS} if args.get("monitor") else {}
 
 
 def is_method_callback(callback: Any) -> bool:

@@ -456,6 +456,13 @@ def check_student_choice(config: Any) -> None:
             f"{key}: no ModelCheckpoint in trainer.callbacks monitors a validation metric; add one with "
             "monitor: val/heldout/kl_full (docs/usage.md)"
         )
+    monitors = [str(cb.init_args["monitor"]) for cb in monitored]
+    if len(monitors) > 1:
+        raise UsageError(
+            f"{key}: several ModelCheckpoints monitor a metric ({', '.join(monitors)}); keep the one to choose by"
+        )
+    if not monitors[0].startswith("val/"):
+        raise UsageError(f"{key}: the ModelCheckpoint monitors {monitors[0]}, not a validation metric (val/...)")
     strategy = config.trainer.strategy
     name = str(getattr(strategy, "class_path", strategy)).lower()
     if "deepspeed" in name:

@@ -241,6 +241,15 @@ def test_student_from_best_is_refused_without_something_to_choose_by():
         check_student_choice(config(callbacks=(plain,)))
     with pytest.raises(UsageError, match="not under DeepSpeed"):
         check_student_choice(config(strategy=NS(class_path="loopq.calib.deepspeed.LoopQDeepSpeedStrategy")))
+    # the student is the checkpoint of one monitor, and that monitor is a validation metric
+    top1 = NS(class_path=monitor.class_path, init_args={"monitor": "val/heldout/top1", "mode": "max"})
+    with pytest.raises(
+        UsageError, match=r"several ModelCheckpoints monitor a metric \(val/heldout/kl_full, val/heldout/top1"
+    ):
+        check_student_choice(config(callbacks=(monitor, top1)))
+    train = NS(class_path=monitor.class_path, init_args={"monitor": "train/loss"})
+    with pytest.raises(UsageError, match=r"monitors train/loss, not a validation metric"):
+        check_student_choice(config(callbacks=(train,)))
     last = config()
     last.model.student_from = "last"
     check_student_choice(last)  # the paper's default needs nothing
@@ -274,3 +283,34 @@ def test_the_student_best_overlay_adds_a_monitoring_checkpoint_to_any_shipped_co
     else:  # configs/small.yaml validates nothing: best has nothing to choose by, said at the start
         with pytest.raises(UsageError, match="nothing is validated"):
             check_student_choice(both)
+
+
+def test_what_chooses_the_best_student_is_part_of_the_calibration_settings():
+    """With ``student_from: best`` the monitoring checkpoint's monitor, mode and schedule decide the student, so they
+    are in the settings a rerun and a resume compare (a review found two different choices compared equal); with
+    ``last`` the checkpoint callbacks stay out of them, as every other checkpointing callback does."""
+    from loopq.commands import fit
+
+    parser = fit.build_parser()
+    base = [
+        "--config",
+        str(REPO_ROOT / "configs/tiny.yaml"),
+        "--config",
+        str(REPO_ROOT / "configs/overlays/student-best.yaml"),
+    ]
+
+    def settings(*extra):
+        return fit.fit_settings(parser.parse_args([*base, *extra]))
+
+    best = settings()
+    assert best["student_choice"][0]["monitor"] == "val/heldout/kl_full" and best["student_choice"][0]["mode"] == "min"
+    other = json.dumps({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                        "init_args": {"monitor": "val/heldout/top1", "mode": "max"}})  # fmt: skip
+    swapped = settings("--trainer.callbacks", json.dumps([]), "--trainer.callbacks+", other)
+    assert swapped != best and swapped["student_choice"] == [
+        {"monitor": "val/heldout/top1", "mode": "max", **dict.fromkeys(fit.CHOICE_KEYS[2:])}
+    ]
+    last = settings("--model.student_from", "last")
+    assert (
+        "student_choice" not in last and settings("--model.student_from", "last", "--trainer.callbacks+", other) == last
+    )
