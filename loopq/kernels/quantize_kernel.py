@@ -19,16 +19,44 @@ One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the
 4. int4: ``tl.split`` pairs (even k, odd k) into one byte (low, high nibble); int8: stored as is.
 
 That exact path (``exact=True``) is the oracle-exact mode and the default in the CPU interpreter. ``exact=False``,
-and since its dots compile without spills the default on CUDA (``exact=None``, :func:`uses_fast_path`; not yet timed
-on a GPU), selects :func:`_quantize_dot_kernel`, one token per program, whose step 1 is fp32 ``tl.dot``
-(``input_precision="ieee"``: FMA, no tf32) on chunks: ``XR_c = X[c, :] R`` for 32 rows of X at a time, accumulated
-over 32-column chunks, then ``Z += L^T[:, c] XR_c``, output tiles zero-padded to powers of two >= 16 (e.g. 64 x 128
-for K = 5632 = 64 x 88; compacted through the scratch row as above). The chunks bound what a dot holds in registers:
-no spills at Ouro's widths on sm_80 and sm_90 (``tests/kernels/test_gpu_compile.py``), where the unchunked dots
-spilled 50 KB per thread at K = 5632. A dot changes the summation order, so its contract is a bound, not
-bit-exactness: transformed values within :func:`transform_error_bound` of the float64 transform, hence codes equal
-to the reference's except where the pre-rounding value lies within that bound of a .5 tie or of the clamp, and
-scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` checks both against float64).
+and the default on CUDA (``exact=None``, :func:`uses_fast_path`; not yet timed on a GPU), selects
+:func:`_quantize_dot_kernel`, whose step 1 runs on tensor cores: ``Z_a = sum_J (L[:, a]^T X[:, J]) R[J, :]`` for a
+block of rows ``a`` of Z and 32-column chunks ``J`` of X, both products ``tl.dot(..., input_precision="tf32x3")``
+(each operand split into a tf32 high half and the fp32 remainder, three tf32 MMAs, fp32 accumulation). Tiles are
+zero-padded to powers of two >= 16; a program owns rows of Z whose flattened span is whole 32-groups, so it
+quantizes and stores its own codes and scales (compacted through its token block's scratch row when ``n2`` is
+not a power of two, as above). The input cast and the diagonal happen on load: a quantized linear stays two
+launches. Two program splits (:func:`dot_config`):
+
+* decode (M <= 16): 32 / gcd(n2, 32) rows per program, widened while a token keeps 16 programs: Ouro's K = 2048
+  (32 x 64) runs 2 rows, K = 5632 (64 x 88) 4 rows (352 values, 11 groups): **16 programs per token** at M = 1
+  (the former FMA path: 1), up to 256 at M = 16. Every program reads all of X and R (L2) and pads its rows to
+  the dot's 16, so more, smaller programs would not be faster;
+* prefill (M > 16): 8 tokens per program, whole tokens at K = 2048 (a 32 x 64 tile) and 16-row quarters at
+  K = 5632 (a whole 64 x 128 tile spills); the row blocks of a token block are adjacent program ids, so X is read
+  from memory once; the scratch rows are per token block (M / 8 of them, 11.5 MB at M = 4096, K = 5632: L2-sized).
+
+Compiled for sm_80 and sm_90 (``scripts/ptx_stats.py --kernels quantize``), every variant's loops run
+``mma.sync`` (the tiles are 16-32 rows: below ``wgmma``'s 64), without spills.
+
+**Cost at M = 4096 against the bf16 GEMM it feeds** (H100 SXM peaks, dense: bf16 989, tf32 495 TFLOP/s, HBM
+3.35 TB/s). The transform is ``2 K (n1 + n2)`` FLOPs per token against the GEMM's ``2 K N``: (n1 + n2) / N =
+1.6 % (QKV, N = 6144), 4.7 % (o_proj, 2048), 0.9 % (gate+up, 11264) at K = 2048 and 7.4 % (down_proj, 2048) at
+K = 5632. Executed with padding: 0.39 MFLOP per token at K = 2048 (none), 2.36 MFLOP at K = 5632 (1.38x); tf32x3
+is three tf32 MMAs at half the bf16 rate, so each costs 6 bf16 FLOPs of tensor-core time: **9 % / 28 % / 5 % /
+61 %** of the bf16 GEMM's time at peak for QKV / o_proj / gate+up / down_proj, more since ``mma.sync`` does not
+reach ``wgmma``'s peak on H100. Independently of precision, the quantizer moves 2.6 bytes per element (bf16 in,
+int4 + fp32 scale out) while the GEMM spends ``2 N`` FLOPs on it: 387 / N of the GEMM's time, **6 % / 19 % /
+3 % / 19 %**. So <= 10 % of the bf16 GEMM is within reach only for the wide outputs (QKV, gate+up); at N = 2048
+even a copy of the activations exceeds it, and down_proj's tf32x3 transform is compute-bound at about 60 %.
+Splitting in bf16 instead (three bf16 MMAs) would halve the tensor-core time at a ~4x looser bound (2^-16
+product error); that trade, and the GPU timings, are open (``docs/benchmarks.md``).
+
+A dot changes the summation order and tf32x3 the products, so the contract is a bound, not bit-exactness:
+transformed values within :func:`transform_error_bound` of the float64 transform (derived there; it assumes
+truncating tensor-core accumulation, which the interpreter cannot show: its ``tl.dot`` is a float32 matmul), hence
+codes equal to the reference's except where the pre-rounding value lies within that bound of a .5 tie or of the
+clamp, and scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` checks both against float64).
 """
 
 from __future__ import annotations
@@ -366,7 +394,7 @@ def quantize_activation(
     ``x`` in its own dtype and multiplies it by ``inv_d`` (fp32 ``[K]``, the transform's diagonal) on load.
 
     ``exact=True`` runs :func:`_quantize_kernel` (the reference's operation order, bit-exact), ``False`` the
-    ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
+    tensor-core transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
     :func:`uses_fast_path` picks: the fast path for compiled kernels on CUDA, the exact one in the CPU interpreter.
     Without a transform both are the same kernel. ``decode``: int8 codes ``[M, K]`` in the decode GEMM's order
     (:func:`loopq.kernels.packing.deinterleave_groups`) for either ``bits``, instead of the packed format."""
@@ -376,9 +404,9 @@ def quantize_activation(
 
 
 def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
-    """Whether a transformed call takes the ``tl.dot`` path. ``exact=None`` does on CUDA with compiled kernels: its
-    chunked dots compile without register spills at Ouro's widths (``tests/kernels/test_gpu_compile.py``); it has
-    not been timed on a GPU yet. Under the interpreter (CPU CI) ``None`` stays exact, so the tests comparing the
+    """Whether a transformed call takes the tensor-core path. ``exact=None`` does on CUDA with compiled kernels: it
+    compiles without register spills at Ouro's widths (``tests/kernels/test_gpu_compile.py``); it has not been timed
+    on a GPU yet. Under the interpreter (CPU CI) ``None`` stays exact, so the tests comparing the
     Triton backend with the torch reference bit for bit keep doing so."""
     if exact is not None:
         return not exact
