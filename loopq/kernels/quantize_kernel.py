@@ -573,10 +573,11 @@ def tf32x3_product_error() -> float:
 
 def tf32x3_sum_error(n: int) -> float:
     """``eps(n)`` with ``|fl(sum_i a_i b_i) - sum_i a_i b_i| <= eps(n) sum_i |a_i| |b_i|`` for a tf32x3 dot of
-    length ``n`` (with padding): the product error :func:`tf32x3_product_error`, plus ``gamma_{3n}`` with unit
-    :data:`ACC_UNIT` (Higham, eq. 3.5: a sum of ``3n`` exact partial products, in any order, each addition off by
-    ``ACC_UNIT``, relative) on their magnitudes."""
-    return tf32x3_product_error() + (1 + 2.0**-8) * _gamma(3 * n, ACC_UNIT)
+    length ``n`` (with padding): the product error :func:`tf32x3_product_error`, plus ``gamma_{3n+1}`` with unit
+    :data:`ACC_UNIT` (Higham, eq. 3.5: a sum of ``3n`` exact partial products and the accumulator carried in,
+    whether Triton chains it through the three MMAs or adds it after them, in any order, each addition off by
+    ``ACC_UNIT``, relative) on their magnitudes. NaN masking of the low-half MMAs does not touch finite values."""
+    return tf32x3_product_error() + (1 + 2.0**-8) * _gamma(3 * n + 1, ACC_UNIT)
 
 
 def transform_error_bound(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
