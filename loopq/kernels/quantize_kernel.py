@@ -484,14 +484,19 @@ def split_rows(n1: int, n2: int, programs: int = 16) -> int:
 
 class QuantizeLaunch(NamedTuple):
     """Everything of one quantizer launch but its tensors and clip: which kernel, the grid, the constexprs, and
-    whether it needs the fp32 ``[M, K]`` scratch row of a transform whose ``n2`` is not a power of two. A function
-    of the shapes only (:func:`quantize_launch`), so a caller that repeats a call can keep it."""
+    whether it needs fp32 scratch rows (:meth:`scratch_rows`) for a transform whose ``n2`` is not a power of two. A
+    function of the shapes only (:func:`quantize_launch`), so a caller that repeats a call can keep it."""
 
     fast: bool  # _quantize_dot_kernel, else _quantize_kernel
     grid: tuple[int]
     m: int
     needs_scratch: bool
     constexprs: dict[str, int | float | bool]  # with num_warps and enable_fp_fusion
+
+    def scratch_rows(self) -> int:
+        """Rows of K fp32 values the launch's scratch needs (where ``needs_scratch``): one per token for the exact
+        kernel, one per token block for the tensor-core one (M / 8 at prefill, M at decode)."""
+        return cdiv(self.m, self.constexprs["TOKENS"]) if self.fast else self.m
 
     def run(
         self,
@@ -635,7 +640,8 @@ def _quantize(
     factors = (left.shape[0], right.shape[0]) if left is not None and right is not None else None
     launch = quantize_launch(*x.shape, factors, bits, inv_d is not None, decode, fast, x.is_cuda)
     x = x.contiguous()
-    scratch = torch.empty(x.shape, dtype=torch.float32, device=x.device) if launch.needs_scratch else None
+    rows = launch.scratch_rows()
+    scratch = torch.empty(rows, x.shape[1], dtype=torch.float32, device=x.device) if launch.needs_scratch else None
     left, right = (left.float().contiguous(), right.float().contiguous()) if factors else (None, None)
     launch.run(x, inv_d, left, right, scratch, codes, scales, fp32_value(clip))
     return codes, scales

@@ -188,7 +188,9 @@ def test_fast_path_config():
     for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)):
         assert quantize_launch(1, k, (n1, n2), 4, True, True, True, True).grid == (16,)
     assert quantize_launch(4096, 2048, (32, 64), 4, True, False, True, True).grid == (512,)
-    assert quantize_launch(4096, 5632, (64, 88), 4, True, False, True, True).grid == (2048,)
+    prefill = quantize_launch(4096, 5632, (64, 88), 4, True, False, True, True)
+    assert prefill.grid == (2048,) and prefill.needs_scratch and prefill.scratch_rows() == 512  # per token block
+    assert quantize_launch(16, 5632, (64, 88), 4, True, True, True, True).scratch_rows() == 16
     assert dot_padding(88) == 128 and dot_padding(8) == 16
 
 
