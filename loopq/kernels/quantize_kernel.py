@@ -33,8 +33,9 @@ launches. Two program splits (:func:`dot_config`):
   (the former FMA path: 1), up to 256 at M = 16. Every program reads all of X and R (L2) and pads its rows to
   the dot's 16, so more, smaller programs would not be faster;
 * prefill (M > 16): 8 tokens per program, whole tokens at K = 2048 (a 32 x 64 tile) and 16-row quarters at
-  K = 5632 (a whole 64 x 128 tile spills); the row blocks of a token block are adjacent program ids, so X is read
-  from memory once; the scratch rows are per token block (M / 8 of them, 11.5 MB at M = 4096, K = 5632: L2-sized).
+  K = 5632 (a whole 64 x 128 tile spills, a half is at the register limit); the row blocks of a token block are
+  adjacent program ids, so X is read from memory once; the scratch rows are per token block (M / 8 of them,
+  11.5 MB at M = 4096, K = 5632: L2-sized).
 
 Compiled for sm_80 and sm_90 (``scripts/ptx_stats.py --kernels quantize``), every variant's loops run
 ``mma.sync`` (the tiles are 16-32 rows: below ``wgmma``'s 64), without spills.
@@ -434,8 +435,9 @@ def dot_padding(n: int) -> int:
 #: transforms whole tokens, :data:`PREFILL_TOKENS` of them
 SPLIT_MAX_M = 16
 PREFILL_TOKENS = 8
-#: fp32 accumulators of a prefill program's Z tile at most: a whole 64 x 128 token (K = 5632) spills on both
-#: architectures (8 warps, tf32x3 holds two halves of every operand), half of it does not
+#: fp32 accumulators of a prefill program's Z tile at most: at K = 5632 (64 x 128 padded) a whole token spills
+#: (8 warps; tf32x3 holds two halves of every operand: 24 bytes on sm_80 under Triton 3.9, 600-700 under 3.6),
+#: half a token needs 218-255 registers (the limit), a quarter 166-224
 PREFILL_TILE = 2048
 NUM_WARPS = 8
 
