@@ -11,7 +11,9 @@ inside the loop, the widths of the weight-code and weight-scale loads, registers
 of the config table (W4A4 and W4A8): the ``cp.async.wait_group`` and ``wgmma.wait_group`` depths inside its loops
 (a 0 is a full drain), and from the SASS (bundled ``cuobjdump``) of its K loop: the instructions per iteration,
 of them the ``I2F`` conversions (a quarter-rate unit before sm_90), the tensor-core MMAs and the rescale's
-``FMUL`` + ``FFMA``; registers, spills. Per fast quantizer: registers, spills.
+``FMUL`` + ``FFMA``; registers, spills. Per tensor-core quantizer variant at Ouro's two input widths (decode:
+compiled and launched for M = 1; prefill: for M = 4096): rows of Z and tokens per program, programs at that M,
+``mma.sync`` / ``wgmma`` instructions inside its loops, registers, spills.
 ``docs/benchmarks.md`` quotes its table;
 ``tests/kernels/test_ptx_stats.py`` asserts the acceptance limits on the same numbers.
 """
@@ -32,7 +34,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton
 from triton.backends.compiler import GPUTarget
 
-from loopq.kernels import decode_kernel, gemm_kernel, ptx
+from loopq.kernels import decode_kernel, gemm_kernel, ptx, quantize_kernel
 from tests.kernels.gpu_compile import compile_decode, compile_fast_quantizer, compile_gemm, ptxas_usage, sass_of
 
 DECODE_M = (1, 2, 4, 8, 16)
@@ -93,10 +95,30 @@ def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig, a_bits: int) -> dict:
     }
 
 
-def quantizer_row(arch: int, k: int, n1: int, n2: int) -> dict:
-    code = compile_fast_quantizer(GPUTarget("cuda", arch, 32), k, n1, n2, 4).asm["ptx"]
+#: the quantizer's two variants, by the token count they are compiled and launched for: 1 (decode split, up to
+#: ``SPLIT_MAX_M`` tokens) and 4096 (whole tokens, prefill)
+QUANT_M = (1, 4096)
+OURO_FACTORS = ((2048, 32, 64), (5632, 64, 88))
+
+
+def quantizer_row(arch: int, k: int, n1: int, n2: int, m: int) -> dict:
+    start = time.perf_counter()
+    code = compile_fast_quantizer(GPUTarget("cuda", arch, 32), k, n1, n2, 4, m).asm["ptx"]
+    seconds = time.perf_counter() - start
     regs, spills = ptxas_usage(code, arch)
-    return {"kernel": f"quantize K={k}", "arch": arch, "registers": regs, "spills": spills}
+    launch = quantize_kernel.quantize_launch(m, k, (n1, n2), 4, True, False, True, True)
+    body = [line for loop in ptx.loops(code) for line in loop.body]
+    return {
+        "kernel": f"quantize K={k} M={m}",
+        "arch": arch,
+        "variant": f"{launch.constexprs['ROWS']} rows x {launch.constexprs['TOKENS']} tokens",
+        "compile_s": round(seconds, 1),
+        "grid": launch.grid[0],
+        "loop_mma": sum(ptx.opcode(line).startswith("mma.sync") for line in body),
+        "loop_wgmma": sum(ptx.opcode(line).startswith("wgmma.mma_async") for line in body),
+        "registers": regs,
+        "spills": spills,
+    }
 
 
 KERNELS = ("decode", "prefill", "quantize")
@@ -110,12 +132,14 @@ def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tupl
         if "prefill" in kernels:
             rows += [prefill_row(arch, cfg, bits) for cfg in gemm_kernel.CANDIDATES for bits in (4, 8)]
         if "quantize" in kernels:
-            rows += [quantizer_row(arch, k, n1, n2) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88))]
+            rows += [quantizer_row(arch, k, n1, n2, m) for k, n1, n2 in OURO_FACTORS for m in QUANT_M]
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    decode, others = [r for r in rows if r["kernel"] == "decode"], [r for r in rows if r["kernel"] != "decode"]
+    quant = [r for r in rows if r["kernel"].startswith("quantize")]
+    decode = [r for r in rows if r["kernel"] == "decode"]
+    others = [r for r in rows if r["kernel"] != "decode" and r not in quant]
     out = []
     if decode:
         out += [
@@ -145,6 +169,18 @@ def markdown(rows: list[dict]) -> str:
         )
         out.append(
             f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {sass} | {r['registers']} | {r['spills']} |"
+        )
+    if quant and (decode or others):
+        out.append("")
+    if quant:
+        out += [
+            "| arch | quantizer | variant | compile s | programs | loop mma.sync | loop wgmma | regs | spills |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    for r in quant:
+        out.append(
+            f"| sm_{r['arch']} | {r['kernel']} | {r['variant']} | {r['compile_s']} | {r['grid']} | {r['loop_mma']} | "
+            f"{r['loop_wgmma']} | {r['registers']} | {r['spills']} |"
         )
     return "\n".join(out)
 

@@ -57,10 +57,11 @@ def quantize_activation(
     Tokens are transformed as ``left^T X right`` (X the token viewed as ``[n1, n2]``, i.e. ``x (left (x) right)``;
     a missing factor is the identity, both missing means no transform), then quantized symmetrically per
     ``group_size`` consecutive channels with clipping ratio ``clip``. Codes are packed int4 (uint8 ``[M, K/2]``)
-    for ``bits=4`` and int8 ``[M, K]`` for ``bits=8``. All arithmetic is fp32 whatever the dtype of ``x``.
+    for ``bits=4`` and int8 ``[M, K]`` for ``bits=8``. All arithmetic is fp32 whatever the dtype of ``x`` (the
+    fast path's transform: tf32x3 tensor-core products, fp32 sums).
 
     ``exact`` (triton backend, with a transform): ``True`` reproduces the torch backend bit for bit; ``False``
-    computes the transform with chunked fp32 ``tl.dot`` (fast; transformed values within
+    computes the transform on tensor cores (``tl.dot`` in tf32x3, fast; transformed values within
     ``quantize_kernel.transform_error_bound`` of the float64 transform, so a code can differ from the reference's
     only where the value lies that close to a rounding tie or the clamp, and a scale by the bound's image);
     ``None``: the fast path on CUDA with compiled kernels (so the default Triton quantizer on a GPU is no longer

@@ -19,20 +19,50 @@ One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the
 4. int4: ``tl.split`` pairs (even k, odd k) into one byte (low, high nibble); int8: stored as is.
 
 That exact path (``exact=True``) is the oracle-exact mode and the default in the CPU interpreter. ``exact=False``,
-and since its dots compile without spills the default on CUDA (``exact=None``, :func:`uses_fast_path`; not yet timed
-on a GPU), selects :func:`_quantize_dot_kernel`, one token per program, whose step 1 is fp32 ``tl.dot``
-(``input_precision="ieee"``: FMA, no tf32) on chunks: ``XR_c = X[c, :] R`` for 32 rows of X at a time, accumulated
-over 32-column chunks, then ``Z += L^T[:, c] XR_c``, output tiles zero-padded to powers of two >= 16 (e.g. 64 x 128
-for K = 5632 = 64 x 88; compacted through the scratch row as above). The chunks bound what a dot holds in registers:
-no spills at Ouro's widths on sm_80 and sm_90 (``tests/kernels/test_gpu_compile.py``), where the unchunked dots
-spilled 50 KB per thread at K = 5632. A dot changes the summation order, so its contract is a bound, not
-bit-exactness: transformed values within :func:`transform_error_bound` of the float64 transform, hence codes equal
-to the reference's except where the pre-rounding value lies within that bound of a .5 tie or of the clamp, and
-scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` checks both against float64).
+and the default on CUDA (``exact=None``, :func:`uses_fast_path`; not yet timed on a GPU), selects
+:func:`_quantize_dot_kernel`, whose step 1 runs on tensor cores: ``Z_a = sum_J (L[:, a]^T X[:, J]) R[J, :]`` for a
+block of rows ``a`` of Z and 32-column chunks ``J`` of X, both products ``tl.dot(..., input_precision="tf32x3")``
+(each operand split into a tf32 high half and the fp32 remainder, three tf32 MMAs, fp32 accumulation). Tiles are
+zero-padded to powers of two >= 16; a program owns rows of Z whose flattened span is whole 32-groups, so it
+quantizes and stores its own codes and scales (compacted through its token block's scratch row when ``n2`` is
+not a power of two, as above). The input cast and the diagonal happen on load: a quantized linear stays two
+launches. Two program splits (:func:`dot_config`):
+
+* decode (M <= 16): 32 / gcd(n2, 32) rows per program, widened while a token keeps 16 programs: Ouro's K = 2048
+  (32 x 64) runs 2 rows, K = 5632 (64 x 88) 4 rows (352 values, 11 groups): **16 programs per token** at M = 1
+  (the former FMA path: 1), up to 256 at M = 16. Every program reads all of X and R (L2) and pads its rows to
+  the dot's 16, so more, smaller programs would not be faster;
+* prefill (M > 16): 8 tokens per program, whole tokens at K = 2048 (a 32 x 64 tile) and 16-row quarters at
+  K = 5632 (a whole 64 x 128 tile spills, a half is at the register limit); the row blocks of a token block are
+  adjacent program ids, so X is read from memory once; the scratch rows are per token block (M / 8 of them,
+  11.5 MB at M = 4096, K = 5632: L2-sized).
+
+Compiled for sm_80 and sm_90 (``scripts/ptx_stats.py --kernels quantize``), every variant's loops run
+``mma.sync`` (the tiles are 16-32 rows: below ``wgmma``'s 64), without spills.
+
+**Cost at M = 4096 against the bf16 GEMM it feeds** (H100 SXM peaks, dense: bf16 989, tf32 495 TFLOP/s, HBM
+3.35 TB/s). The transform is ``2 K (n1 + n2)`` FLOPs per token against the GEMM's ``2 K N``: (n1 + n2) / N =
+1.6 % (QKV, N = 6144), 4.7 % (o_proj, 2048), 0.9 % (gate+up, 11264) at K = 2048 and 7.4 % (down_proj, 2048) at
+K = 5632. Executed with padding: 0.39 MFLOP per token at K = 2048 (none), 2.36 MFLOP at K = 5632 (1.38x); tf32x3
+is three tf32 MMAs at half the bf16 rate, so each costs 6 bf16 FLOPs of tensor-core time: **9 % / 28 % / 5 % /
+61 %** of the bf16 GEMM's time at peak for QKV / o_proj / gate+up / down_proj, more since ``mma.sync`` does not
+reach ``wgmma``'s peak on H100. Independently of precision, the quantizer moves 2.6 bytes per element (bf16 in,
+int4 + fp32 scale out) while the GEMM spends ``2 N`` FLOPs on it: 387 / N of the GEMM's time, **6 % / 19 % /
+3 % / 19 %**. So <= 10 % of the bf16 GEMM is within reach only for the wide outputs (QKV, gate+up); at N = 2048
+even a copy of the activations exceeds it, and down_proj's tf32x3 transform is compute-bound at about 60 %.
+Splitting in bf16 instead (three bf16 MMAs) would halve the tensor-core time at a ~4x looser bound (2^-16
+product error); that trade, and the GPU timings, are open (``docs/benchmarks.md``).
+
+A dot changes the summation order and tf32x3 the products, so the contract is a bound, not bit-exactness:
+transformed values within :func:`transform_error_bound` of the float64 transform (derived there; it assumes
+truncating tensor-core accumulation, which the interpreter cannot show: its ``tl.dot`` is a float32 matmul), hence
+codes equal to the reference's except where the pre-rounding value lies within that bound of a .5 tie or of the
+clamp, and scales within the bound's image (``tests/kernels/test_quantize_kernel.py`` checks both against float64).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import NamedTuple
 
@@ -160,15 +190,12 @@ def _quantize_store(
     """Steps 2-4 on transformed tokens ``z [BLOCK_M, KP]`` (K order, zero past K): scales, codes, packing.
     ``DECODE``: int8 codes in the decode GEMM's order (per group 16 even k, then 16 odd k), whatever ``BITS``."""
     groups = tl.reshape(z, [BLOCK_M, KP // 32, 32])
-    absmax = tl.max(tl.abs(groups), axis=2)
-    scale = tl.maximum(tl.math.div_rn(absmax * clip, QMAX), 1e-8)
+    scale = _group_scale(tl.max(tl.abs(groups), axis=2), clip, QMAX)
     g = tl.arange(0, KP // 32)
     g_mask = row_mask[:, None] & (g < K // 32)[None, :]
     tl.store(scales_ptr + rows[:, None] * (K // 32) + g[None, :], scale, mask=g_mask)
 
-    v = tl.math.div_rn(groups, scale[:, :, None])
-    v = tl.minimum(tl.maximum(v, QMIN), QMAX)
-    q = ((v + ROUND_MAGIC) - ROUND_MAGIC).to(tl.int32)
+    q = _group_codes(groups, scale[:, :, None], QMIN, QMAX)
     if DECODE:
         even, odd = tl.split(tl.reshape(q, [BLOCK_M, KP // 32, 16, 2]))
         p = tl.arange(0, 16)[None, None, :]
@@ -189,52 +216,119 @@ def _quantize_store(
 
 
 @triton.jit
-def _transform_dot(
-    x_ptr,
+def _transform_rows(
+    x_tok,
     d_ptr,
-    left_ptr,
     right_ptr,
-    scratch_ptr,
-    row,
-    K: tl.constexpr,
-    KP: tl.constexpr,
+    left_t,
+    ok,
     N1: tl.constexpr,
     N2: tl.constexpr,
     N1P: tl.constexpr,
     N2P: tl.constexpr,
-    CI: tl.constexpr,
+    ROWSP: tl.constexpr,
     CJ: tl.constexpr,
     HAS_D: tl.constexpr,
 ):
-    """``Z = L^T X R`` of one token as fp32 ``tl.dot`` on chunks (IEEE products and sums, no tf32), so that no dot
-    operand is wider than ``CI`` / ``CJ`` along its reduction: for each block of ``CI`` rows of X,
-    ``XR_c = X[c, :] R`` accumulated over ``CJ``-column chunks, then ``Z += L^T[:, c] XR_c``. Output tiles are
-    padded to ``N1P x N2P`` (powers of two, at least 16 for the dot), reductions to multiples of the chunks; the
-    padding adds exact zeros. Returns ``[1, KP]`` in K order, zero past K."""
-    a = tl.arange(0, N1P)
-    b = tl.arange(0, N2P)
-    ci = tl.arange(0, CI)
+    """Rows ``a`` of ``Z = L^T X R`` for one token (``x_tok``: &X[0, 0]; ``ok``: the token exists), given
+    ``left_t [ROWSP, N1P] = L[:, a]^T`` (zero outside the program's rows), as ``Z_a = sum_J (L_a^T X[:, J]) R[J, :]``
+    over ``CJ``-column chunks ``J`` of X: per chunk one tf32x3 ``tl.dot`` reducing over all of ``c`` (``N1P``) and
+    one reducing over the chunk, accumulated in fp32. Returns ``[ROWSP, N2P]``, zero past ``N2``."""
+    c = tl.arange(0, N1P)
     cj = tl.arange(0, CJ)
-    x_tok = x_ptr + row * K
-    z = tl.zeros([N1P, N2P], dtype=tl.float32)
-    for i0 in range(0, N1, CI):
-        i = i0 + ci
-        xr = tl.zeros([CI, N2P], dtype=tl.float32)
-        for j0 in range(0, N2, CJ):
-            j = j0 + cj
-            x_mask = (i < N1)[:, None] & (j < N2)[None, :]
-            x = tl.load(x_tok + i[:, None] * N2 + j[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            x = _scaled(x, d_ptr, i[:, None] * N2 + j[None, :], x_mask, HAS_D)
-            r = tl.load(right_ptr + j[:, None] * N2 + b[None, :], mask=(j < N2)[:, None] & (b < N2)[None, :], other=0.0)
-            xr = tl.dot(x, r, xr, input_precision="ieee")  # [c, b] += sum_j X[c, j] R[j, b]
-        left_t = tl.load(left_ptr + i[None, :] * N1 + a[:, None], mask=(a < N1)[:, None] & (i < N1)[None, :], other=0.0)
-        z = tl.dot(left_t, xr, z, input_precision="ieee")  # [a, b] += sum_c L[c, a] XR[c, b]
-    if N2P == N2:  # padding only after the last row: already in K order
-        return tl.reshape(z, [1, KP])
-    z_mask = (a < N1)[:, None] & (b < N2)[None, :]
-    tl.store(scratch_ptr + row * K + a[:, None] * N2 + b[None, :], z, mask=z_mask)
+    b = tl.arange(0, N2P)
+    z = tl.zeros([ROWSP, N2P], dtype=tl.float32)
+    for j0 in range(0, N2, CJ):
+        j = j0 + cj
+        x_mask = ok & (c < N1)[:, None] & (j < N2)[None, :]
+        x = tl.load(x_tok + c[:, None] * N2 + j[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        x = _scaled(x, d_ptr, c[:, None] * N2 + j[None, :], x_mask, HAS_D)
+        y = tl.dot(left_t, x, input_precision="tf32x3")  # [a, j] = sum_c L[c, a] X[c, j]
+        r = tl.load(right_ptr + j[:, None] * N2 + b[None, :], mask=(j < N2)[:, None] & (b < N2)[None, :], other=0.0)
+        z = tl.dot(y, r, z, input_precision="tf32x3")  # [a, b] += sum_j Y[a, j] R[j, b]
+    return z
+
+
+@triton.jit
+def _span_groups(
+    z,
+    scratch_row,
+    a0,
+    K: tl.constexpr,
+    N1: tl.constexpr,
+    N2: tl.constexpr,
+    N2P: tl.constexpr,
+    ROWS: tl.constexpr,
+    ROWSP: tl.constexpr,
+    GP: tl.constexpr,
+):
+    """Rows ``a0 .. a0 + ROWS`` of Z (``z [ROWSP, N2P]``) as ``[GP, 32]`` groups of the flattened K order, from
+    index ``a0 * N2`` on, and which of them are real. When ``N2P == N2`` the tile already is that order; otherwise
+    (e.g. N2 = 88) the rows go through the token block's fp32 scratch row (store, barrier, reload, barrier: the next
+    token of the block overwrites the same span)."""
+    g = tl.arange(0, GP)
+    valid = (g < ROWS * N2 // 32) & (a0 * N2 + g * 32 < K)
+    if N2P == N2:
+        return tl.reshape(z, [GP, 32]), valid
+    r = tl.arange(0, ROWSP)[:, None]
+    b = tl.arange(0, N2P)[None, :]
+    tl.store(scratch_row + (a0 + r) * N2 + b, z, mask=(r < ROWS) & (a0 + r < N1) & (b < N2))
     tl.debug_barrier()  # the reload reads other threads' stores
-    return _load_tokens(scratch_ptr, row + tl.arange(0, 1), tl.full([1], True, tl.int1), K, KP)
+    offs = a0 * N2 + g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    groups = tl.load(scratch_row + offs, mask=valid[:, None], other=0.0)
+    tl.debug_barrier()
+    return groups, valid
+
+
+@triton.jit
+def _group_scale(absmax, clip, QMAX: tl.constexpr):
+    """``max(clip * absmax / q_max, 1e-8)`` with IEEE division (step 2)."""
+    return tl.maximum(tl.math.div_rn(absmax * clip, QMAX), 1e-8)
+
+
+@triton.jit
+def _group_codes(groups, scale, QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """Round-half-to-even of ``clamp(groups / scale, q_min, q_max)`` as int32 (step 3)."""
+    v = tl.math.div_rn(groups, scale)
+    v = tl.minimum(tl.maximum(v, QMIN), QMAX)
+    return ((v + ROUND_MAGIC) - ROUND_MAGIC).to(tl.int32)
+
+
+@triton.jit
+def _store_groups(
+    groups,
+    valid,
+    tok,
+    g0,
+    codes_ptr,
+    scales_ptr,
+    clip,
+    K: tl.constexpr,
+    GP: tl.constexpr,
+    BITS: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """Steps 2-4 for ``groups [GP, 32]``, groups ``g0 ..`` of token ``tok`` (those ``valid``): the same scales, codes
+    and formats as :func:`_quantize_store`."""
+    scale = _group_scale(tl.max(tl.abs(groups), axis=1), clip, QMAX)
+    g = g0 + tl.arange(0, GP)
+    tl.store(scales_ptr + tok * (K // 32) + g, scale, mask=valid)
+    q = _group_codes(groups, scale[:, None], QMIN, QMAX)
+    p = tl.arange(0, 16)[None, :]
+    if DECODE:
+        even, odd = tl.split(tl.reshape(q, [GP, 16, 2]))
+        base = codes_ptr + tok * K + g[:, None] * 32 + p
+        tl.store(base, even.to(tl.int8), mask=valid[:, None])
+        tl.store(base + 16, odd.to(tl.int8), mask=valid[:, None])
+    elif BITS == 4:
+        even, odd = tl.split(tl.reshape(q, [GP, 16, 2]))
+        packed = ((even & 0xF) | ((odd & 0xF) << 4)).to(tl.uint8)
+        tl.store(codes_ptr + tok * (K // 2) + g[:, None] * 16 + p, packed, mask=valid[:, None])
+    else:
+        e = tl.arange(0, 32)[None, :]
+        tl.store(codes_ptr + tok * K + g[:, None] * 32 + e, q.to(tl.int8), mask=valid[:, None])
 
 
 @triton.jit
@@ -249,25 +343,41 @@ def _quantize_dot_kernel(
     M,
     clip,
     K: tl.constexpr,
-    KP: tl.constexpr,
     N1: tl.constexpr,
     N2: tl.constexpr,
     N1P: tl.constexpr,
     N2P: tl.constexpr,
-    CI: tl.constexpr,
+    ROWS: tl.constexpr,
+    ROWSP: tl.constexpr,
     CJ: tl.constexpr,
+    GP: tl.constexpr,
+    TOKENS: tl.constexpr,
     BITS: tl.constexpr,
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
     HAS_D: tl.constexpr = False,
     DECODE: tl.constexpr = False,
 ):
-    """The fast path, one token per program: :func:`_transform_dot`, then the same quantization as
-    :func:`_quantize_kernel`."""
-    row = tl.program_id(0).to(tl.int64)  # M * K may exceed 2^31
-    z = _transform_dot(x_ptr, d_ptr, left_ptr, right_ptr, scratch_ptr, row, K, KP, N1, N2, N1P, N2P, CI, CJ, HAS_D)
-    rows = row + tl.arange(0, 1)
-    _quantize_store(z, rows, rows < M, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, 1, DECODE)
+    """The tensor-core path: program ``i * row_blocks + j`` (the row blocks of a token block run side by side, so X
+    is read from memory once) computes rows ``j * ROWS ..`` of Z (whole 32-groups of the K order) for tokens
+    ``i * TOKENS ..`` with :func:`_transform_rows`, then quantizes and stores them
+    (:func:`_span_groups`, :func:`_store_groups`). ``L``'s columns are loaded once per program."""
+    row_blocks: tl.constexpr = (N1 + ROWS - 1) // ROWS
+    pid = tl.program_id(0)
+    block = (pid // row_blocks).to(tl.int64)  # M * K may exceed 2^31
+    a0 = (pid % row_blocks) * ROWS
+    r = tl.arange(0, ROWSP)
+    c = tl.arange(0, N1P)
+    rows_ok = (r < ROWS) & (a0 + r < N1)
+    left_mask = rows_ok[:, None] & (c < N1)[None, :]
+    left_t = tl.load(left_ptr + c[None, :] * N1 + (a0 + r)[:, None], mask=left_mask, other=0.0)  # [a, c] = L[c, a]
+    for t in range(TOKENS):
+        tok = block * TOKENS + t
+        ok = tl.full([1], tok, tl.int64) < M  # a tensor: the interpreter refuses a scalar in a mask
+        z = _transform_rows(x_ptr + tok * K, d_ptr, right_ptr, left_t, ok[:, None], N1, N2, N1P, N2P, ROWSP, CJ, HAS_D)
+        groups, valid = _span_groups(z, scratch_ptr + block * K, a0, K, N1, N2, N2P, ROWS, ROWSP, GP)
+        g0 = a0 * N2 // 32
+        _store_groups(groups, valid & ok, tok, g0, codes_ptr, scales_ptr, clip, K, GP, BITS, QMIN, QMAX, DECODE)
 
 
 def quantize_activation(
@@ -285,7 +395,7 @@ def quantize_activation(
     ``x`` in its own dtype and multiplies it by ``inv_d`` (fp32 ``[K]``, the transform's diagonal) on load.
 
     ``exact=True`` runs :func:`_quantize_kernel` (the reference's operation order, bit-exact), ``False`` the
-    ``tl.dot`` transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
+    tensor-core transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
     :func:`uses_fast_path` picks: the fast path for compiled kernels on CUDA, the exact one in the CPU interpreter.
     Without a transform both are the same kernel. ``decode``: int8 codes ``[M, K]`` in the decode GEMM's order
     (:func:`loopq.kernels.packing.deinterleave_groups`) for either ``bits``, instead of the packed format."""
@@ -295,9 +405,9 @@ def quantize_activation(
 
 
 def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
-    """Whether a transformed call takes the ``tl.dot`` path. ``exact=None`` does on CUDA with compiled kernels: its
-    chunked dots compile without register spills at Ouro's widths (``tests/kernels/test_gpu_compile.py``); it has
-    not been timed on a GPU yet. Under the interpreter (CPU CI) ``None`` stays exact, so the tests comparing the
+    """Whether a transformed call takes the tensor-core path. ``exact=None`` does on CUDA with compiled kernels: it
+    compiles without register spills at Ouro's widths (``tests/kernels/test_gpu_compile.py``); it has not been timed
+    on a GPU yet. Under the interpreter (CPU CI) ``None`` stays exact, so the tests comparing the
     Triton backend with the torch reference bit for bit keep doing so."""
     if exact is not None:
         return not exact
@@ -321,37 +431,74 @@ def dot_padding(n: int) -> int:
     return max(16, next_pow2(n))
 
 
-class FastConfig(NamedTuple):
-    """Compile-time shape of the fast path for one (n1, n2): padded tiles, reduction chunks, warps."""
+#: up to this many tokens (the decode calls) a token's rows of Z are split across programs; above, one program
+#: transforms whole tokens, :data:`PREFILL_TOKENS` of them
+SPLIT_MAX_M = 16
+PREFILL_TOKENS = 8
+#: fp32 accumulators of a prefill program's Z tile at most: at K = 5632 (64 x 128 padded) a whole token spills
+#: (8 warps; tf32x3 holds two halves of every operand: 24 bytes on sm_80 under Triton 3.9, 600-700 under 3.6),
+#: half a token needs 218-255 registers (the limit), a quarter 166-224
+PREFILL_TILE = 2048
+NUM_WARPS = 8
+
+
+class DotConfig(NamedTuple):
+    """Compile-time shape of the tensor-core path for one (n1, n2) and token count, and its program split."""
 
     n1p: int
     n2p: int
-    kp: int  # the quantized vector's padded length: n1p * n2p when it is already in K order, else next_pow2(K)
-    ci: int  # rows of X (= reduction of the second dot) per chunk
-    cj: int  # columns of X (= reduction of the first dot) per chunk
+    rows: int  # rows of Z per program: whole 32-groups of the K order (rows * n2 % 32 == 0)
+    rows_p: int  # the dot's M: rows padded to a power of two >= 16
+    cj: int  # columns of X (= reduction of the second dot) per chunk
+    gp: int  # groups per program, padded to a power of two
+    tokens: int  # tokens per program
     num_warps: int
 
+    def grid(self, m: int, n1: int) -> tuple[int]:
+        """Token blocks times row blocks, for ``m`` tokens."""
+        return (cdiv(m, self.tokens) * cdiv(n1, self.rows),)
 
-def fast_config(n1: int, n2: int) -> FastConfig:
-    """One token per program, both reductions in chunks of 32 (16 for a factor padded to 16), 8 warps for a
-    64 x 128 output tile (K = 5632; 32 fp32 accumulators per thread), 4 below. Ahead of time (``ptxas -v``,
-    ``tests/kernels/gpu_compile.py``) this holds Ouro's widths without spills: 122 / 170 registers at K = 5632 and
-    72 / 78 at K = 2048 on sm_90 / sm_80; the unchunked dots spilled 50 KB per thread at K = 5632."""
+
+def dot_config(n1: int, n2: int, m: int) -> DotConfig:
+    """Decode (``m <= SPLIT_MAX_M``): :func:`split_rows` rows per program, one token, so a token takes ~16 programs
+    (32 x 64 and 64 x 88: 16 each); prefill: whole tokens (``rows = n1``), :data:`PREFILL_TOKENS` per program, so
+    ``L`` is loaded once for 8 tokens. Reductions over X's columns in chunks of 32 (16 for a 16-padded factor);
+    8 warps for a tile of 8192 fp32 (prefill at K = 5632), 4 below."""
     n1p, n2p = dot_padding(n1), dot_padding(n2)
-    kp = n1p * n2p if n2p == n2 else next_pow2(n1 * n2)
-    return FastConfig(n1p, n2p, kp, min(32, n1p), min(32, n2p), 8 if n1p * n2p >= 8192 else 4)
+    base = GROUP_SIZE // math.gcd(n2, GROUP_SIZE)
+    if m <= SPLIT_MAX_M:
+        rows, tokens = base * max(1, n1 // (16 * base)), 1
+    else:
+        rows, tokens = min(n1, max(base, PREFILL_TILE // n2p // base * base)), PREFILL_TOKENS
+    rows_p = dot_padding(rows)
+    gp = rows_p * n2p // GROUP_SIZE if n2p == n2 else next_pow2(rows * n2 // GROUP_SIZE)
+    return DotConfig(n1p, n2p, rows, rows_p, min(32, n2p), gp, tokens, NUM_WARPS)
+
+
+def split_rows(n1: int, n2: int, programs: int = 16) -> int:
+    """Rows of Z per decode program: the fewest whose flattened span ``rows * n2`` is whole 32-groups
+    (``32 / gcd(n2, 32)``, which divides n1 since 32 divides K = n1 n2), times the largest factor that still leaves
+    ``programs`` row blocks per token. More blocks would not be faster: every program pads its rows to the dot's 16
+    and reads all of X and R, so its time does not shrink with fewer rows."""
+    base = GROUP_SIZE // math.gcd(n2, GROUP_SIZE)
+    return base * max(1, n1 // (programs * base))
 
 
 class QuantizeLaunch(NamedTuple):
     """Everything of one quantizer launch but its tensors and clip: which kernel, the grid, the constexprs, and
-    whether it needs the fp32 ``[M, K]`` scratch row of a transform whose ``n2`` is not a power of two. A function
-    of the shapes only (:func:`quantize_launch`), so a caller that repeats a call can keep it."""
+    whether it needs fp32 scratch rows (:meth:`scratch_rows`) for a transform whose ``n2`` is not a power of two. A
+    function of the shapes only (:func:`quantize_launch`), so a caller that repeats a call can keep it."""
 
     fast: bool  # _quantize_dot_kernel, else _quantize_kernel
     grid: tuple[int]
     m: int
     needs_scratch: bool
     constexprs: dict[str, int | float | bool]  # with num_warps and enable_fp_fusion
+
+    def scratch_rows(self) -> int:
+        """Rows of K fp32 values the launch's scratch needs (where ``needs_scratch``): one per token for the exact
+        kernel, one per token block for the tensor-core one (M / 8 at prefill, M at decode)."""
+        return cdiv(self.m, self.constexprs["TOKENS"]) if self.fast else self.m
 
     def run(
         self,
@@ -376,7 +523,7 @@ class QuantizeLaunch(NamedTuple):
 def quantize_launch(
     m: int, k: int, factors: tuple[int, int] | None, bits: int, has_d: bool, decode: bool, fast: bool, cuda: bool
 ) -> QuantizeLaunch:
-    """The launch of the exact kernel (``fast=False``, or no transform) or the ``tl.dot`` one for ``m >= 1`` tokens
+    """The launch of the exact kernel (``fast=False``, or no transform) or the tensor-core one for ``m >= 1`` tokens
     of ``k`` channels, Kronecker factor sizes ``factors`` (None: no transform)."""
     if fast and factors is not None:
         grid, num_warps, scratch, shape = _fast_shape(m, *factors)
@@ -400,10 +547,10 @@ def _exact_shape(m: int, k: int, factors: tuple[int, int] | None, cuda: bool) ->
 
 
 def _fast_shape(m: int, n1: int, n2: int) -> tuple[tuple[int], int, bool, dict]:
-    """(grid, warps, scratch needed, constexprs) of :func:`_quantize_dot_kernel`: one token per program."""
-    cfg = fast_config(n1, n2)
-    shape = dict(KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj)
-    return (m,), cfg.num_warps, cfg.n2p != n2, shape
+    """(grid, warps, scratch needed, constexprs) of :func:`_quantize_dot_kernel` (:func:`dot_config`)."""
+    cfg = dot_config(n1, n2, m)
+    shape = dict(N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, ROWS=cfg.rows, ROWSP=cfg.rows_p, CJ=cfg.cj, GP=cfg.gp)
+    return cfg.grid(m, n1), cfg.num_warps, cfg.n2p != n2, shape | dict(TOKENS=cfg.tokens)
 
 
 def _quantize_fast(
@@ -413,27 +560,57 @@ def _quantize_fast(
     return _quantize(x, left, right, clip, bits, inv_d, decode, fast=True)
 
 
+#: fp32 accumulation inside and between tensor-core MMAs: at most one unit in the last place (2^-23) per addition,
+#: relative; this covers round-to-nearest (2^-24) and truncation, which NVIDIA's tensor cores use when they align
+#: the products of one MMA step (Fasi, Higham, Mikaitis, Pranesh, PeerJ CS 2021); the interpreter cannot show it
+ACC_UNIT = 2.0**-23
+TF32_UNIT = 2.0**-11  # round to nearest (``cvt.rna``) to tf32's 10 fraction bits: half a unit, relative
+
+
+def tf32x3_product_error() -> float:
+    """``delta`` with ``|a b - (a_hi b_hi + a_lo' b_hi + a_hi b_lo')| <= delta |a b|`` for fp32 ``a, b``.
+
+    Triton's ``tf32x3`` splits ``a_hi = rna_tf32(a)`` (``|a - a_hi| <= 2^-11 |a|``), ``a_lo = a - a_hi`` (exact in
+    fp32), and the MMA reads ``a_lo`` as tf32 ``a_lo'`` however it rounds (``|a_lo - a_lo'| <= 2^-10 |a_lo| <=
+    2^-21 |a|``); the error is ``a_lo b_lo + (a_lo - a_lo') b_hi + a_hi (b_lo - b_lo')``: at most
+    ``(2^-22 + 2 * 2^-21 (1 + 2^-11)) |a b|``. Each of the three partial products is exact in fp32 (11 x 11
+    significant bits) and their magnitudes sum to at most ``(1 + 2^-8) |a b|``."""
+    return 2.0**-22 + 2 * 2.0**-21 * (1 + TF32_UNIT)
+
+
+def tf32x3_sum_error(n: int) -> float:
+    """``eps(n)`` with ``|fl(sum_i a_i b_i) - sum_i a_i b_i| <= eps(n) sum_i |a_i| |b_i|`` for a tf32x3 dot of
+    length ``n`` (with padding): the product error :func:`tf32x3_product_error`, plus ``gamma_{3n+1}`` with unit
+    :data:`ACC_UNIT` (Higham, eq. 3.5: a sum of ``3n`` exact partial products and the accumulator carried in,
+    whether Triton chains it through the three MMAs or adds it after them, in any order, each addition off by
+    ``ACC_UNIT``, relative) on their magnitudes. NaN masking of the low-half MMAs does not touch finite values."""
+    return tf32x3_product_error() + (1 + 2.0**-8) * _gamma(3 * n + 1, ACC_UNIT)
+
+
 def transform_error_bound(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
-    """Float64 ``[M, K]`` bound on ``|Z_fast - Z64|``, ``Z64 = L^T X R`` in float64 of the same fp32 inputs.
+    """Float64 ``[M, K]`` bound on ``|Z_fast - Z64|``, ``Z64 = L^T X R`` in float64 of the same fp32 inputs, for the
+    tensor-core path :func:`_quantize_dot_kernel` (any program split: each value is the same two sums).
 
-    Each dot sums products in fp32 in some order: ``|fl(X R) - X R| <= gamma_{n2} |X| |R|`` and, for
-    ``Y = fl(X R)``, ``|fl(L^T Y) - L^T Y| <= gamma_{n1} |L|^T |Y|`` with ``|Y| <= (1 + gamma_{n2}) |X| |R|``
-    (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5, with or without FMA); hence
-    ``|Z_fast - Z64| <= (gamma_{n1} + gamma_{n2} + gamma_{n1} gamma_{n2}) |L|^T |X| |R|``, ``gamma_n =
-    n u / (1 - n u)``, ``u = 2^-24``, n the padded sizes (padding adds exact zeros; the chunked sums of
-    :func:`_transform_dot` are still one sum each of at most the padded number of products, in another order).
-    Float64's own error on ``Z64`` (``gamma_{n1 + n2}`` with ``u = 2^-53``) is added so the bound also covers the
-    oracle."""
+    ``Y = fl(L^T X)`` sums ``n1' = N1P`` products per value in one tf32x3 dot: ``|Y - L^T X| <= eps1 |L|^T |X|``,
+    ``eps1 = eps(n1')`` (:func:`tf32x3_sum_error`); ``Z = fl(Y R)`` sums ``n2'`` products (``n2`` in chunks of
+    ``CJ``, padded) into one accumulator: ``|Z - Y R| <= eps2 |Y| |R|``, ``|Y| <= (1 + eps1) |L|^T |X|``. Hence
+    ``|Z_fast - Z64| <= (eps1 + eps2 + eps1 eps2) |L|^T |X| |R|`` (padding adds exact zeros), plus float64's own
+    error on ``Z64`` (``gamma_{n1 + n2}``, unit 2^-53) so the bound also covers the oracle. Underflow (products
+    below 2^-126) is neglected. At Ouro's widths the factor is 3.7e-5 (K = 2048) and 6.0e-5 (K = 5632), about 6x
+    the fp32 FMA path's ``gamma_{n1} + gamma_{n2}``: the price of tensor cores, most of it the assumed
+    truncating accumulation."""
     n1, n2 = left.shape[0], right.shape[0]
-
-    def gamma(n: int, u: float = 2.0**-24) -> float:
-        return n * u / (1 - n * u)
-
-    g1, g2 = gamma(dot_padding(n1)), gamma(dot_padding(n2))
-    rho = g1 + g2 + g1 * g2 + gamma(n1 + n2, 2.0**-53)
+    cfg = dot_config(n1, n2, 1)
+    e1, e2 = tf32x3_sum_error(cfg.n1p), tf32x3_sum_error(cdiv(n2, cfg.cj) * cfg.cj)
+    rho = e1 + e2 + e1 * e2 + _gamma(n1 + n2, 2.0**-53)
     xm = x.double().abs().reshape(-1, n1, n2)
     mag = left.double().abs().T @ xm @ right.double().abs()
     return rho * mag.reshape(x.shape)
+
+
+def _gamma(n: int, u: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``."""
+    return n * u / (1 - n * u)
 
 
 def _quantize_exact(
@@ -465,7 +642,8 @@ def _quantize(
     factors = (left.shape[0], right.shape[0]) if left is not None and right is not None else None
     launch = quantize_launch(*x.shape, factors, bits, inv_d is not None, decode, fast, x.is_cuda)
     x = x.contiguous()
-    scratch = torch.empty(x.shape, dtype=torch.float32, device=x.device) if launch.needs_scratch else None
+    rows = launch.scratch_rows()
+    scratch = torch.empty(rows, x.shape[1], dtype=torch.float32, device=x.device) if launch.needs_scratch else None
     left, right = (left.float().contiguous(), right.float().contiguous()) if factors else (None, None)
     launch.run(x, inv_d, left, right, scratch, codes, scales, fp32_value(clip))
     return codes, scales

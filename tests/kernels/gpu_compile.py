@@ -2,7 +2,8 @@
 
 Run as ``python -m tests.kernels.gpu_compile [arch]`` with TRITON_INTERPRET unset; prints one line per kernel
 configuration with PTX facts the bit-exactness relies on; for the quantizer's fast ``tl.dot`` path at Ouro's
-widths, its fp32 ``fma`` (the dots: IEEE fp32 products and sums) and tf32 instructions, registers and spills; for
+widths (its decode and prefill program splits), its tensor-core ``mma`` instructions and the ``cvt.rna.tf32`` of
+the tf32x3 split, registers and spills; for
 the prefill GEMM (every tile of its config table, W4A4 and W4A8) the tensor-core instruction its dots lower to
 (``warp_group_dot`` in TTGIR and ``wgmma`` in PTX on sm_90, ``mma.sync`` on sm_80), its pipelined ``cp.async``
 loads, registers and spills; for the decode GEMM the facts its speed relies on:
@@ -44,15 +45,17 @@ def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bo
     return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
 
 
-def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int):
-    """The ``tl.dot`` transform path (``exact=False``) with the chunks, padding and warps its launcher uses."""
+def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int, m: int = 1):
+    """The tensor-core path (``exact=False``) as :func:`quantize_kernel.quantize_launch` launches it for ``m``
+    tokens (its :func:`~quantize_kernel.dot_config`: the decode split up to 16 tokens, whole tokens above), bf16
+    input, the diagonal folded in, packed int4 or int8 codes."""
     sig = {"x_ptr": "*bf16", "d_ptr": "*fp32", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
     sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
-    cfg = quantize_kernel.fast_config(n1, n2)
-    const = dict(K=k, KP=cfg.kp, N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, CI=cfg.ci, CJ=cfg.cj, BITS=bits)
-    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), HAS_D=True, DECODE=False)
+    launch = quantize_kernel.quantize_launch(m, k, (n1, n2), bits, True, False, True, True)
+    const = {key: v for key, v in launch.constexprs.items() if key not in ("num_warps", "enable_fp_fusion")}
     src = ASTSource(quantize_kernel._quantize_dot_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
-    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
+    options = {"num_warps": launch.constexprs["num_warps"], "enable_fp_fusion": False}
+    return triton.compile(src, target=target, options=options)
 
 
 def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig):
@@ -137,10 +140,12 @@ def main(arch: int) -> None:
             ptx.count("div.approx") + ptx.count("div.full"),
         )
     for k, n1, n2, bits in FAST_QUANT_CONFIGS:
-        ptx = compile_fast_quantizer(target, k, n1, n2, bits).asm["ptx"]
-        regs, spills = ptxas_usage(ptx, arch)
-        print(f"fastquant K={k} {n1}x{n2} a{bits} fma", ptx.count("fma.rn.f32"), "tf32", ptx.count(".tf32"), end=" ")
-        print("regs", regs, "spills", spills)
+        for m in (1, 4096):  # the decode split and the prefill one
+            ptx = compile_fast_quantizer(target, k, n1, n2, bits, m).asm["ptx"]
+            regs, spills = ptxas_usage(ptx, arch)
+            mma, split = ptx.count("mma.sync.aligned") + ptx.count("wgmma.mma_async"), ptx.count("cvt.rna.tf32")
+            print(f"fastquant K={k} {n1}x{n2} a{bits} M={m} mma", mma, "cvt.rna.tf32", split, end=" ")
+            print("regs", regs, "spills", spills)
     for cfg in gemm_kernel.CANDIDATES:
         for a_int4 in (True, False):
             compiled = compile_gemm(target, a_int4, cfg)

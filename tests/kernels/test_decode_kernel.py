@@ -123,11 +123,15 @@ class _TorchKernels(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "tensor-core"])
 @pytest.mark.parametrize("m", [1, 16, 17])
-def test_a_quantized_linear_is_two_launches(m, monkeypatch):
+def test_a_quantized_linear_is_two_launches(m, fast, monkeypatch):
     """``ops.quantized_linear`` with a transform, the diagonal, a bias and a bf16 output: at decode (M <= 16) the
     quantizer and the decode GEMM and no torch kernel; prefill adds only the weight's layout conversion and the
-    epilogue in torch (documented as open)."""
+    epilogue in torch (documented as open). Either quantizer: the exact one or the tensor-core one (CUDA's default),
+    whose cast, diagonal and split across programs stay inside its one launch."""
+    monkeypatch.setattr(qk, "uses_fast_path", lambda exact, device: exact is not True and fast)
+    quantizer = "_quantize_dot_kernel" if fast else "_quantize_kernel"
     launches = _Launches()
     kernels = ((qk, "_quantize_kernel"), (qk, "_quantize_dot_kernel"), (decode_kernel, "_decode_kernel"))
     for mod, name in (*kernels, (decode_kernel, "_decode_mma_kernel")):
@@ -142,9 +146,9 @@ def test_a_quantized_linear_is_two_launches(m, monkeypatch):
     assert y.shape == (m, n) and y.dtype == torch.float16
     if m <= decode_kernel.MAX_M:
         gemm = "_decode_mma_kernel" if decode_kernel.uses_mma(m) else "_decode_kernel"
-        assert launches.names == ["_quantize_kernel", gemm] and torch_ops.ops == []
+        assert launches.names == [quantizer, gemm] and torch_ops.ops == []
     else:
-        assert launches.names == ["_quantize_kernel", "_gemm_kernel"]
+        assert launches.names == [quantizer, "_gemm_kernel"]
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)

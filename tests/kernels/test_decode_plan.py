@@ -56,8 +56,11 @@ def assert_same(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "tensor-core"])
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_repeated_decode_calls_take_the_plan_and_give_the_checked_bits(m, device, monkeypatch):
+def test_repeated_decode_calls_take_the_plan_and_give_the_checked_bits(m, fast, device, monkeypatch):
+    """Both quantizer paths (the tensor-core one with its decode split and scratch rows, forced in the interpreter)."""
+    monkeypatch.setattr(qk, "uses_fast_path", lambda exact, device: exact is not True and fast)
     group, x = make_group(device), tokens(m, device)
     checked = count_checked(monkeypatch)
     loops = (0, 1, 3, 5)  # 5: past the calibrated slots

@@ -1,6 +1,7 @@
 """The kernels compile for real NVIDIA targets (PTX + ptxas, no GPU needed), with the properties bit-exactness
-relies on: no FMA contraction and IEEE division in the quantizer; IEEE fp32 (FMA, no tf32) and no register spills
-in the quantizer's fast ``tl.dot`` path at Ouro's widths (K = 2048 and 5632, int4 and int8); the ahead-of-time
+relies on: no FMA contraction and IEEE division in the quantizer; tensor-core ``mma`` with the tf32x3 split and no
+register spills in the quantizer's fast path at Ouro's widths (K = 2048 and 5632, int4 and int8, decode and
+prefill splits); the ahead-of-time
 proxies of the prefill GEMM's speed (issue 28): int8 ``wgmma`` on sm_90 (``mma.sync`` on sm_80), pipelined
 ``cp.async`` loads and no register spills for every tile of its config table; and those of the decode GEMM's
 speed: 16-byte weight loads and nothing narrower than 8 bytes among them, ``dp4a`` int8 dots, no register spills
@@ -45,10 +46,10 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
         tensor_core = r"warp_group_dot 0 wgmma 0 mma.sync [1-9]\d* int8 [1-9]\d* "
     assert all(re.search(tensor_core + r"cp.async [1-9]\d* regs \d+ spills 0$", s) for s in gemm), gemm
     fast = [s for s in lines if s.startswith("fastquant")]
-    # the fast quantizer at K = 2048 (32 x 64) and 5632 (64 x 88), int4 and int8: dots lowered to fp32 FMA (IEEE,
-    # never tf32) and no register spills (its chunked dots; what lets exact=None pick it on CUDA)
-    assert len(fast) == 4 and {s.split(" ")[2] for s in fast} == {"32x64", "64x88"}, fast
-    assert all(re.search(r" fma [1-9]\d* tf32 0 regs \d+ spills 0$", s) for s in fast), fast
+    # the fast quantizer at K = 2048 (32 x 64) and 5632 (64 x 88), int4 and int8, decode (M = 1) and prefill
+    # (M = 4096) splits: dots on tensor cores, split tf32x3 (rna-rounded high halves) and no register spills
+    assert len(fast) == 8 and {s.split(" ")[2] for s in fast} == {"32x64", "64x88"}, fast
+    assert all(re.search(r" mma [1-9]\d* cvt.rna.tf32 [1-9]\d* regs \d+ spills 0$", s) for s in fast), fast
     decode = [s for s in lines if s.startswith("decode m")]
     assert len(decode) == 4
     assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 dp4a [1-9]\d* ", s) for s in decode), decode

@@ -5,7 +5,8 @@
 TRITON_INTERPRET=1): every variant's main loop contains no ``shfl`` or ``bar.sync`` and loads the weight codes and
 their scales 16 bytes at a time, nothing spills (``ptxas -v``), each compiles in seconds, and at M = 1 the loop
 executes at most 8 PTX instructions per weight byte per thread. The prefill GEMM's tiles: no ``cp.async`` wait for
-depth 0 inside the K loop, at most 168 registers, no spills. Both under the pinned Triton and, where
+depth 0 inside the K loop, at most 168 registers, no spills. The quantizer's two program splits: tensor-core
+instructions in their loops, no spills, at least 16 programs at M = 1. All under the pinned Triton and, where
 ``LOOPQ_EXTRA_TRITON`` names a folder holding another (the GPU image's 3.6), under that one too.
 """
 
@@ -154,3 +155,20 @@ def test_prefill_loop_proxies(triton_dir, tmp_path):
         assert per_group == 2 * (32 if "64x128" in r["kernel"] else 16), r
         # one int-to-float conversion per accumulator element per group: I2F on sm_80, I2FP (another unit) on sm_90
         assert r["sass_i2f"] == (0 if r["arch"] == 90 else r["sass_rescale"] // 2), r
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
+@pytest.mark.parametrize("triton_dir", ["pinned", "extra"])
+def test_quantizer_proxies(triton_dir, tmp_path):
+    """The tensor-core quantizer at Ouro's input widths (K = 2048 and 5632), its decode split (compiled and launched
+    for M = 1) and its prefill one (M = 4096), for sm_90 and sm_80: tensor-core instructions (``mma.sync`` or
+    ``wgmma``) inside its loops, no spills, each compiled in seconds, and at M = 1 at least 16 programs per token
+    (the former fast path ran one)."""
+    rows = ptx_stats(triton_dir, tmp_path, "quantize", 300)
+    keys = sorted((r["arch"], r["kernel"]) for r in rows)
+    assert keys == sorted((a, f"quantize K={k} M={m}") for a in (80, 90) for k in (2048, 5632) for m in (1, 4096))
+    for r in rows:
+        assert r["spills"] == 0 and r["loop_mma"] + r["loop_wgmma"] > 0, r
+        assert r["compile_s"] <= COMPILE_S, r
+        assert r["grid"] >= (16 if r["kernel"].endswith("M=1") else 512), r

@@ -134,10 +134,11 @@ def check_row(
     seed: int = 0,
 ) -> KernelRow:
     """Triton against the torch backend on ``device`` for one shape (with the online transform unless told not):
-    the exact quantizer (``exact=True``) bit-exact (the default fast ``tl.dot`` path on CUDA has a bound, not
-    bit-exactness: the ``kernel-tests`` stage checks it against its float64 oracle), GEMMs (fed the reference's codes,
-    so a quantizer error is not counted twice) within :func:`gemm_fp64_chunked`'s fp32 bound of the float64 GEMM;
-    ``max_abs_err`` is the largest |Triton - torch|."""
+    the exact quantizer (``exact=True``) bit-exact (the default fast path on CUDA, tf32x3 tensor cores split across
+    ~16 programs per token at M <= 16 and 8 tokens per program above, has a bound, not bit-exactness: the
+    ``kernel-tests`` stage checks it against its float64 oracle; :func:`time_row` times it), GEMMs (fed the
+    reference's codes, so a quantizer error is not counted twice) within :func:`gemm_fp64_chunked`'s fp32 bound of
+    the float64 GEMM; ``max_abs_err`` is the largest |Triton - torch|."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     left, right = transform_factors(k, gen, device, transform)
