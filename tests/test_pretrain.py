@@ -156,3 +156,48 @@ def test_sigterm_during_pretraining_saves_last_ckpt_and_exits_143(data, tmp_path
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 3  # the step in flight finished
     assert "stopped by SIGTERM after step 3" in stderr and not (tmp_path / "t").exists()  # no half-trained teacher
+
+
+def test_each_epoch_has_its_own_order_and_a_resume_replays_it():
+    """EpochShuffle: a permutation per (seed, epoch), set by Lightning before each epoch, so an epoch's order does not
+    depend on the epochs a process ran before it (a resumed run used to replay epoch 0's order: review finding)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from loopq.commands.pretrain import EpochShuffle
+
+    orders = []
+    for epoch in (0, 1, 1):
+        sampler = EpochShuffle(10, seed=3)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    assert sorted(orders[0]) == list(range(10)) and orders[0] != orders[1] == orders[2]
+
+    seen: list[list[int]] = []
+
+    class Record(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def on_train_epoch_start(self):
+            seen.append([])
+
+        def training_step(self, batch, _):
+            seen[-1] += batch[0].tolist()
+            return (self.w * 0).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.arange(10)), batch_size=5, sampler=EpochShuffle(10, seed=3))
+
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Record())
+    want = []
+    for epoch in range(3):
+        sampler = EpochShuffle(10, seed=3)
+        sampler.set_epoch(epoch)
+        want.append(list(sampler))
+    assert seen == want  # Lightning set each epoch on the sampler

@@ -72,6 +72,20 @@ def test_exit_weights_renormalise_the_loops_a_step_ran():
         exit_weights(torch.ones(4), 5)
 
 
+def test_loop_weights_that_leave_a_drawable_depth_without_loss_are_refused(tmp_path):
+    """A step normalises its exits' weights over the loops it ran; weights that are 0 over the fewest loops a step
+    can run (LoopFormer: the smallest budget; Parcae: depth 1) gave 0 / 0, a NaN loss and NaN gradients (a review
+    reproduced it for Parcae with [0, 0, 1, 1, 1, 1])."""
+    with pytest.raises(UsageError, match=r"all 0 over the first 1 loop\(s\), the fewest a training step can run"):
+        build("parcae", str(tmp_path), max_depth=6, loop_weights=[0, 0, 1, 1, 1, 1])
+    with pytest.raises(UsageError, match=r"all 0 over the first 2 loop\(s\)"):
+        build("loopformer", str(tmp_path), budgets=[2, 3], loop_weights=[0, 0, 1])
+    ok = build("loopformer", str(tmp_path), budgets=[3], loop_weights=[0, 0, 1])  # last exit only, one budget
+    ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss = (exit_weights(ok.loop_weights, 3) * exit_token_losses(ok.model, ids, 3).mean(dim=(1, 2))).sum()
+    assert torch.isfinite(loss)
+
+
 def test_the_architecture_comes_from_the_config_or_the_command_line(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("architecture: parcae\n")

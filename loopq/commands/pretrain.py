@@ -17,8 +17,9 @@ format (config.json + model.safetensors) with ``tokenizer.json`` to ``out_dir``.
 
 Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint(save_last=true)``, as in
 ``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
-newest checkpoint (model, optimizer, LR schedule, step; the data order restarts its epoch). The record written
-next to the model names the command, seed, steps and the wall time summed over all resumed segments.
+newest checkpoint (model, optimizer, LR schedule, step; the data order restarts its epoch, in that epoch's order).
+The record written next to the model names the command, seed, steps and the wall time summed over all resumed
+segments.
 
 ``out_dir`` is checked before training starts: it may be new, or hold a teacher this command trained before (its
 ``training_record.json``): the README rebuilds the embedded teachers in ``loopq/assets`` in place on purpose (students
@@ -35,7 +36,7 @@ import math
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from jsonargparse import capture_parser
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
@@ -115,11 +116,35 @@ class PretrainDataModule(L.LightningDataModule):
         self.val, self.train = windows[: hp.val_windows], windows[hp.val_windows :]
 
     def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(TensorDataset(self.train), batch_size=self.hparams.batch_size, shuffle=True, generator=gen)
+        sampler = EpochShuffle(len(self.train), self.hparams.seed)
+        return DataLoader(TensorDataset(self.train), batch_size=self.hparams.batch_size, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.val), batch_size=self.hparams.batch_size)
+
+
+def step_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of one step (or epoch): the same draws for the same (seed, index), so a resumed run repeats
+    them."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+class EpochShuffle(Sampler[int]):
+    """The training windows in a fresh order each epoch, drawn from (seed, epoch) alone: Lightning calls
+    ``set_epoch`` before each epoch, so a run resumed in epoch k replays epoch k's order (a generator seeded once
+    per run, as before, replayed epoch 0's) - from its first window: a resume restarts its epoch."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.size, generator=step_generator(self.seed, self.epoch)).tolist())
 
 
 def per_loop_token_losses(model: OuroLM, ids: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -143,11 +168,19 @@ def gate_targets(token_losses: Tensor, margin: float) -> Tensor:
 SAVE_DTYPES = ("float32", "bfloat16")
 
 
-def loop_weight_tensor(loop_weights: Sequence[float] | None, count: int) -> Tensor:
-    """``model.loop_weights`` (default (t+1)^2), checked: ``count`` non-negative entries, not all 0."""
+def loop_weight_tensor(loop_weights: Sequence[float] | None, count: int, shortest: int | None = None) -> Tensor:
+    """``model.loop_weights`` (default (t+1)^2), checked: ``count`` non-negative entries whose first ``shortest``
+    (the fewest loops a training step can run; default all) are not all 0 - a step of that depth normalises its
+    exits' weights by their sum, and a zero sum is a NaN loss."""
     weights = torch.tensor(loop_weights or [float((t + 1) ** 2) for t in range(count)], dtype=torch.float32)
     if len(weights) != count or (weights < 0).any() or weights.sum() <= 0:
         raise UsageError(f"model.loop_weights needs {count} non-negative entries (one per loop), got {loop_weights}")
+    shortest = count if shortest is None else shortest
+    if weights[:shortest].sum() <= 0:
+        raise UsageError(
+            f"model.loop_weights={loop_weights}: all 0 over the first {shortest} loop(s), the fewest a training step "
+            "can run (budgets / sampled depth): such a step has no loss; give one of them a positive weight"
+        )
     return weights
 
 
@@ -346,7 +379,12 @@ def export_teacher(
         "model_hparams": dict(module.hparams),
         "data_hparams": dict(data.hparams),
         "steps": module.trainer.global_step,
-        "train_tokens": module.trainer.global_step * data.hparams.batch_size * data.hparams.seq_len,
+        # optimizer steps x windows per step (accumulated micro-batches, every process) x tokens per window
+        "train_tokens": module.trainer.global_step
+        * module.trainer.accumulate_grad_batches
+        * module.trainer.world_size
+        * data.hparams.batch_size
+        * data.hparams.seq_len,
         "wall_seconds": round(module.wall_seconds(), 1),
         "seed": module.hparams.seed,
         "torch": torch.__version__,

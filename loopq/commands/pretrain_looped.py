@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loopq.commands.pretrain import LoopedPretrainer, check_save_dtype, loop_weight_tensor
+from loopq.commands.pretrain import LoopedPretrainer, check_save_dtype, loop_weight_tensor, step_generator
 from loopq.errors import UsageError
 from loopq.models.base import LoopLM
 from loopq.models.loopformer import LoopFormerLM
@@ -72,11 +72,6 @@ def truncated_poisson(mean: float, low: int, high: int, generator: torch.Generat
     p = torch.softmax(log_p, dim=0)
     u = torch.rand((), generator=generator, dtype=torch.float64)
     return int(ks[min(int(torch.searchsorted(p.cumsum(0), u, right=True)), len(ks) - 1)])
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The per-step generator: the same draw for the same (seed, step), so a resumed run repeats it."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
 class _NativePretrainer(LoopedPretrainer):
@@ -141,7 +136,7 @@ class LoopFormerPretrainer(_NativePretrainer):
         self.budgets = list(budgets or [default])
         if any(not isinstance(b, int) or b < 1 or b > default for b in self.budgets):
             raise UsageError(f"model.budgets={budgets}: loop counts between 1 and loopq_default_loops={default}")
-        self.init_training(loop_weight_tensor(loop_weights, default))
+        self.init_training(loop_weight_tensor(loop_weights, default, shortest=min(self.budgets)))
 
     def _depth(self, stage: str) -> tuple[int, dict[str, Any]]:
         if stage != "train" or len(self.budgets) == 1:
@@ -194,7 +189,7 @@ class ParcaePretrainer(_NativePretrainer):
         self.max_depth = max_depth or 2 * mean
         if self.max_depth < mean:
             raise UsageError(f"model.max_depth={max_depth}: at least mean_recurrence={mean}")
-        self.init_training(loop_weight_tensor(loop_weights, self.max_depth))
+        self.init_training(loop_weight_tensor(loop_weights, self.max_depth, shortest=1))  # depths from 1 are drawn
 
     def _depth(self, stage: str) -> tuple[int, dict[str, Any]]:
         mean = self.model.default_num_loops
