@@ -250,13 +250,19 @@ def test_validation_curves_table_and_figure(results, run_dir, tmp_path):
     lines = [f"{step},{h},40,31,38,30,{e},45,35,41,33\n" for step, (h, e) in rows.items()]
     write(run_dir / "csv" / "version_2" / "metrics.csv", header + "".join(lines))
     run = load_run(run_dir, "tiny")
-    assert run.val_steps == [9, 19, 29] and run.val["val/extra/kl_full"] == [0.5, 0.4, 0.3]
+    # the global steps of the passes (the CSV's step + 1): those of the checkpoints and of provenance.selected
+    assert run.val_steps == [10, 20, 30] and run.val["val/extra/kl_full"] == [0.5, 0.4, 0.3]
     out = tmp_path / "report"
     md = main(["--results", *map(str, results), "--runs", str(run_dir), "--out", str(out)]).read_text()
     assert table_lines(md, "Held-out validation")[2:] == [
-        "| `tiny` | heldout | 9-29 | 0.3000 -> 0.2000 | 19 | 31.00 -> 31.00 (30.00) |",
-        "| `tiny` | extra | 9-29 | 0.5000 -> 0.3000 | 29 | 35.00 -> 35.00 (33.00) |",
+        "| `tiny` | heldout | 10-30 | 0.3000 -> 0.2000 | 20 | 31.00 -> 31.00 (30.00) |",
+        "| `tiny` | extra | 10-30 | 0.5000 -> 0.3000 | 30 | 35.00 -> 35.00 (33.00) |",
     ]
+    # a resumed segment that ran no validation pass (its CSV: mu columns only) keeps the earlier passes (a review
+    # found the table emptied and the figure blank: the last file's columns were applied to every row)
+    write(run_dir / "csv" / "version_3" / "metrics.csv", "step,mu/t0,mu/t1,mu/t2,mu/t3\n31,0.8,0.7,0.3,0.0\n")
+    resumed = load_run(run_dir, "tiny")
+    assert resumed.val_steps == [10, 20, 30] and resumed.val == run.val
     assert_png(out / "validation_tiny.png")
     # every file written is one the report's guard knows: a foreign file of that name elsewhere is not overwritten
     assert {p.name for p in out.iterdir()} <= set(report_files(["tiny"]))
@@ -265,3 +271,14 @@ def test_validation_curves_table_and_figure(results, run_dir, tmp_path):
     with pytest.raises(GuardError, match=r"validation_tiny\.png"):
         main(["--results", *map(str, results), "--runs", str(run_dir), "--out", str(foreign)])
     assert (foreign / "validation_tiny.png").read_text() == "a user's own figure"
+
+
+def test_a_held_out_set_without_the_columns_the_report_reads_is_a_note(results, run_dir, tmp_path):
+    """A set whose KL or per-loop perplexity columns are missing is left out with a note naming them, not a KeyError
+    halfway through writing the figures."""
+    header = "step,val/heldout/kl,val/heldout/ppl_loop1,val/heldout/fp_ppl_loop1\n"
+    write(run_dir / "csv" / "version_2" / "metrics.csv", header + "9,0.1,40,38\n19,0.1,39,38\n")
+    out = tmp_path / "report"
+    md = main(["--results", *map(str, results), "--runs", str(run_dir), "--out", str(out)]).read_text()
+    assert "held-out set `heldout` not reported: no val/heldout/kl_full column" in md
+    assert "## Held-out validation" not in md and not (out / "validation_tiny.png").exists()

@@ -51,6 +51,11 @@ def test_window_length_is_the_default_cut_to_the_context():
     assert window_length(64, 32) == 32
     with pytest.raises(PipelineError, match="--ppl_seq_len 65: longer than the teacher's 64 positions"):
         window_length(64, 65)
+    # a window predicts seq_len - 1 tokens: 1 was accepted and failed after the calibration (review finding)
+    with pytest.raises(
+        PipelineError, match=r"--ppl_seq_len 1: a window needs at least 2 tokens; pass --ppl_seq_len 2\.\.64"
+    ):
+        window_length(64, 1)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -337,6 +337,8 @@ def window_length(context: int, asked: int | None = None) -> int:
     else :data:`DEFAULT_PPL_SEQ_LEN` cut to the context."""
     if asked is None:
         return min(DEFAULT_PPL_SEQ_LEN, context)
+    if asked < 2:
+        raise PipelineError(f"--ppl_seq_len {asked}: a window needs at least 2 tokens; pass --ppl_seq_len 2..{context}")
     if asked > context:
         raise PipelineError(
             f"--ppl_seq_len {asked}: longer than the teacher's {context} positions (its config.json); pass "

@@ -20,7 +20,7 @@ from loopq.commands.report.figures import (
     series_points,
     slt_matrix,
 )
-from loopq.commands.report.inputs import Result, Run
+from loopq.commands.report.inputs import Result, Run, val_sets
 from loopq.commands.report.output import (
     KIND,
     REPORT,
@@ -118,7 +118,7 @@ def build_report(
         if run.mu:
             figures.append((f"mu_t over calibration, `{run.name}`", plot_mu(run, out)))
     for run in runs:
-        if run.val_steps:
+        if val_sets(run):
             figures.append((f"held-out validation, `{run.name}`", plot_validation(run, out)))
 
     figures.sort(key=lambda fig: int(m.group(1)) if (m := re.match(r"Fig\. (\d+)", fig[0])) else 99)
@@ -146,8 +146,8 @@ def build_report(
     md += subset_table([*results, *sweeps])
     if runs:
         md += ["", "## Calibration runs", "", *runs_table(runs)]
-    if any(run.val_steps for run in runs):
-        validated = [r for r in runs if r.val_steps]
+    if any(val_sets(run) for run in runs):
+        validated = [r for r in runs if val_sets(r)]
         md += ["", "## Held-out validation", "", VALIDATION_HELP, "", *validation_table(validated)]
     md += ["", "## Figures", ""]
     md += [f"- [{title}]({path.name})" for title, path in figures] or ["_No figures._"]

@@ -194,37 +194,46 @@ def read_mu(paths: Sequence[Path]) -> tuple[list[int], list[list[float]]]:
 
 
 def read_val(paths: Sequence[Path]) -> tuple[list[int], dict[str, list[float]]]:
-    """``(steps, {column: values})`` of the ``val/<set>/<metric>`` columns (validation passes), as :func:`read_mu`."""
+    """``(steps, {column: values})`` of the ``val/<set>/<metric>`` columns (validation passes), as :func:`read_mu`;
+    the steps are global steps, those of the checkpoints and of ``provenance.selected`` (Lightning's CSV ``step`` of
+    a validation pass during training is one less)."""
     steps, columns, rows = read_series(paths, r"val/\w+/\w+", lambda c: c, "val/*")
-    return steps, {c: [row[i] for row in rows] for i, c in enumerate(columns)}
+    return [s + 1 for s in steps], {c: [row[i] for row in rows] for i, c in enumerate(columns)}
 
 
 def read_series(
     paths: Sequence[Path], pattern: str, order: Callable[[str], Any], what: str
 ) -> tuple[list[int], list[str], list[list[float]]]:
     """Steps, column names and rows of the columns matching ``pattern`` in ``metrics.csv`` files (version order; a
-    resumed version replaces the rows it logged again; several rows of one step: the last values)."""
-    steps: list[int] = []
-    rows: list[list[float]] = []
-    cols: list[str] = []
+    resumed version replaces the rows it logged again; several rows of one step: the last values). Each file's rows
+    keep their own columns: a version that logged none of them (a resumed segment with no validation pass) changes
+    nothing, and the columns returned are those every kept row has."""
+    series: dict[int, dict[str, float]] = {}
     for path in paths:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            cols = sorted((c for c in reader.fieldnames or [] if re.fullmatch(pattern, c)), key=order)
-            new_steps, new_rows = [], []
-            for line_no, row in enumerate(reader, start=2):
-                if not cols or any(row.get(c) in (None, "") for c in cols):
-                    continue
-                try:
-                    new_rows.append([float(row[c]) for c in cols])
-                    new_steps.append(int(float(row["step"])))
-                except (KeyError, TypeError, ValueError):
-                    raise ReportInputError(f"{path}: line {line_no}: bad 'step' or '{what}' value") from None
-        if new_steps:
-            keep = [i for i, s in enumerate(steps) if s < new_steps[0]]
-            steps, rows = [steps[i] for i in keep] + new_steps, [rows[i] for i in keep] + new_rows
-    last = dict(zip(steps, rows, strict=True))
-    return list(last), cols, list(last.values())
+        new = read_rows(path, pattern, what)
+        if new:
+            first = min(new)
+            series = {step: row for step, row in series.items() if step < first} | new
+    if not series:
+        return [], [], []
+    cols = sorted(set.intersection(*(set(row) for row in series.values())), key=order)
+    return list(series), cols, [[row[c] for c in cols] for row in series.values()]
+
+
+def read_rows(path: Path, pattern: str, what: str) -> dict[int, dict[str, float]]:
+    """``{step: {column: value}}`` of one ``metrics.csv``: the rows where every column matching ``pattern`` is set."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        cols = [c for c in reader.fieldnames or [] if re.fullmatch(pattern, c)]
+        rows: dict[int, dict[str, float]] = {}
+        for line_no, row in enumerate(reader, start=2):
+            if not cols or any(row.get(c) in (None, "") for c in cols):
+                continue
+            try:
+                rows[int(float(row["step"]))] = {c: float(row[c]) for c in cols}
+            except (KeyError, TypeError, ValueError):
+                raise ReportInputError(f"{path}: line {line_no}: bad 'step' or '{what}' value") from None
+    return rows
 
 
 def load_run(path: Path, name: str) -> Run:
@@ -250,15 +259,28 @@ def load_run(path: Path, name: str) -> Run:
     metrics = [v / "metrics.csv" for v in version_dirs(path / "csv") if (v / "metrics.csv").is_file()]
     run.mu_steps, run.mu = read_mu(metrics)
     run.val_steps, run.val = read_val(metrics)
+    for held_out in dict.fromkeys(column.split("/")[1] for column in run.val):
+        if lacking := missing_val(run, held_out):
+            run.notes.append(f"run `{name}`: held-out set `{held_out}` not reported: no {', '.join(lacking)} column")
     if not run.mu:
         run.notes.append(f"run `{name}`: no `mu/t*` values in `csv/version_*/metrics.csv`")
     return run
 
 
 def val_sets(run: Run) -> list[str]:
-    """The held-out sets a run validated on (``val/<set>/...`` columns): ``heldout`` first, then the others."""
-    names = dict.fromkeys(column.split("/")[1] for column in run.val)
+    """The held-out sets a run validated on (``val/<set>/...`` columns) with the columns the report reads (KL and
+    the per-loop perplexities): ``heldout`` first, then the others."""
+    names = [name for name in dict.fromkeys(column.split("/")[1] for column in run.val) if not missing_val(run, name)]
     return sorted(names, key=lambda name: name != "heldout")  # the calibration text's own held-out set first
+
+
+def missing_val(run: Run, name: str) -> list[str]:
+    """What held-out set ``name`` of ``run`` lacks of the columns the report reads."""
+    missing = [] if f"val/{name}/kl_full" in run.val else [f"val/{name}/kl_full"]
+    for prefix in ("ppl_loop", "fp_ppl_loop"):
+        if not any(c.startswith(f"val/{name}/{prefix}") for c in run.val):
+            missing.append(f"val/{name}/{prefix}<t>")
+    return missing
 
 
 def last_loop_column(run: Run, name: str, prefix: str = "ppl_loop") -> str:
