@@ -98,7 +98,7 @@ def test_print_plan_of_an_unknown_hub_teacher_asks_for_its_config(capsys):
 
 # ---------------------------------------------------------------------------------------------------- formulas
 def test_embedded_shapes_give_the_paper_table_3_totals():
-    """Paper Table 3 'Total Params' = model + its shared + loop-dependent quantization parameters (in millions)."""
+    """Paper Table 5 'Total Params' = model + its shared + loop-dependent quantization parameters (in millions)."""
     paper = {"Ouro-1.4B": (1476, 40.65, 0.6495), "Ouro-2.6B": (2750, 82.16, 0.2936),
              "loopformer-3x8": (282.19, 3.69, 0.328), "parcae-370m": (390.27, 1.70, 0.3048)}  # fmt: skip
     for name, (total, shared, loop) in paper.items():

@@ -20,7 +20,7 @@ against the FP output given the FP input, a shared layer once per loop; see :fun
 The training-free baselines (``quant.method`` rtn, smoothquant, quarot) are rejected here: build them with
 :func:`loopq.quant.prepare.prepare_static`.
 
-Optimisation follows FlatQuant / paper Table 5: AdamW, transforms and adapters at ``lr``, clipping ratios at
+Optimisation follows FlatQuant / paper Table 6: AdamW, transforms and adapters at ``lr``, clipping ratios at
 ``clip_lr_mult * lr``, cosine schedule, gradient clipping 1.0 (set on the Trainer).
 
 Speed and memory switches: ``checkpoint_loops`` checkpoints every (loop, layer) call: only each layer's input is

@@ -2,7 +2,7 @@
 
     python -m loopq.export --ckpt <student dir> --out <export dir>
 
-The conversion and the directory format are :mod:`loopq.artifacts.quantized`; the footprint (the paper's Table 3 for
+The conversion and the directory format are :mod:`loopq.artifacts.quantized`; the footprint (the paper's Table 5 for
 the loaded model: packed weights, fp16 scales, shared and loop-dependent quantization parameters and FP modules at
 ``--fp_dtype``, against the BF16 teacher) is :func:`loopq.quant.accounting.footprint`.
 """

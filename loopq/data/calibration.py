@@ -1,6 +1,6 @@
 """The calibration ``LightningDataModule``: text sources -> tokenized fixed-length samples.
 
-Paper defaults (Table 5): 1024 samples x 256 tokens drawn from random windows of the corpus; deterministic
+Paper defaults (Table 6): 1024 samples x 256 tokens drawn from random windows of the corpus; deterministic
 given ``seed``. Sources are local text/jsonl files (globs relative to the data root; default: the calibration
 prose in ``<shared>/data/calibration``) or ``hf:<dataset>[:split[:column]]`` for a Hugging Face dataset such
 as the paper's ``hf:mit-han-lab/pile-val-backup:validation:text`` (needs hub access; never used in tests).

@@ -241,7 +241,7 @@ class ModelCounts:
     largest_input: int  # the widest group input (what the streamed clip initialisation scores at once)
     layers: int  # decoder layers in the loop (checkpoint_loops keeps each one's input)
     trainable: int  # Q: trainable quantization parameters after SLT promotion
-    report: ParameterReport  # the paper's Table 3 (shared / loop-dependent)
+    report: ParameterReport  # the paper's Table 5 (shared / loop-dependent)
 
 
 def build_meta(native: dict[str, Any], quant: QuantConfig) -> tuple[LoopLM, LoopLM]:
@@ -735,7 +735,7 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     r = c.report
     lines += [
         f"  teacher-target cache on disk: {size(plan.targets)}{kept}",
-        f"  trainable quantization parameters: {millions(c.trainable)}; Table 3: shared {millions(r.shared)}, "
+        f"  trainable quantization parameters: {millions(c.trainable)}; Table 5: shared {millions(r.shared)}, "
         f"loop-dependent {millions(r.loop_dependent)} ({100 * r.loop_dependent_ratio:.3f} %), with SLT's "
         f"{c.promoted_groups} largest groups promoted",
     ]

@@ -1,4 +1,4 @@
-"""Parameter accounting of a LoopQ student, as in the paper's Table 3.
+"""Parameter accounting of a LoopQ student, as in the paper's Table 5.
 
 * **shared**: quantization parameters used by every loop - transforms and weight clips of unpromoted
   groups, activation clips without LAS, CTA's shared directions U and V;
@@ -97,7 +97,7 @@ def packed_groups(model: nn.Module) -> Iterator[tuple[str, PackedLinearGroup]]:
 
 
 def footprint(model: LoopLM) -> dict[str, float]:
-    """The paper's Table 3 for a loaded quantized model: bytes by kind, parameter counts, ratios vs BF16.
+    """The paper's Table 5 for a loaded quantized model: bytes by kind, parameter counts, ratios vs BF16.
 
     * ``packed_weights`` / ``weight_scales``: int4 codes and fp16 scales of every slot (a promoted group has T);
     * ``quant_shared`` / ``quant_loop_dependent``: activation-side tensors (P1, P2, 1/d, clips) with one slot or

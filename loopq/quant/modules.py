@@ -15,7 +15,8 @@ from construction on: ``loop_transforms[t]``, ``loop_weight_clip[t]`` and, witho
 *offsets* (zero at the start) added to an anchor buffer ``slt_anchor`` that :meth:`QuantLinearGroup.promote`
 fills with the shared values under ``no_grad`` (and flips the ``slt_promoted`` buffer). Loop t of a promoted group
 then computes with ``anchor + offset_t`` - the same function of the offsets as an independent per-loop copy of the
-shared parameters, with the same gradients - and the shared parameters stop being used. Nothing is ever added to or
+shared parameters, with the same gradients (the optimizer steps the offsets at ``lr``, also the clip offsets:
+``docs/design-notes.md``) - and the shared parameters stop being used. Nothing is ever added to or
 removed from the parameter set: the optimizer, the LR schedule, DDP and DeepSpeed see one layout for the whole run,
 and a resume is a plain ``load_state_dict`` (the anchors and flags are buffers in the state). Before promotion the
 offsets receive a zero gradient (the calibration fills unused gradients with zeros, as DeepSpeed's ZeRO does), so with
