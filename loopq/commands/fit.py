@@ -309,7 +309,7 @@ def fit_settings(config: Any) -> dict[str, Any]:
     if isinstance(callbacks, list):
         tree["trainer"]["callbacks"] = [c for c in callbacks if is_method_callback(c)]
         if (tree.get("model") or {}).get("student_from") == "best":
-            tree["student_choice"] = [_choice(c) for c in callbacks if _choice(c)]
+            tree["student_choice"] = [choice for choice in map(_choice, callbacks) if choice]
     return {k: v for k, v in flatten(tree).items() if k not in COSMETIC}
 
 
