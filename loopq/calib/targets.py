@@ -11,7 +11,6 @@ records the teacher hash, and a cache whose metadata names another teacher is re
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +118,3 @@ def load_or_compute(
     loaded = read_safetensors(path, fix="delete it: the targets are recomputed from the teacher")
     return TeacherTargets(loaded["values"], loaded["indices"], loaded["states"])
 
-
-def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "loopq")

@@ -460,10 +460,12 @@ class DotConfig(NamedTuple):
 
 
 def dot_config(n1: int, n2: int, m: int) -> DotConfig:
-    """Decode (``m <= SPLIT_MAX_M``): :func:`split_rows` rows per program, one token, so a token takes ~16 programs
-    (32 x 64 and 64 x 88: 16 each); prefill: whole tokens (``rows = n1``), :data:`PREFILL_TOKENS` per program, so
-    ``L`` is loaded once for 8 tokens. Reductions over X's columns in chunks of 32 (16 for a 16-padded factor);
-    8 warps for a tile of 8192 fp32 (prefill at K = 5632), 4 below."""
+    """Decode (``m <= SPLIT_MAX_M``): one token per program, on the fewest rows of Z whose flattened span is whole
+    32-groups (``32 / gcd(n2, 32)``) times the largest factor that leaves 16 row blocks, so a token takes ~16
+    programs (32 x 64 and 64 x 88: 16 each); more would not be faster, every program pads its rows to the dot's 16
+    and reads all of X and R. Prefill: whole tokens (``rows = n1``), :data:`PREFILL_TOKENS` per program, so ``L`` is
+    loaded once for 8 tokens. Reductions over X's columns in chunks of 32 (16 for a 16-padded factor); 8 warps for a
+    tile of 8192 fp32 (prefill at K = 5632), 4 below."""
     n1p, n2p = dot_padding(n1), dot_padding(n2)
     base = GROUP_SIZE // math.gcd(n2, GROUP_SIZE)
     if m <= SPLIT_MAX_M:
@@ -473,15 +475,6 @@ def dot_config(n1: int, n2: int, m: int) -> DotConfig:
     rows_p = dot_padding(rows)
     gp = rows_p * n2p // GROUP_SIZE if n2p == n2 else next_pow2(rows * n2 // GROUP_SIZE)
     return DotConfig(n1p, n2p, rows, rows_p, min(32, n2p), gp, tokens, NUM_WARPS)
-
-
-def split_rows(n1: int, n2: int, programs: int = 16) -> int:
-    """Rows of Z per decode program: the fewest whose flattened span ``rows * n2`` is whole 32-groups
-    (``32 / gcd(n2, 32)``, which divides n1 since 32 divides K = n1 n2), times the largest factor that still leaves
-    ``programs`` row blocks per token. More blocks would not be faster: every program pads its rows to the dot's 16
-    and reads all of X and R, so its time does not shrink with fewer rows."""
-    base = GROUP_SIZE // math.gcd(n2, GROUP_SIZE)
-    return base * max(1, n1 // (programs * base))
 
 
 class QuantizeLaunch(NamedTuple):

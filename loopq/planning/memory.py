@@ -552,11 +552,6 @@ class MemoryPlan:
     def peak(self) -> int:
         return self.phases[self.peak_phase]
 
-    @property
-    def host_peak(self) -> int:
-        """Host memory a process needs besides the device: the teacher while loading, the targets while built."""
-        return max(self.teacher_load, 2 * self.targets)
-
 
 def training_pass(counts: ModelCounts, loops: int, settings: RunSettings) -> Pass:
     """The :class:`Pass` of a training step."""

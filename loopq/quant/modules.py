@@ -295,10 +295,6 @@ class QuantLinearGroup(nn.Module):
     def weight_clip_ratio(self, slot: int) -> Tensor:
         return clip_ratio(self.weight_clip_logits(slot)).reshape(-1, 1, 1)
 
-    def transform_matrices(self, tr: KroneckerTransform, slot: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(P1, P2, P1^-1, P2^-1) of ``slot``."""
-        return self._slot_tensors(slot).mats  # type: ignore[return-value]
-
     # ------------------------------------------------------------------ forward
     def effective_weight_fp(self, slot: int) -> Tensor:
         """The transformed (not yet quantized) concatenated weight ``[sum(out), in]`` in fp32 for ``slot``."""
@@ -308,10 +304,6 @@ class QuantLinearGroup(nn.Module):
             _, _, p1_inv, p2_inv = tr.matrices()
             weight = tr.weight(weight, p1_inv, p2_inv)
         return weight
-
-    def effective_weight(self, slot: int) -> Tensor:
-        """The transformed, fake-quantized, concatenated weight ``[sum(out), in]`` (fp32) for ``slot``."""
-        return self._slot_tensors(slot).weight
 
     # ------------------------------------------------------------------ per-forward cache
     # The transform matrices and the fake-quantized weight depend on the parameters and the slot only, not on

@@ -110,8 +110,3 @@ def row_clip_errors(weight: Tensor, bits: int, group_size: int, grid: Tensor) ->
         errors.append(err.sum(dim=(-1, -2)))
     return torch.stack(errors)
 
-
-def sqnr_db(reference: Tensor, approx: Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB (torchao's error measure)."""
-    noise = (reference - approx).pow(2).sum().clamp_min(1e-30)
-    return float(10 * torch.log10(reference.pow(2).sum() / noise))
