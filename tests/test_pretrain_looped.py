@@ -13,6 +13,7 @@ from loopq.commands.pretrain import PretrainDataModule, pretrainer_class, reques
 from loopq.commands.pretrain_looped import (
     LoopFormerPretrainer,
     ParcaePretrainer,
+    exit_loss,
     exit_token_losses,
     exit_weights,
     truncated_poisson,
@@ -84,6 +85,32 @@ def test_loop_weights_that_leave_a_drawable_depth_without_loss_are_refused(tmp_p
     ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(0))
     loss = (exit_weights(ok.loop_weights, 3) * exit_token_losses(ok.model, ids, 3).mean(dim=(1, 2))).sum()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("kind", ["loopformer", "parcae"])
+def test_exits_last_trains_only_the_steps_final_read_out(kind, tmp_path):
+    """``model.exits: last`` (upstream's objective): the loss and its gradient are those of the full-depth forward's
+    own CE; the earlier exits contribute nothing (``all`` weighs them in: hand-computed)."""
+    ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(0))
+    per_loop = torch.tensor([3.0, 2.0, 1.5])
+    assert exit_loss(per_loop, torch.tensor([1.0, 4.0, 9.0]), "last").item() == 1.5
+    assert exit_loss(per_loop, torch.tensor([1.0, 4.0, 9.0]), "all").item() == pytest.approx((3 + 8 + 13.5) / 14)
+    last, ref = build(kind, str(tmp_path), exits="last"), build(kind, str(tmp_path))
+    ref.model.load_state_dict(last.model.state_dict())
+    loss, per_loop = last._objective([ids], "val")  # validation runs the default depth, 3 loops
+    logits = ref.model(ids[:, :-1], num_loops=3).logits
+    want = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(loss, want)
+    loss.backward(), want.backward()
+    for (name, p), q in zip(last.model.named_parameters(), ref.model.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    with pytest.raises(UsageError, match=r"model.exits='first': use one of \('all', 'last'\)"):
+        build(kind, str(tmp_path), exits="first")
+    with pytest.raises(UsageError, match=r"model\.loop_weights weighs the exits of model\.exits=all"):
+        build(kind, str(tmp_path), exits="last", loop_weights=[1.0, 1.0, 1.0])
 
 
 def test_the_architecture_comes_from_the_config_or_the_command_line(tmp_path):

@@ -22,6 +22,10 @@ What each family adds:
   generator seeded by (seed, step), so a resumed run draws the same depths. Simplification of upstream: the gradient
   flows through every iteration (upstream truncates back-propagation to the last ``mean_backprop_depth``), and every
   exit is supervised (upstream supervises the last only), so the early loops are trained read-outs.
+
+``model.exits``: ``all`` (default) is the multi-exit objective above; ``last`` supervises only the read-out after a
+step's last loop, L = CE(head(H_R), y), as upstream LoopFormer (each budget's final output) and Parcae (the last
+iteration) train: the early exits are then not trained read-outs, and the loops must build the prediction together.
 """
 
 from __future__ import annotations
@@ -62,6 +66,25 @@ def exit_weights(weights: Tensor, num_loops: int) -> Tensor:
     return w / w.sum()
 
 
+#: ``model.exits``: which read-outs the objective supervises
+EXITS = ("all", "last")
+
+
+def exit_loss(per_loop: Tensor, weights: Tensor, exits: str) -> Tensor:
+    """The objective from a step's per-loop mean CEs ``[R]``: their ``weights``-weighted sum over the loops run
+    (``exits == "all"``) or the last one alone (``"last"``)."""
+    if exits == "last":
+        return per_loop[-1]
+    return (exit_weights(weights, len(per_loop)) * per_loop).sum()
+
+
+def check_exits(exits: str, loop_weights: list[float] | None) -> None:
+    if exits not in EXITS:
+        raise UsageError(f"model.exits={exits!r}: use one of {EXITS}")
+    if exits == "last" and loop_weights is not None:
+        raise UsageError("model.loop_weights weighs the exits of model.exits=all; with exits=last drop it")
+
+
 def truncated_poisson(mean: float, low: int, high: int, generator: torch.Generator) -> int:
     """One draw of Poisson(``mean``) conditioned on [low, high]: inverse-CDF sampling of the renormalised pmf
     p(k) = e^-mean mean^k / k! on that range (computed in log space)."""
@@ -86,7 +109,7 @@ class _NativePretrainer(LoopedPretrainer):
     def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
         loops, kwargs = self._depth(stage)
         per_loop = exit_token_losses(self.model, batch[0], loops, **kwargs).mean(dim=(1, 2))
-        loss = (exit_weights(self.loop_weights, loops) * per_loop).sum()
+        loss = exit_loss(per_loop, self.loop_weights, self.hparams.exits)
         if stage == "val" or loops == self.model.default_num_loops:
             for t, value in enumerate(per_loop):
                 self.log(f"{stage}/ce_loop{t + 1}", value, prog_bar=(stage == "val" or t == loops - 1))
@@ -103,6 +126,7 @@ class LoopFormerPretrainer(_NativePretrainer):
         config: dict[str, Any] | None = None,
         vocab_size: int = 2048,
         budgets: list[int] | None = None,
+        exits: str = "all",
         loop_weights: list[float] | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.01,
@@ -118,6 +142,7 @@ class LoopFormerPretrainer(_NativePretrainer):
             config: the native LoopFormer config.json fields (vocab_size comes from the data)
             vocab_size: vocabulary size (linked to data.vocab_size)
             budgets: loop counts a training step draws from (default: only loopq_default_loops)
+            exits: supervise every loop's read-out (all) or only a step's last one (last, as upstream)
             loop_weights: per-loop weights of the multi-exit loss (default: (t+1)^2, normalised over a step's loops)
             lr: peak learning rate
             weight_decay: AdamW weight decay of the matrices
@@ -130,6 +155,7 @@ class LoopFormerPretrainer(_NativePretrainer):
         super().__init__()
         self.save_hyperparameters()
         check_save_dtype(save_dtype)
+        check_exits(exits, loop_weights)
         native = {"model_type": "loopformer", "architectures": ["LoopFormerGPTForCausalLM"], **(config or {})}
         self.model = LoopFormerLM.from_config({**native, "vocab_size": vocab_size}, seed=seed)
         default = self.model.default_num_loops
@@ -155,6 +181,7 @@ class ParcaePretrainer(_NativePretrainer):
         config: dict[str, Any] | None = None,
         vocab_size: int = 2048,
         max_depth: int | None = None,
+        exits: str = "all",
         loop_weights: list[float] | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.01,
@@ -170,6 +197,7 @@ class ParcaePretrainer(_NativePretrainer):
             config: the native Parcae config.json fields (vocab_size comes from the data)
             vocab_size: vocabulary size (linked to data.vocab_size)
             max_depth: the truncation of the sampled depth (default 2 x mean_recurrence)
+            exits: supervise every loop's read-out (all) or only a step's last one (last, as upstream)
             loop_weights: per-loop weights of the multi-exit loss, one per loop up to max_depth (default: (t+1)^2)
             lr: peak learning rate
             weight_decay: AdamW weight decay of the matrices
@@ -182,6 +210,7 @@ class ParcaePretrainer(_NativePretrainer):
         super().__init__()
         self.save_hyperparameters()
         check_save_dtype(save_dtype)
+        check_exits(exits, loop_weights)
         native = {"_class_name": "ParcaeConfig", "model_class_name": "Parcae", **(config or {})}
         native.update(vocab_size=vocab_size, padded_vocab_size=vocab_size)
         self.model = ParcaeLM.from_config(native, seed=seed)
