@@ -121,7 +121,8 @@ def check_enough_tokens(tokens: int, num_samples: int, holdout_samples: int, seq
 
 
 class CalibrationDataModule(L.LightningDataModule):
-    """Random fixed-length windows of the calibration corpus, a held-out batch for diagnostics and, with
+    """Random fixed-length windows of the calibration corpus, a held-out batch for diagnostics (windows that overlap
+    no calibration window) and, with
     ``val_samples > 0``, held-out validation sets (:mod:`loopq.calib.validation`): ``heldout``, windows of the same
     sources that overlap no calibration or diagnostic window (drawn after them, so the calibration windows do not
     depend on it), and with ``val_sources`` (e.g. ``[wikitext2/wiki.valid.tokens]``) ``extra``, up to
@@ -170,6 +171,8 @@ class CalibrationDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.samples: Tensor | None = None
         self.holdout: Tensor | None = None
+        #: window offsets in the token stream: "calibration" and "holdout" (:func:`window_starts`)
+        self.starts: dict[str, Tensor] = {}
         #: validation set name (loopq.calib.validation.VAL_SETS) -> its windows
         self.val_sets: dict[str, Tensor] = {}
 
@@ -179,14 +182,13 @@ class CalibrationDataModule(L.LightningDataModule):
         hp = self.hparams
         stream = calibration_stream(hp.tokenizer, hp.sources, hp.root)
         check_enough_tokens(stream.numel(), hp.num_samples, hp.holdout_samples, hp.seq_len)
-        total = hp.num_samples + hp.holdout_samples
-        starts = random_starts(stream.numel(), total, hp.seq_len, hp.seed)
-        windows = windows_at(stream, starts, hp.seq_len)
+        self.starts = window_starts(stream.numel(), hp.num_samples, hp.holdout_samples, hp.seq_len, hp.seed)
+        windows = windows_at(stream, torch.cat(list(self.starts.values())), hp.seq_len)
         if hp.vocab_size is not None:
             check_vocab(windows, hp.vocab_size, key="data.tokenizer")
         self.samples, self.holdout = windows[: hp.num_samples], windows[hp.num_samples :]
         if hp.val_samples:
-            self.val_sets = self.validation_sets(stream, starts)
+            self.val_sets = self.validation_sets(stream, torch.cat(list(self.starts.values())))
 
     def validation_sets(self, stream: Tensor, taken: Tensor) -> dict[str, Tensor]:
         """``heldout`` (and ``extra`` with ``val_sources``): see the class docstring."""
@@ -246,6 +248,20 @@ class CalibrationDataModule(L.LightningDataModule):
 
 #: the validation windows' seed is the data seed plus this (any fixed offset: another draw)
 VAL_SEED_OFFSET = 7919
+#: the diagnostics' held-out windows' seed is the data seed plus this
+HOLDOUT_SEED_OFFSET = 104729
+
+
+def window_starts(tokens: int, num_samples: int, holdout: int, seq_len: int, seed: int) -> dict[str, Tensor]:
+    """Offsets of the calibration windows (uniformly random; the first ``num_samples`` of one draw of
+    ``num_samples + holdout``, as before the held-out windows were made disjoint, so calibrations are unchanged) and
+    of the diagnostics' held-out windows, which overlap no calibration window (each other neither)."""
+    calibration = random_starts(tokens, num_samples + holdout, seq_len, seed)[:num_samples]
+    held = torch.zeros(0, dtype=torch.long)
+    if holdout:
+        key = "data.holdout_samples"
+        held = disjoint_starts(tokens, holdout, seq_len, seed + HOLDOUT_SEED_OFFSET, calibration, key)
+    return {"calibration": calibration, "holdout": held}
 
 
 def rank_shard(windows: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:

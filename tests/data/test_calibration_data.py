@@ -134,3 +134,22 @@ def test_sampler_is_world_size_invariant_and_resumable():
     assert list(resumed) == one[16:] and len(resumed) == 8
     current["step"] = 5  # a sampler iterated again continues at the trainer's current step
     assert list(resumed) == one[20:]
+
+
+def test_diagnostic_holdout_windows_overlap_no_calibration_window(data):
+    """The diagnostics' held-out windows are held out: none shares a token with a calibration window (a review found
+    2 of 8 overlapping, by 37 and 230 of 256 tokens, at the paper's 1024 x 256 with seed 0), and the calibration
+    windows are those of one random draw of num_samples + holdout_samples offsets, as before the fix."""
+    from loopq.data.calibration import calibration_stream
+    from loopq.data.stream import random_starts
+
+    dm = CalibrationDataModule(str(data / SMOL), num_samples=1024, seq_len=256, holdout_samples=8, seed=0)
+    dm.setup()
+    calib, held = dm.starts["calibration"], dm.starts["holdout"]
+    tokens = calibration_stream(str(data / SMOL), None, None).numel()
+    assert torch.equal(calib, random_starts(tokens, 1024 + 8, 256, 0)[:1024])
+    assert len(held) == 8 and dm.holdout.shape == (8, 256)
+    gaps = (held[:, None] - calib[None, :]).abs()
+    assert int(gaps.min()) >= 256  # windows [s, s + 256) that share no position
+    held_gaps = (held[:, None] - held[None, :]).abs() + 256 * torch.eye(8, dtype=torch.long)
+    assert int(held_gaps.min()) >= 256
