@@ -2,7 +2,7 @@
 
 Listed in a config's ``trainer.callbacks`` (its ``init_args`` are the schedule), or installed with its defaults by
 :meth:`loopq.calib.module.LoopQCalibration.configure_callbacks` when the list has none (unless ``model.adaptive_mu``
-is off).
+is off; listed, it then does nothing).
 
 Every ``every_n_steps`` optimizer steps (default 100, as in the paper) mu_t is recomputed from the current
 global batch's teacher and student trajectories (the squared norms are summed over every process's samples
@@ -25,6 +25,13 @@ def mu_update_due(step: int, every_n_steps: int) -> bool:
     return step >= 0 and step % every_n_steps == 0
 
 
+def adaptive(pl_module: Any) -> bool:
+    """Whether the module's settings ask for mu_t updates: ``model.adaptive_mu`` on, the trajectory objective (a
+    config that lists this callback and sets ``adaptive_mu: false`` keeps mu = 0, as documented)."""
+    hp = pl_module.hparams
+    return bool(hp.get("adaptive_mu", True)) and hp.get("objective", "trajectory") == "trajectory"
+
+
 class AdaptiveMu(L.Callback):
     def __init__(self, every_n_steps: int = 100, eps: float = 1e-6) -> None:
         if every_n_steps < 1:
@@ -35,7 +42,7 @@ class AdaptiveMu(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step - 1  # the step that just finished
         last = pl_module.last_trajectory
-        if not mu_update_due(step, self.every_n_steps) or last is None:
+        if not mu_update_due(step, self.every_n_steps) or last is None or not adaptive(pl_module):
             return
         sums = mu_sums(last.teacher_states, last.student_states).to(pl_module.compute_device)
         sums = trainer.strategy.reduce(sums, reduce_op="sum")  # sums, then the ratio: world-size invariant

@@ -80,7 +80,10 @@ class SharingGapReselection(L.Callback):
                              self.every_n_steps, self.probe_batches)  # fmt: skip
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        """Plain DDP rejects parameters without gradient, which the fixed SLT layout has: refuse with the fix."""
+        """Plain DDP rejects parameters without gradient, which the fixed SLT layout has: refuse with the fix (not
+        without an SLT budget: no per-loop slot exists then)."""
+        if pl_module.quant_config.slt_budget == 0:
+            return
         wrapped = getattr(trainer.strategy, "model", None)
         if isinstance(wrapped, DistributedDataParallel) and not wrapped.find_unused_parameters:
             raise UsageError(

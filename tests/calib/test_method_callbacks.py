@@ -92,3 +92,37 @@ def test_recording_window_by_hand():
     assert rec == [2, 3, 12, 13, 22, 23]
     assert [s for s in range(8) if recording_due(s, 0, 4, 0, every_n_steps=3, window=9)] == list(range(8))
     assert not recording_due(12, selected=4, budget=4, start_step=3, every_n_steps=10, window=2)
+
+
+def test_a_listed_adaptive_mu_keeps_mu_at_zero_when_the_module_turns_it_off():
+    """Every shipped config lists AdaptiveMu; ``model.adaptive_mu: false`` must still keep mu = 0 (a review found the
+    listed callback updating mu regardless, so a "without adaptive mu" run was the full method)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from loopq.calib.module import Trajectory
+
+    teacher = [torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(t)) for t in range(4)]
+    trainer = SimpleNamespace(global_step=1, strategy=SimpleNamespace(reduce=lambda x, reduce_op: x))
+    for on in (True, False):
+        module = LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=0), adaptive_mu=on)
+        module.last_trajectory = Trajectory(teacher, [s + 0.1 for s in teacher])
+        module.log_dict = lambda *a, **k: None  # no trainer attached
+        AdaptiveMu(every_n_steps=1).on_train_batch_end(trainer, module, None, None, 0)
+        assert bool(module.mu[:-1].gt(0).all()) is on, on
+
+
+def test_plain_ddp_is_refused_only_when_slt_slots_exist():
+    """Plain DDP rejects the unpromoted groups' gradient-less per-loop slots; without an SLT budget there are none, so
+    the listed callback must not refuse the run (it did, even for the "without SLT" ablation)."""
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)  # the strategy's wrapper, as isinstance sees it
+    ddp.find_unused_parameters = False
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp))
+    SharingGapReselection().on_fit_start(trainer, LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=0)))
+    with pytest.raises(UsageError, match=r"plain DDP rejects; use --trainer\.strategy ddp_find_unused_parameters_true"):
+        SharingGapReselection().on_fit_start(trainer, LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2)))
