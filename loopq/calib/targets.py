@@ -68,11 +68,14 @@ def compute_targets(
     return TeacherTargets(torch.cat(values), torch.cat(indices), torch.cat(states))
 
 
-def cache_key(teacher_sha256: str, samples: Tensor, k: int, num_loops: int, dtype: torch.dtype) -> str:
-    """Hash of everything the targets depend on (teacher content, samples, k, loops, storage dtype)."""
+def cache_key(
+    teacher_sha256: str, samples: Tensor, k: int, num_loops: int, dtype: torch.dtype, teacher_dtype: torch.dtype
+) -> str:
+    """Hash of everything the targets depend on (teacher content, samples, k, loops, storage dtype, and the dtype the
+    teacher computes in: a bf16 and an fp32 teacher of the same files give other targets)."""
     h = hashlib.sha256(teacher_sha256.encode())
     h.update(samples.numpy().tobytes())
-    h.update(f"{k}:{num_loops}:{dtype}".encode())
+    h.update(f"{k}:{num_loops}:{dtype}:{teacher_dtype}".encode())
     return h.hexdigest()[:16]
 
 
@@ -94,7 +97,7 @@ def load_or_compute(
     """
     if cache_dir is None:
         return compute_targets(teacher, samples, k, num_loops)
-    key = cache_key(teacher_sha256, samples, k, num_loops, torch.float16)
+    key = cache_key(teacher_sha256, samples, k, num_loops, torch.float16, next(teacher.parameters()).dtype)
     path = Path(cache_dir) / f"teacher-targets-{key}.safetensors"
     missing = not path.is_file()
     if collective and callable(barrier):

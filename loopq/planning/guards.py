@@ -397,7 +397,8 @@ def zero_duration(value: Any) -> bool:
 def check_steps(trainer: Any) -> None:
     """Refuse, before any work, every trainer setting under which not one optimizer step would run (the run would
     otherwise report a calibrated student that is the untrained initialisation): ``max_epochs 0``,
-    ``limit_train_batches`` 0 (or a fraction of the ``max_steps`` batches that rounds to none), ``max_time`` 0."""
+    ``limit_train_batches`` 0 (or a fraction of the ``max_steps`` batches that rounds to none), ``max_time`` 0; and
+    gradient accumulation, which would feed the step-counted sample order twice (a review saw samples used 2-4x)."""
     epochs = getattr(trainer, "max_epochs", None)
     if epochs == 0:
         raise UsageError(
@@ -415,6 +416,13 @@ def check_steps(trainer: Any) -> None:
             )
     if getattr(trainer, "max_time", None) is not None and zero_duration(trainer.max_time):
         raise UsageError(f"--trainer.max_time {trainer.max_time}: no time to train; leave it unset or give a duration")
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise UsageError(
+            f"--trainer.accumulate_grad_batches {accumulate}: calibration takes one batch per optimizer step (its "
+            "sampler, SLT's gradient recording and the mu_t schedule count optimizer steps); leave it at 1 and raise "
+            "--data.batch_size or the number of processes for a larger batch"
+        )
 
 
 def check_strategy(trainer: Any) -> None:

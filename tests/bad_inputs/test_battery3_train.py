@@ -149,6 +149,7 @@ def test_a_pickle_payload_ckpt_is_one_line_and_never_runs(tmp_path: Path, capsys
         (["--trainer.max_steps", "0"], r"--trainer\.max_steps 0: .* must be 1 or more"),
         (["--trainer.max_time", "00:00:00:00"], r"--trainer\.max_time 00:00:00:00: no time to train"),
         (["--trainer.strategy", "dpp"], r"--trainer\.strategy dpp: not a strategy Lightning knows; did you mean ddp"),
+        (["--trainer.accumulate_grad_batches", "2"], r"--trainer\.accumulate_grad_batches 2: calibration takes one"),
     ],
 )
 def test_zero_or_negative_work_is_refused_before_any_work(tmp_path: Path, capsys, args, pattern):
