@@ -70,7 +70,7 @@ def decode_row(arch: int, m: int) -> dict:
 
 def _variant(spec: dict) -> str:
     if "ROWS" in spec:
-        return f"mma {spec['ROWS']} rows x {spec['SPLIT']} warps"
+        return f"mma {spec['ROWS']} rows x {spec['SPLIT']} warps" + (", 2 lanes per row" if spec["HALVES"] else "")
     return f"dp4a BLOCK_M={spec['BLOCK_M']}" + (" unrolled" if spec["UNROLL"] else " loop")
 
 

@@ -50,7 +50,11 @@ weight byte per thread at M = 1):
   nibble and flips its top bit, which gives ``16 * code`` as an int8 for the offset-binary nibble, and a ``shl`` by
   4 first does the same for the low one; so each dot is 16 times the group's (exact: ``|16 dot| <= 2^19``) and the
   sum is multiplied by 1/16 (exact) after the loop, when the 4 warps' sums are added. The loop stages both dot
-  operands through shared memory (``bar.sync`` in it) and is not software-pipelined.
+  operands through shared memory (``bar.sync`` in it) and is not software-pipelined. The weight operand has two
+  forms with the same integer dots (:func:`_weight_operand`, :data:`MMA_HALVES`): Triton 3.9 converts the raw codes
+  to the operand's layout before decoding them (16-byte stores, ``ldmatrix``); Triton 3.6 cannot, and stores the
+  decoded operand in an order of its own choosing, so before 3.9 two lanes split each row's 16 bytes so that the
+  decoded tile reaches shared memory K-major, 8 bytes per store.
 
 Rounding contract (not bit-exact with :mod:`loopq.kernels.reference`, which adds the groups left to right): every
 group's integer dot is exact; each term ``t_g = dot_g * (s_a s_w)`` is rounded twice and the G terms are summed in
@@ -242,8 +246,51 @@ def _nibbles16(w, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr):
+    """The ``[S, K = 32, ROWS]`` int8 operand (16 x the codes) of group ``g = 64 c + 8 i + j[s]`` for each warp
+    ``s``, K in the activation's order: the 16 low nibbles (even k), then the 16 high ones (odd k).
+
+    One lane per row (Triton 3.9): each thread loads a row's 16 code bytes and joins their two nibbles; 3.9 moves
+    the layout conversion before the decoding (16-byte stores of the raw codes, ``ldmatrix``). Triton 3.6 converts
+    the decoded tile, through shared memory in an order read off its register layout: K first (as each thread
+    holds it) unless the dimension its first lane bit runs along holds one element per thread, then that one. Here
+    that is S, so K went last and the tile was stored and read one byte at a time (docs/benchmarks.md).
+
+    ``HALVES`` (:data:`MMA_HALVES`, before Triton 3.9): two lanes split a row's 16 bytes (one 8-byte load each; the
+    half is the load's dimension 0, so 3.6's coalescing puts it on the first lane bit) and each decodes both nibbles
+    of its 8 bytes into K = ``16 h + 8 half + b``, ``h`` a broadcast selected per register (no data moves). The
+    first lane bit now runs along K: 3.6 stages the tile K-major, 8 bytes per store, read with ``ldmatrix``.
+    """
+    if HALVES:
+        half = tl.arange(0, 2)[:, None, None, None]
+        b8 = tl.arange(0, 8)[None, None, None, :]
+        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
+        if MASKED:
+            w = tl.load(w_rows[None, None, :, None] + w_off, mask=g[None, :, :, :] < G, other=0x88,
+                        eviction_policy="evict_first")  # fmt: skip
+        else:
+            w = tl.load(w_rows[None, None, :, None] + w_off, eviction_policy="evict_first")
+        shape: tl.constexpr = [2, w.shape[1], w.shape[2], 2, 8]  # [half, S, ROWS, h, b]
+        lo = tl.broadcast_to(tl.reshape(_nibbles16(w, False, ASM), [2, w.shape[1], w.shape[2], 1, 8]), shape)
+        hi = tl.broadcast_to(tl.reshape(_nibbles16(w, True, ASM), [2, w.shape[1], w.shape[2], 1, 8]), shape)
+        wk = tl.where(tl.arange(0, 2)[None, None, None, :, None] == 0, lo, hi)
+        wk = tl.reshape(tl.permute(wk, [1, 2, 3, 0, 4]), [w.shape[1], w.shape[2], 32])  # [S, ROWS, K]
+        wk = tl.trans(wk, [0, 2, 1])
+    else:
+        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None]  # [S, 16, ROWS]
+        if MASKED:
+            w = tl.load(w_rows[None, None, :] + w_off, mask=g < G, other=0x88, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows[None, None, :] + w_off, eviction_policy="evict_first")
+        wk = tl.join(_nibbles16(w, False, ASM), _nibbles16(w, True, ASM))  # [S, 16, ROWS, 2]
+        wk = tl.reshape(tl.permute(wk, [0, 3, 1, 2]), [w.shape[0], 32, w.shape[2]])
+    return wk
+
+
+@triton.jit
 def _mma_lanes(
-    acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b16, b32, i8, MASKED: tl.constexpr, ASM: tl.constexpr
+    acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b32, i8,
+    MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Groups ``g = 64 c + 8 i + j[s]`` (i = 0..7) of the program's rows for all 16 tokens, one lane ``j[s]`` per
     warp ``s``: per group one int8 tensor-core dot of depth 32 per warp and one rescale of its ``[16, ROWS]``
@@ -254,19 +301,15 @@ def _mma_lanes(
     for i in tl.static_range(_RUN):
         g2 = c * _CHUNK + i * _LANES + j[:, None]  # [S, 1]
         g = g2[:, :, None]
-        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js * 16 + b16[None, :, None]  # [S, 16, ROWS]: bytes down
         a_off = row[None, :, None] * (G * 32) + g * 32 + b32[None, None, :]  # [S, 16, 32]
         if MASKED:
-            w = tl.load(w_rows[None, None, :] + w_off, mask=g < G, other=0x88, eviction_policy="evict_first")
             a = tl.load(a_ptr + a_off, mask=g < G, other=0)
             sa = tl.load(sa_ptr + row[None, :] * G + g2, mask=g2 < G, other=0.0)
         else:
-            w = tl.load(w_rows[None, None, :] + w_off, eviction_policy="evict_first")
             a = tl.load(a_ptr + a_off)
             sa = tl.load(sa_ptr + row[None, :] * G + g2)
         # the activation holds per group its 16 even-k codes, then its 16 odd-k codes: the low nibbles, then the high
-        wk = tl.join(_nibbles16(w, False, ASM), _nibbles16(w, True, ASM))  # [S, 16, ROWS, 2]
-        wk = tl.reshape(tl.permute(wk, [0, 3, 1, 2]), [w.shape[0], 32, w.shape[2]])  # [S, K, ROWS]
+        wk = _weight_operand(w_rows, c, i, js, g, G, MASKED, HALVES, ASM)  # [S, K, ROWS]
         dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
         acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick3(sw, i)[:, None, :]
     return acc
@@ -286,7 +329,7 @@ def _pick3(tile, i: tl.constexpr):
 @triton.jit
 def _decode_mma_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, M, N, G,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """9..16 tokens: program ``p`` computes output rows ``ROWS p ..`` for all tokens with int8 tensor-core dots,
     its ``SPLIT`` warps taking every ``SPLIT``-th K lane; their sums are added once, after the loop."""
@@ -297,15 +340,17 @@ def _decode_mma_kernel(
     w_rows = w_ptr + tile * (blocks * (_ROWS * _LANES * 16)) + r * (_LANES * 16)  # bytes
     sw_rows = sw_ptr + tile * (chunks * (_ROWS * _CHUNK)) + r * _CHUNK
     row = tl.minimum(tl.arange(0, 16), M - 1)
-    b16, b32, i8, s = tl.arange(0, 16), tl.arange(0, 32), tl.arange(0, _RUN), tl.arange(0, SPLIT)
+    b32, i8, s = tl.arange(0, 32), tl.arange(0, _RUN), tl.arange(0, SPLIT)
     acc = tl.zeros([SPLIT, 16, ROWS], dtype=tl.float32)
     full = G // _CHUNK
     for c in range(full):
         for jj in range(_LANES // SPLIT):
-            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, c, jj * SPLIT + s, G, row, b16, b32, i8, False, ASM)
+            j = jj * SPLIT + s
+            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b32, i8, False, HALVES, ASM)
     if full < chunks:
         for jj in range(_LANES // SPLIT):
-            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, full, jj * SPLIT + s, G, row, b16, b32, i8, True, ASM)
+            j = jj * SPLIT + s
+            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, full, j, G, row, b32, i8, True, HALVES, ASM)
     om = tl.arange(0, 16)
     out = tl.sum(acc, axis=0) * 0.0625  # the dots were of 16 x the codes: exact
     if HAS_BIAS:
@@ -316,6 +361,11 @@ def _decode_mma_kernel(
 
 #: 9..16 tokens run :func:`_decode_mma_kernel`: output rows per program and warps (each warp every 4th K lane)
 MMA_ROWS, MMA_WARPS = 32, 4
+#: the tensor-core kernel's weight operand in the form the installed Triton stages through shared memory in wide
+#: vectors (:func:`_weight_operand`): two lanes per row before 3.9 (the GPU image's 3.6: 8.59 PTX instructions per
+#: weight byte instead of 15.02), one from 3.9 (7.80; the two-lane form would cost 7.93 there); both give the same
+#: integer dots, hence bit-identical outputs (``tests/kernels/test_decode_kernel.py`` runs both)
+MMA_HALVES = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
 
 
 def uses_mma(m: int) -> bool:
@@ -328,7 +378,7 @@ def specialization(m: int) -> dict[str, int | bool]:
     kernel): ``BLOCK_M``, M rounded up to a power of two (so 4 variants serve 1..8 tokens), and ``UNROLL`` up to
     :data:`UNROLL_M`; 9..16 tokens (the tensor-core kernel): ``ROWS`` and ``SPLIT``, one variant."""
     if uses_mma(m):
-        return {"ROWS": MMA_ROWS, "SPLIT": MMA_WARPS}
+        return {"ROWS": MMA_ROWS, "SPLIT": MMA_WARPS, "HALVES": MMA_HALVES}
     bm = min(next_pow2(m), MAX_BLOCK_M)
     return {"BLOCK_M": bm, "UNROLL": bm <= UNROLL_M}
 

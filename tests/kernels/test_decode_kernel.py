@@ -1,12 +1,12 @@
 """The decode GEMM (M <= 16) on the export layout: fp32 output within the rounding bound of the float64 value of its
 codes, bias and output dtype in the epilogue, and a quantized linear of two launches.
 
-The bound is ``loopq.kernels.reference.gemm_fp64``'s: ``|out - ref64| <= gamma_{G+1} sum_k |a_k w_k s_a s_w|``
-(G groups, ``gamma_n = n 2^-24 / (1 - n 2^-24)``), derived in :mod:`loopq.kernels.decode_kernel`. Shapes are small
-for the interpreter but cover M = 1, 2 (unrolled), 3 (padded to 4) on the ``dp4a`` kernel and 11, 12 and 16 on the
-tensor-core one (16 token slots, the last ones past M), a K of only a masked tail chunk (2, 3 or 5 groups), one full
-chunk (64 groups) and a full chunk plus a tail (66), N not a multiple of the 8-row tile (nor of the tensor-core
-kernel's 32 rows).
+The bound is ``loopq.kernels.reference.gemm_fp64``'s: ``|out - ref64| <= gamma_{G+1} sum_k |a_k w_k s_a s_w|`` (G
+groups, ``gamma_n = n 2^-24 / (1 - n 2^-24)``), derived in :mod:`loopq.kernels.decode_kernel`. Shapes are small for
+the interpreter but cover M = 1, 2 (unrolled), 3 (padded to 4) on the ``dp4a`` kernel and 11, 12 and 16 on the
+tensor-core one (16 token slots, the last ones past M; both forms of its weight operand), a K of only a masked tail
+chunk (2, 3 or 5 groups), one full chunk (64 groups) and a full chunk plus a tail (66), N not a multiple of the
+8-row tile (nor of the tensor-core kernel's 32 rows).
 """
 
 import pytest
@@ -52,6 +52,23 @@ def test_within_the_fp32_bound(case, bits, device):
     ref, bound = gemm_fp64(codes.cpu(), sa.cpu(), unpack_int4(w), sw)
     err = (out.cpu().double() - ref).abs()
     assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if decode_kernel.uses_mma(CASES[c][0])])
+def test_tensor_core_operand_forms_agree(case, device, monkeypatch):
+    """The tensor-core kernel's two forms of the weight operand (one lane per row, as Triton 3.9 compiles best;
+    two lanes per row, as 3.6 does: ``decode_kernel.MMA_HALVES``) give the same integer dots, hence bit-identical
+    outputs, each within the bound; whichever the installed Triton picks, both run here."""
+    m, n, k = CASES[case]
+    codes, sa, w, sw, wt, swt = operands(m, n, k, 4, device)
+    ref, bound = gemm_fp64(codes.cpu(), sa.cpu(), unpack_int4(w), sw)
+    outs = []
+    for halves in (False, True):
+        monkeypatch.setattr(decode_kernel, "MMA_HALVES", halves)
+        assert decode_kernel.specialization(m)["HALVES"] is halves
+        outs.append(decode_kernel.gemm_tiled(deinterleave_groups(codes), sa, wt, swt, n, torch.float32))
+        assert bool(((outs[-1].cpu().double() - ref).abs() <= bound).all())
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_bias_and_output_dtype_in_the_epilogue(device):
