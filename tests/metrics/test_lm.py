@@ -116,6 +116,23 @@ def test_generate_until_is_greedy_and_stops(lm, ouro, tokenizer):
     assert cut == text.split(stop, 1)[0]
 
 
+def test_generate_until_has_room_when_the_context_fills_the_positions(ouro_dir, ouro, tokenizer):
+    """With ``max_length`` = the model's positions (LoopFormer's and Parcae's 256), a context cut to ``max_length``
+    tokens left no position to generate in and gave ''; now it keeps its last positions - max_gen_toks tokens, as
+    lm-eval's HF model does (and no more than that when max_length exceeds the positions)."""
+    positions = ouro.max_positions
+    context = TEXT * 4
+    assert len(tokenizer.encode(context).ids) > positions
+    tokens = tokenizer.encode(context).ids[-(positions - 5) :]
+    for _ in range(5):
+        tokens.append(int(log_probs(ouro, tokens)[-1].argmax()))
+    want = tokenizer.decode(tokens[positions - 5 :])
+    for max_length in (positions, 2 * positions):
+        lm = LoopQLM(pretrained=str(ouro_dir), max_length=max_length)
+        (out,) = lm.generate_until([request("generate_until", context, {"until": [], "max_gen_toks": 5})])
+        assert out == want and out != ""
+
+
 def test_from_model_wraps_an_in_memory_model(lm, ouro):
     wrapped = LoopQLM.from_model(ouro, lm.tokenizer, max_length=32)
     reqs = [request("loglikelihood", c, x) for c, x in CASES]
