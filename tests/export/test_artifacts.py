@@ -18,8 +18,9 @@ from loopq.artifacts import (
     tokenizer_dir,
     write_student,
 )
+from loopq.commands.harness import check_loopq_args
 from loopq.metrics.lm import LoopQLM
-from loopq.models import load_looplm
+from loopq.models import LoopLMError, load_looplm
 from loopq.paths import ASSETS, REPO_ROOT
 
 from .conftest import make_student
@@ -60,6 +61,20 @@ def test_lm_eval_model_loads_a_student_directory(tmp_path):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(lm.model, ids), logits(student.eval(), ids))
     assert lm.tokenizer.get_vocab() == LoopQLM(pretrained=str(teacher_dir)).tokenizer.get_vocab()
+
+
+def test_lm_eval_command_accepts_a_student_directory(tmp_path):
+    """``python -m loopq.eval --model_args pretrained=<student dir>`` was refused by a config.json pre-check only a
+    teacher passes; a directory that is neither a model nor an artifact is still refused in one line."""
+    teacher_dir = ASSETS / "tiny-ouro"
+    student, promoted = make_student(load_looplm(teacher_dir), a_bits=4)
+    meta = student_meta(student, teacher_dir, tmp_path / "student", [promoted], [0.0] * student.calibrated_loops, None)
+    write_student(student, meta, tmp_path / "student")
+    for model in (tmp_path / "student", teacher_dir):
+        check_loopq_args(["--model", "loopq", "--model_args", f"pretrained={model},num_loops=2", "--tasks", "x"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoopLMError, match=rf"^{re.escape(str(tmp_path / 'empty' / 'config.json'))}: no config\.json"):
+        check_loopq_args(["--model", "loopq", "--model_args", f"pretrained={tmp_path / 'empty'}", "--tasks", "x"])
 
 
 @pytest.mark.parametrize("exported", [("parcae", 8)], indirect=True, ids=["parcae-w4a8"])
