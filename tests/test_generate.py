@@ -18,6 +18,7 @@ from loopq.models import load_looplm
 from loopq.models.generation import generate, next_token, top_p_filter
 from loopq.paths import REPO_ROOT
 from tests.export.conftest import make_student
+from tests.helpers import gpt2_tokenizer_copy
 
 TEACHER = REPO_ROOT / "loopq/assets/tiny-ouro"
 PROMPT = "The loop"
@@ -116,6 +117,14 @@ def test_cli_student_whose_teacher_moved_takes_its_teacher(tmp_path):
     assert main([*args, "--teacher", str(moved)]) == want
     with pytest.raises(UsageError, match=r"^--teacher is the teacher directory of a --student; drop it"):
         main(["--model", str(moved), "--prompt", PROMPT, "--teacher", str(moved)])
+
+
+def test_cli_reads_a_gpt2_tokenizer_directory(tmp_path):
+    """loopq.generate looked only for tokenizer.json; a model with GPT-2's encoder.json + vocab.bpe (LoopFormer's
+    format, which an export copies) was refused though the tokenizer loader reads it."""
+    model = gpt2_tokenizer_copy(TEACHER, tmp_path / "gpt2")
+    args = ["--prompt", PROMPT, "--max_new_tokens", "6", "--device", "cpu"]
+    assert main(["--model", str(model), *args]) == main(["--model", str(TEACHER), *args])
 
 
 def test_cli_prompts_file_with_an_empty_line_is_refused(tmp_path):

@@ -159,7 +159,7 @@ def generate_text(
     artifact = load_artifact(path, kind=kind, teacher=teacher, device=where)  # type: ignore[arg-type]
     net: LoopLM = artifact.model.eval()
     check_decode_loops(net, num_loops, max_new_tokens + 1)  # before any prompt is encoded or decoded
-    tokenizer = load_tokenizer(tokenizer_dir(path, artifact) / "tokenizer.json")
+    tokenizer = load_tokenizer(tokenizer_dir(path, artifact))  # tokenizer.json or GPT-2 encoder.json + vocab.bpe
     generator = torch.Generator(device=where).manual_seed(seed)
     if exit_threshold is not None:
         check_exit_model(net)

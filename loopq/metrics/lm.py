@@ -117,8 +117,9 @@ def _available(device: str | torch.device) -> torch.device:
 class LoopQLM(TemplateLM):
     """lm-eval ``LM`` over a looped LM; ``pretrained`` is a model directory or an in-memory :class:`LoopLM`.
 
-    ``tokenizer`` defaults to ``<pretrained>/tokenizer.json``; ``num_loops`` defaults to the model's trained count;
-    ``max_length`` is the scoring window L (contexts are cut from the left, rolling windows have L tokens).
+    ``tokenizer`` defaults to the model directory's (``tokenizer.json`` or GPT-2 ``encoder.json`` + ``vocab.bpe``);
+    ``num_loops`` defaults to the model's trained count; ``max_length`` is the scoring window L (contexts are cut from
+    the left, rolling windows have L tokens).
     ``device``/``dtype`` move/cast the model (default: leave it where and as it is; directories load on CPU, fp32).
     """
 
@@ -172,7 +173,7 @@ class LoopQLM(TemplateLM):
         if tokenizer is None:
             if home is None:
                 raise LoopLMError("model_args tokenizer is required when evaluating an in-memory model")
-            tokenizer = home / "tokenizer.json"
+            tokenizer = home  # its tokenizer.json, or GPT-2's encoder.json + vocab.bpe
         return load_tokenizer(tokenizer)
 
     def _check_vocab(self) -> None:

@@ -7,6 +7,8 @@ from lm_eval.api.registry import get_model
 
 from loopq.metrics.lm import LoopQLM
 from loopq.models.base import LoopLMError
+from loopq.paths import ASSETS
+from tests.helpers import gpt2_tokenizer_copy
 
 TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -141,6 +143,15 @@ def test_from_model_wraps_an_in_memory_model(lm, ouro):
     assert [g for _, g in got] == [g for _, g in want]
     with pytest.raises(LoopLMError, match="tokenizer"):
         LoopQLM.from_model(ouro, None)
+
+
+def test_pretrained_directory_with_a_gpt2_tokenizer(tmp_path):
+    """``pretrained=<dir>`` looked only for tokenizer.json; GPT-2's encoder.json + vocab.bpe (LoopFormer's format,
+    which an export copies) is read as the tokenizer loader reads it."""
+    teacher = ASSETS / "tiny-ouro"
+    lm = LoopQLM(pretrained=str(gpt2_tokenizer_copy(teacher, tmp_path / "gpt2")))
+    text = "The loop ran once more, and again."
+    assert lm.tok_encode(text) == LoopQLM(pretrained=str(teacher)).tok_encode(text)
 
 
 def test_bad_model_args_name_the_flag(ouro_dir, ouro, data):
