@@ -7,9 +7,12 @@
 token at the end; ``--kv_bits 8|4`` stores the cache quantized (:mod:`loopq.models.kv_quant`).
 Greedy by default; ``--temperature`` > 0 samples (``--top_p`` keeps the nucleus, ``--seed`` fixes the draws).
 Decoding uses the looped KV cache (:mod:`loopq.models.kv_cache`: one K/V entry per (loop, layer)); ``--no_cache``
-re-runs the full looped forward for every token, for comparison - both give the same greedy tokens. The Python API
-is :func:`loopq.models.generation.generate` (re-exported here); prompts of a ``--prompts_file`` (one per line) are
-generated one after the other so that each streams.
+re-runs the full looped forward for every token, for comparison. Both compute the same logits up to float rounding
+(attention over a cache rounds differently from attention over the whole sequence). For the FP teacher that is all; a
+quantized student or export agrees as closely except where an activation sits at a rounding tie of its quantizer, where
+a 1e-5 difference in the input can move a 4-bit code, so the greedy tokens of the two can differ (docs/generation.md,
+Exactness). The Python API is :func:`loopq.models.generation.generate` (re-exported here); prompts of a
+``--prompts_file`` (one per line) are generated one after the other so that each streams.
 """
 
 from __future__ import annotations
