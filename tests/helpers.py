@@ -173,3 +173,18 @@ def command(main, argv: list[str], capsys) -> tuple[int, str]:
     err = "\n".join(line for line in capsys.readouterr().err.splitlines() if not line.startswith("Seed set"))
     assert "\n" not in err.strip() and err.startswith("error: "), err
     return ended.value.code, err.strip()
+
+
+def gpt2_tokenizer_copy(model_dir: Path, out: Path) -> Path:
+    """A copy of the model directory ``model_dir`` (config + weights) whose byte-level BPE ``tokenizer.json`` is
+    written as GPT-2's ``encoder.json`` + ``vocab.bpe`` instead (LoopFormer's format; the same ids and merges)."""
+    import shutil
+
+    out.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / name, out / name)
+    bpe = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+    (out / "encoder.json").write_text(json.dumps(bpe["vocab"]), encoding="utf-8")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
+    (out / "vocab.bpe").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    return out

@@ -3,10 +3,12 @@ leave the student alone, and the SLT history of a real (few-step) calibration ag
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import loopq.commands.examine as command
 from loopq.artifacts.student import load_student
 from loopq.commands.examine import (
     SEQ_LEN,
@@ -108,3 +110,25 @@ def test_bad_paths_and_windows_fail_in_one_line(tmp_path):
         student_dir(tmp_path)
     with pytest.raises(UsageError, match="--windows 0"):
         main([str(tmp_path), "--windows", "0"])
+
+
+def test_json_output_is_written_atomically(tmp_path, monkeypatch):
+    """``--json`` was written with plain write_text: a write that fails half-way (disk full, a kill) destroyed the
+    earlier file and left a torn one; now the earlier file stays as it was and no temporary file is left."""
+    out = tmp_path / "numbers.json"
+    out.write_text('{"earlier": true}\n')
+    monkeypatch.setattr(command, "inspect", lambda path, windows: {"ppl": [1.0, 2.0, 3.0]})
+    monkeypatch.setattr(command, "markdown", lambda result: "")
+    real = Path.write_text
+
+    def torn(self, data, *args, **kwargs):
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", torn)
+        with pytest.raises(OSError, match="No space left"):
+            command.examine(tmp_path / "run", json=out)
+    assert out.read_text() == '{"earlier": true}\n' and sorted(tmp_path.iterdir()) == [out]
+    command.examine(tmp_path / "run", json=out)
+    assert json.loads(out.read_text()) == {"ppl": [1.0, 2.0, 3.0]}

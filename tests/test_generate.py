@@ -2,6 +2,7 @@
 the cached greedy continuation, sampling helpers, and lm-eval's generate_until on the cache."""
 
 import hashlib
+import shutil
 import subprocess
 import sys
 
@@ -9,12 +10,15 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
+from loopq.artifacts import StudentFormatError, student_meta, write_student
 from loopq.commands.generate import main
 from loopq.errors import LoopQError, UsageError
 from loopq.metrics.lm import LoopQLM
 from loopq.models import load_looplm
 from loopq.models.generation import generate, next_token, top_p_filter
 from loopq.paths import REPO_ROOT
+from tests.export.conftest import make_student
+from tests.helpers import gpt2_tokenizer_copy
 
 TEACHER = REPO_ROOT / "loopq/assets/tiny-ouro"
 PROMPT = "The loop"
@@ -95,6 +99,32 @@ def test_cli_bad_options_are_one_line_naming_the_flag(args, message):
     with pytest.raises(LoopQError, match=message) as err:
         main(["--model", str(TEACHER), *args])
     assert "\n" not in str(err.value) and tree_hash(TEACHER) == before
+
+
+def test_cli_student_whose_teacher_moved_takes_its_teacher(tmp_path):
+    """The student loader's error says to pass ``--teacher`` when the recorded teacher is gone, which
+    loopq.generate did not take; now ``--student ... --teacher`` decodes as on the recorded teacher."""
+    teacher = shutil.copytree(TEACHER, tmp_path / "teacher")
+    student, promoted = make_student(load_looplm(teacher), a_bits=4)
+    directory = tmp_path / "run" / "student"
+    meta = student_meta(student, teacher, directory, [promoted], [1.0] * student.calibrated_loops, None)
+    write_student(student, meta, directory)
+    args = ["--student", str(directory), "--prompt", PROMPT, "--max_new_tokens", "6", "--device", "cpu"]
+    want = main(args)
+    moved = teacher.rename(tmp_path / "moved")
+    with pytest.raises(StudentFormatError, match=r"pass the teacher directory \(--teacher\)$"):
+        main(args)
+    assert main([*args, "--teacher", str(moved)]) == want
+    with pytest.raises(UsageError, match=r"^--teacher is the teacher directory of a --student; drop it"):
+        main(["--model", str(moved), "--prompt", PROMPT, "--teacher", str(moved)])
+
+
+def test_cli_reads_a_gpt2_tokenizer_directory(tmp_path):
+    """loopq.generate looked only for tokenizer.json; a model with GPT-2's encoder.json + vocab.bpe (LoopFormer's
+    format, which an export copies) was refused though the tokenizer loader reads it."""
+    model = gpt2_tokenizer_copy(TEACHER, tmp_path / "gpt2")
+    args = ["--prompt", PROMPT, "--max_new_tokens", "6", "--device", "cpu"]
+    assert main(["--model", str(model), *args]) == main(["--model", str(TEACHER), *args])
 
 
 def test_cli_prompts_file_with_an_empty_line_is_refused(tmp_path):

@@ -46,6 +46,8 @@ class StudentFormatError(LoopQError):
 
 #: what the names of a student's SLT state buffers contain (anchors and promotion flags, :mod:`loopq.quant.modules`)
 SLT_STATE = "slt_"
+#: a promotable group's per-loop SLT slots (offsets to its anchors, :mod:`loopq.quant.modules`)
+SLT_SLOTS = ("loop_transforms", "loop_weight_clip", "loop_act_clip")
 
 
 def stored_tensors(student: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -248,17 +250,24 @@ def load_student(
     return student.eval(), meta
 
 
+def fixed_layout_only(name: str) -> bool:
+    """Whether stored tensor ``name`` is one a student written before the fixed SLT layout lacks: a per-loop slot
+    (that layout had them in promoted groups only) or SLT state (it had none). The student format was not bumped with
+    the layout, so such a student is known by these missing tensors."""
+    return any(part in SLT_SLOTS or part.startswith(SLT_STATE) for part in name.split("."))
+
+
 def check_student_state(path: Path, state: dict[str, torch.Tensor], student: torch.nn.Module) -> None:
     """The weights file holds exactly the student's trainable parameters, each of its shape and of a float dtype
     (``load_state_dict`` would cast an int32 tensor silently, or fail with a traceback on a wrong shape)."""
     params = stored_tensors(student)
-    if set(params) - set(state) and all(SLT_STATE in n for n in set(params) - set(state)):
+    missing = sorted(set(params) - set(state))
+    if missing and all(fixed_layout_only(n) for n in missing):
         raise StudentFormatError(
-            f"{path}: written before the fixed SLT layout (no per-loop slots {sorted(set(params) - set(state))[:2]}); "
-            f"{RECALIBRATE}"
+            f"{path}: written before the fixed SLT layout (no per-loop slots {missing[:2]}); {RECALIBRATE}"
         )
     if set(state) != set(params):
-        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        extra = sorted(set(state) - set(params))
         raise StudentFormatError(f"{path}: parameters do not match (missing {missing[:5]}, extra {extra[:5]})")
     for name, tensor in state.items():
         problem = dtype_problem(tensor, params[name])

@@ -38,6 +38,7 @@ from loopq.calib.checkpoint_io import load_weights_only
 from loopq.commands.cli import Command
 from loopq.data.tokenizer import load_tokenizer
 from loopq.errors import UsageError
+from loopq.files import atomic_write
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models.base import LoopLM
 from loopq.quant.modules import QuantLinearGroup
@@ -255,7 +256,7 @@ def examine(path: Path, windows: PositiveInt = 32, json: Path | None = None) -> 
     result = inspect(path, windows)
     print(markdown(result), end="")
     if json is not None:
-        json.write_text(dumps(result, indent=2) + "\n")
+        atomic_write(json, lambda p: p.write_text(dumps(result, indent=2) + "\n"))  # never a torn file
     return result
 
 

@@ -25,20 +25,26 @@ from loopq.quant.accounting import footprint, format_footprint
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def export(ckpt: Path, out: Path, fp_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16") -> dict[str, float]:
+def export(
+    ckpt: Path,
+    out: Path,
+    fp_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+    teacher: Path | None = None,
+) -> dict[str, float]:
     """Export the student ``ckpt`` to ``out`` and print its footprint (returned).
 
     Args:
         ckpt: student directory (loopq_quant.json + weights)
         out: export directory to write
         fp_dtype: dtype of the FP modules in the footprint
+        teacher: teacher directory of a student whose recorded teacher path is gone (same content hash)
     """
     check_student_dir(ckpt)
     check_exportable(json_object(ckpt / STUDENT_META), ckpt)  # before a legacy one's warning is printed
-    teacher = read_student_meta(ckpt).get("teacher")
-    check_export_dir(out, teacher, reads=(ckpt,))
+    source = str(teacher) if teacher is not None else read_student_meta(ckpt).get("teacher")
+    check_export_dir(out, source, reads=(ckpt,))
     with DirectoryLock(out, RUN_LOCK, "loopq.export", "--out"):  # one writer at a time
-        student, meta = load_student(ckpt)
+        student, meta = load_student(ckpt, teacher_dir=teacher)
         export_student(student, meta, out)
         report = footprint(load_quantized(out, dtype=DTYPES[fp_dtype]))
     print(f"exported {ckpt} -> {out}\n{format_footprint(report)}")

@@ -7,9 +7,12 @@
 token at the end; ``--kv_bits 8|4`` stores the cache quantized (:mod:`loopq.models.kv_quant`).
 Greedy by default; ``--temperature`` > 0 samples (``--top_p`` keeps the nucleus, ``--seed`` fixes the draws).
 Decoding uses the looped KV cache (:mod:`loopq.models.kv_cache`: one K/V entry per (loop, layer)); ``--no_cache``
-re-runs the full looped forward for every token, for comparison - both give the same greedy tokens. The Python API
-is :func:`loopq.models.generation.generate` (re-exported here); prompts of a ``--prompts_file`` (one per line) are
-generated one after the other so that each streams.
+re-runs the full looped forward for every token, for comparison. Both compute the same logits up to float rounding
+(attention over a cache rounds differently from attention over the whole sequence). For the FP teacher that is all; a
+quantized student or export agrees as closely except where an activation sits at a rounding tie of its quantizer, where
+a 1e-5 difference in the input can move a 4-bit code, so the greedy tokens of the two can differ (docs/generation.md,
+Exactness). The Python API is :func:`loopq.models.generation.generate` (re-exported here); prompts of a
+``--prompts_file`` (one per line) are generated one after the other so that each streams.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ def generate_text(
     kv_bits: int | None = None,
     static_cache: bool = False,
     cuda_graphs: bool = False,
+    teacher: Path | None = None,
 ) -> list[str]:
     """Generate from each prompt, streaming the text; returns the generated texts.
 
@@ -143,19 +147,22 @@ def generate_text(
         kv_bits: store the KV cache in 8 or 4 bits (16: as is)
         static_cache: decode on a preallocated KV cache with fixed-shape steps
         cuda_graphs: replay each decode step from one captured CUDA graph (implies --static_cache; eager on a CPU)
+        teacher: with --student: its teacher directory when the recorded teacher path is gone (same content hash)
     """
     where = resolve_device(device)
     check_sampling(max_new_tokens, temperature, top_p)
     kind, path = artifact_choice(model, student, exported)
+    if teacher is not None and kind != "student":
+        raise UsageError("--teacher is the teacher directory of a --student; drop it with --model or --exported")
     fixed = "--cuda_graphs" if cuda_graphs else "--static_cache" if static_cache else None
     check_decoding(no_cache, exit_threshold, kv_bits, fixed)
     if num_loops is not None and num_loops < 1:
         raise UsageError(f"--num_loops must be >= 1, got {num_loops}")
     prompts = read_prompts(prompt, prompts_file)  # before the model loads: a bad file fails at once
-    artifact = load_artifact(path, kind=kind, device=where)  # type: ignore[arg-type]
+    artifact = load_artifact(path, kind=kind, teacher=teacher, device=where)  # type: ignore[arg-type]
     net: LoopLM = artifact.model.eval()
     check_decode_loops(net, num_loops, max_new_tokens + 1)  # before any prompt is encoded or decoded
-    tokenizer = load_tokenizer(tokenizer_dir(path, artifact) / "tokenizer.json")
+    tokenizer = load_tokenizer(tokenizer_dir(path, artifact))  # tokenizer.json or GPT-2 encoder.json + vocab.bpe
     generator = torch.Generator(device=where).manual_seed(seed)
     if exit_threshold is not None:
         check_exit_model(net)

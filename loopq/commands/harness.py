@@ -4,8 +4,9 @@
 
 Any lm-eval flag works; ``--include_path`` defaults to ``loopq/metrics/tasks`` (lm-eval's own tasks stay available) and
 ``--device`` to cuda when PyTorch sees a GPU, else cpu (:mod:`loopq.devices`).
-A ``model_args`` key the ``loopq`` model does not take, or a ``pretrained`` directory that holds no model, is refused
-before lm-eval indexes its tasks, and an unknown task name ends with one ``error:`` line naming ``--tasks``.
+A ``model_args`` key the ``loopq`` model does not take, or a ``pretrained`` directory that holds no model (a teacher,
+a student written by ``python -m loopq.fit`` or an export), is refused before lm-eval indexes its tasks, and an unknown
+task name ends with one ``error:`` line naming ``--tasks``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import sys
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.utils import simple_parse_args_string
 
+from loopq.artifacts import read_artifact_meta
 from loopq.devices import resolve_device
 from loopq.errors import UsageError
 from loopq.metrics.lm import check_model_args  # importing it registers the "loopq" model
 from loopq.metrics.tasks import TASKS_DIR
-from loopq.models.loading import read_config, resolve_model_dir
 
 #: how lm-eval words an unknown ``--tasks`` name (a plain ValueError)
 TASKS_NOT_FOUND = "Tasks not found"
@@ -37,13 +38,13 @@ def option(args: list[str], name: str) -> str | None:
 
 def check_loopq_args(args: list[str]) -> None:
     """``--model loopq --model_args pretrained=<dir>,...``: every key is one the model takes, and the directory holds
-    a model (config.json)."""
+    a model: a teacher (config.json), a student or an export (their checked descriptions; nothing is loaded)."""
     if option(args, "--model") != "loopq":
         return
     pairs = simple_parse_args_string(option(args, "--model_args") or "")
     check_model_args(pairs)
     if "pretrained" in pairs:
-        read_config(resolve_model_dir(str(pairs["pretrained"])))
+        read_artifact_meta(str(pairs["pretrained"]))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -118,7 +118,7 @@ def resolve_sources(sources: Sequence[str], root: Path | None = None) -> list[Pa
 
 
 def read_document(path: Path, text_key: str = "text", label: str | None = None) -> list[str]:
-    """A text file is one document; a ``.jsonl`` file is one document per line (field ``text_key``).
+    """A text file is one document; a ``.jsonl`` file is one document per ``\\n``-ended line (field ``text_key``).
 
     Compressed files are read decompressed and binary files refused (:func:`loopq.data.decode.decode_text`);
     ``docs.jsonl.gz`` is a ``.jsonl`` file. Errors name ``label`` (default: the path).
@@ -128,7 +128,7 @@ def read_document(path: Path, text_key: str = "text", label: str | None = None) 
     if text_suffix(path) != ".jsonl":
         return [text]
     docs = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold raw U+2028, U+0085
         if line.strip():
             try:
                 docs.append(json.loads(line)[text_key])

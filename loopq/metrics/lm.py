@@ -13,9 +13,10 @@ What is computed, for a context ``c`` and a continuation ``x`` tokenized as lm-e
 ``loglikelihood_rolling`` splits a document into lm-eval's disjoint rolling windows (first window prefixed with the
 EOS id, each later window conditions on the one token before it, every token predicted exactly once) and sums the
 window scores. ``generate_until`` is greedy decoding with the looped KV cache
-(:func:`loopq.models.generation.generate`): the context keeps its last ``max_length`` tokens, is run once, and every
-new token is one cached step; generation stops at the first ``until`` string, after ``max_gen_toks`` tokens, or at the
-model's last position.
+(:func:`loopq.models.generation.generate`): the context keeps its last ``min(max_length, max_positions) -
+max_gen_toks`` tokens (at least one; lm-eval's ``HFLM`` keeps ``max_length - max_gen_toks``), so that generation
+always has room, is run once, and every new token is one cached step; generation stops at the first ``until`` string,
+after ``max_gen_toks`` tokens, or at the model's last position.
 
 Batches are sorted by length (longest first) and right-padded with the EOS id. The models are causal, so tokens
 after a sequence never change its logits (Parcae's seeded initial state depends only on seed and position).
@@ -116,8 +117,9 @@ def _available(device: str | torch.device) -> torch.device:
 class LoopQLM(TemplateLM):
     """lm-eval ``LM`` over a looped LM; ``pretrained`` is a model directory or an in-memory :class:`LoopLM`.
 
-    ``tokenizer`` defaults to ``<pretrained>/tokenizer.json``; ``num_loops`` defaults to the model's trained count;
-    ``max_length`` is the scoring window L (contexts are cut from the left, rolling windows have L tokens).
+    ``tokenizer`` defaults to the model directory's (``tokenizer.json`` or GPT-2 ``encoder.json`` + ``vocab.bpe``);
+    ``num_loops`` defaults to the model's trained count; ``max_length`` is the scoring window L (contexts are cut from
+    the left, rolling windows have L tokens).
     ``device``/``dtype`` move/cast the model (default: leave it where and as it is; directories load on CPU, fp32).
     """
 
@@ -171,7 +173,7 @@ class LoopQLM(TemplateLM):
         if tokenizer is None:
             if home is None:
                 raise LoopLMError("model_args tokenizer is required when evaluating an in-memory model")
-            tokenizer = home / "tokenizer.json"
+            tokenizer = home  # its tokenizer.json, or GPT-2's encoder.json + vocab.bpe
         return load_tokenizer(tokenizer)
 
     def _check_vocab(self) -> None:
@@ -272,9 +274,15 @@ class LoopQLM(TemplateLM):
             outputs.append(text)
         return outputs
 
+    def context_length(self, max_new_tokens: int) -> int:
+        """How many of the context's last tokens :meth:`greedy` keeps: the window (``max_length``, at most the model's
+        positions) less the tokens to generate, at least one."""
+        return max(1, min(self.max_length, self.model.max_positions) - max_new_tokens)
+
     def greedy(self, context: str, until: Sequence[str], max_new_tokens: int) -> str:
-        """Greedy continuation of the last ``max_length`` tokens of ``context``, cut before the first stop string."""
-        tokens = (self.tok_encode(context) or [self.prefix_token_id])[-self.max_length :]
+        """Greedy continuation of the last :meth:`context_length` tokens of ``context``, cut before the first stop
+        string."""
+        tokens = (self.tok_encode(context) or [self.prefix_token_id])[-self.context_length(max_new_tokens) :]
         new: list[int] = []
 
         def stop(token: Tensor) -> bool:

@@ -3,7 +3,9 @@
 With ``use_cache`` (default) the prompt runs once through the full looped forward, filling a
 :class:`~loopq.models.kv_cache.LoopKVCache` (one K/V entry per (loop, layer)), and every new token runs all T loops
 on that token alone: a step costs T x L single-token layer calls plus attention over the cache, instead of the whole
-looped forward over prompt + generated tokens (``use_cache=False``, kept for comparison; it gives the same tokens).
+looped forward over prompt + generated tokens (``use_cache=False``, kept for comparison: the same logits up to float
+rounding, and so the same greedy tokens except where a quantized model's activation sits at a rounding tie, which a
+1e-5 input difference can move to the next 4-bit code; docs/generation.md, Exactness).
 
 The next token is the argmax of the last position's logits (``temperature=0``, default) or a draw from
 ``softmax(logits / temperature)`` restricted to the top-p nucleus. Prompts of different lengths are left padded and

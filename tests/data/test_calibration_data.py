@@ -1,5 +1,7 @@
 """Calibration/pretraining data: determinism, no benchmark leakage, bad input."""
 
+import json
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from loopq.data.text import (
     DataError,
     is_eval_only,
     lambada_test,
+    read_document,
     read_training_text,
     resolve_sources,
     wikitext2_test,
@@ -104,6 +107,16 @@ def test_jsonl_source_and_bad_jsonl(data, tmp_path):
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:1: expected a JSON object with a 'text' field"):
         read_training_text([bad])
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    """JSON allows raw U+2028, U+2029 and U+0085 inside strings; str.splitlines() split there and refused the file
+    as malformed. Lines end at \\n only (\\r\\n too); empty lines are still skipped."""
+    path = tmp_path / "docs.jsonl"
+    texts = ["one\u2028still one", "two\u2029and\u0085two", "three"]
+    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in texts]
+    path.write_bytes(("\n".join(lines[:2]) + "\n\n\r\n" + lines[2] + "\r\n").encode("utf-8"))
+    assert read_document(path) == texts
 
 
 def test_random_windows_are_windows_of_the_stream():

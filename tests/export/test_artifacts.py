@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from loopq.artifacts import (
     StudentFormatError,
     artifact_kind,
     layout,
     load_artifact,
+    load_student,
     read_artifact_meta,
     student_meta,
     tokenizer_dir,
     write_student,
 )
+from loopq.artifacts.seal import FILES, manifest, seal
+from loopq.commands.harness import check_loopq_args
 from loopq.metrics.lm import LoopQLM
-from loopq.models import load_looplm
+from loopq.models import LoopLMError, load_looplm
 from loopq.paths import ASSETS, REPO_ROOT
 
 from .conftest import make_student
@@ -60,6 +65,50 @@ def test_lm_eval_model_loads_a_student_directory(tmp_path):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(lm.model, ids), logits(student.eval(), ids))
     assert lm.tokenizer.get_vocab() == LoopQLM(pretrained=str(teacher_dir)).tokenizer.get_vocab()
+
+
+def test_lm_eval_command_accepts_a_student_directory(tmp_path):
+    """``python -m loopq.eval --model_args pretrained=<student dir>`` was refused by a config.json pre-check only a
+    teacher passes; a directory that is neither a model nor an artifact is still refused in one line."""
+    teacher_dir = ASSETS / "tiny-ouro"
+    student, promoted = make_student(load_looplm(teacher_dir), a_bits=4)
+    meta = student_meta(student, teacher_dir, tmp_path / "student", [promoted], [0.0] * student.calibrated_loops, None)
+    write_student(student, meta, tmp_path / "student")
+    for model in (tmp_path / "student", teacher_dir):
+        check_loopq_args(["--model", "loopq", "--model_args", f"pretrained={model},num_loops=2", "--tasks", "x"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoopLMError, match=rf"^{re.escape(str(tmp_path / 'empty' / 'config.json'))}: no config\.json"):
+        check_loopq_args(["--model", "loopq", "--model_args", f"pretrained={tmp_path / 'empty'}", "--tasks", "x"])
+
+
+def old_layout(name: str, promoted: str | None) -> bool:
+    """Whether a student written before the fixed SLT layout lacked tensor ``name``: the SLT state (anchors,
+    promotion flags) everywhere, and the per-loop slots of every group it had not promoted."""
+    per_loop = ".loop_transforms." in name or name.endswith((".loop_weight_clip", ".loop_act_clip"))
+    return ".slt_" in name or (per_loop and (promoted is None or not name.startswith(f"{promoted}.")))
+
+
+@pytest.mark.parametrize("keep_promoted", [False, True], ids=["no-slots", "promoted-slots-kept"])
+def test_a_student_of_the_old_slt_layout_is_told_to_recalibrate(tmp_path, keep_promoted):
+    """The format string was not bumped with the fixed SLT layout, so such a student is known by its missing
+    per-loop slots; it got "parameters do not match (missing ...)" because only SLT-state names were expected."""
+    teacher_dir = ASSETS / "tiny-ouro"
+    student, promoted = make_student(load_looplm(teacher_dir), a_bits=4)
+    directory = tmp_path / "student"
+    loops = student.calibrated_loops
+    write_student(student, student_meta(student, teacher_dir, directory, [promoted], [0.0] * loops, None), directory)
+    weights = directory / layout.STUDENT_WEIGHTS
+    state = load_file(str(weights))
+    dropped = [n for n in state if old_layout(n, promoted if keep_promoted else None)]
+    assert any(".loop_transforms." in n for n in dropped) and any(".slt_" in n for n in dropped)
+    kept = {n: t for n, t in state.items() if n not in dropped}
+    save_file(kept, str(weights), metadata={"format": layout.STUDENT_FORMAT})  # the format was not bumped
+    meta = json.loads((directory / layout.STUDENT_META).read_text())
+    meta[FILES] = manifest(directory, [layout.STUDENT_WEIGHTS])
+    (directory / layout.STUDENT_META).write_text(json.dumps(seal(meta)))  # as that writer sealed it
+    expected = rf"^{re.escape(str(weights))}: written before the fixed SLT layout \(no per-loop slots .*\); calibrate"
+    with pytest.raises(StudentFormatError, match=expected):
+        load_student(directory)
 
 
 @pytest.mark.parametrize("exported", [("parcae", 8)], indirect=True, ids=["parcae-w4a8"])

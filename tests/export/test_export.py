@@ -21,7 +21,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loopq.artifacts import ExportError, StudentFormatError, convert, export_student, load_quantized
+from loopq.artifacts import (
+    ExportError,
+    StudentFormatError,
+    convert,
+    export_student,
+    load_quantized,
+    student_meta,
+    write_student,
+)
 from loopq.artifacts.layout import EXPORT_META as META
 from loopq.artifacts.layout import STUDENT_META as STUDENT_CONFIG
 from loopq.artifacts.layout import STUDENT_WEIGHTS as STUDENT_WEIGHTS
@@ -275,6 +283,23 @@ def test_export_rejects_what_the_kernels_cannot_run(fixtures, tmp_path, change, 
 def test_convert_rejects_a_model_without_quant_groups(fixtures):
     with pytest.raises(ExportError, match="prepare"):
         convert(load_looplm(fixtures / "ouro-tiny"))
+
+
+def test_cli_takes_the_teacher_of_a_student_whose_teacher_moved(tmp_path):
+    """The student loader's error says to pass ``--teacher`` when the recorded teacher is gone, which loopq.export
+    did not take; now it does, and the export is made on (and copies its tokenizer from) that teacher."""
+    teacher = shutil.copytree(ASSETS / "tiny-ouro", tmp_path / "teacher")
+    student, promoted = make_student(load_looplm(teacher), a_bits=4)
+    directory = tmp_path / "run" / "student"
+    meta = student_meta(student, teacher, directory, [promoted], [1.0] * student.calibrated_loops, None)
+    write_student(student, meta, directory)
+    moved = teacher.rename(tmp_path / "moved")
+    with pytest.raises(StudentFormatError, match=r"is not there .*; pass the teacher directory \(--teacher\)$"):
+        main(["--ckpt", str(directory), "--out", str(tmp_path / "out")])
+    main(["--ckpt", str(directory), "--out", str(tmp_path / "out"), "--teacher", str(moved)])
+    assert json.loads((tmp_path / "out" / META).read_text())["teacher"] == str(moved.resolve())
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (moved / "tokenizer.json").read_bytes()
+    load_quantized(tmp_path / "out")
 
 
 def test_export_without_a_teacher_directory_writes_the_model_config(fixtures, tmp_path):

@@ -7,6 +7,8 @@ from lm_eval.api.registry import get_model
 
 from loopq.metrics.lm import LoopQLM
 from loopq.models.base import LoopLMError
+from loopq.paths import ASSETS
+from tests.helpers import gpt2_tokenizer_copy
 
 TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -116,6 +118,23 @@ def test_generate_until_is_greedy_and_stops(lm, ouro, tokenizer):
     assert cut == text.split(stop, 1)[0]
 
 
+def test_generate_until_has_room_when_the_context_fills_the_positions(ouro_dir, ouro, tokenizer):
+    """With ``max_length`` = the model's positions (LoopFormer's and Parcae's 256), a context cut to ``max_length``
+    tokens left no position to generate in and gave ''; now it keeps its last positions - max_gen_toks tokens, as
+    lm-eval's HF model does (and no more than that when max_length exceeds the positions)."""
+    positions = ouro.max_positions
+    context = TEXT * 4
+    assert len(tokenizer.encode(context).ids) > positions
+    tokens = tokenizer.encode(context).ids[-(positions - 5) :]
+    for _ in range(5):
+        tokens.append(int(log_probs(ouro, tokens)[-1].argmax()))
+    want = tokenizer.decode(tokens[positions - 5 :])
+    for max_length in (positions, 2 * positions):
+        lm = LoopQLM(pretrained=str(ouro_dir), max_length=max_length)
+        (out,) = lm.generate_until([request("generate_until", context, {"until": [], "max_gen_toks": 5})])
+        assert out == want and out != ""
+
+
 def test_from_model_wraps_an_in_memory_model(lm, ouro):
     wrapped = LoopQLM.from_model(ouro, lm.tokenizer, max_length=32)
     reqs = [request("loglikelihood", c, x) for c, x in CASES]
@@ -124,6 +143,15 @@ def test_from_model_wraps_an_in_memory_model(lm, ouro):
     assert [g for _, g in got] == [g for _, g in want]
     with pytest.raises(LoopLMError, match="tokenizer"):
         LoopQLM.from_model(ouro, None)
+
+
+def test_pretrained_directory_with_a_gpt2_tokenizer(tmp_path):
+    """``pretrained=<dir>`` looked only for tokenizer.json; GPT-2's encoder.json + vocab.bpe (LoopFormer's format,
+    which an export copies) is read as the tokenizer loader reads it."""
+    teacher = ASSETS / "tiny-ouro"
+    lm = LoopQLM(pretrained=str(gpt2_tokenizer_copy(teacher, tmp_path / "gpt2")))
+    text = "The loop ran once more, and again."
+    assert lm.tok_encode(text) == LoopQLM(pretrained=str(teacher)).tok_encode(text)
 
 
 def test_bad_model_args_name_the_flag(ouro_dir, ouro, data):
