@@ -120,4 +120,3 @@ def load_or_compute(
         )
     loaded = read_safetensors(path, fix="delete it: the targets are recomputed from the teacher")
     return TeacherTargets(loaded["values"], loaded["indices"], loaded["states"])
-

@@ -109,4 +109,3 @@ def row_clip_errors(weight: Tensor, bits: int, group_size: int, grid: Tensor) ->
         err = torch.div(groups, scales).round_().clamp_(qmin, qmax).mul_(scales).sub_(groups).pow_(2)
         errors.append(err.sum(dim=(-1, -2)))
     return torch.stack(errors)
-
