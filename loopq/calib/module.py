@@ -318,10 +318,13 @@ class LoopQCalibration(L.LightningModule):
     # ------------------------------------------------------------------ held-out validation (loopq.calib.validation)
     def validation_step(self, batch: list[Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         ids, real = batch
-        ids = ids[real]  # masked rows only keep the ranks' batch counts equal
-        if ids.shape[0] == 0:
-            return
         hp = {**self.hparams, "state_reduction": self.hparams.get("state_reduction", "mean")}
+        if not real.any():
+            # A batch of masked rows only keeps the ranks' batch counts equal; its forwards still run: under ZeRO-3
+            # they gather the partitioned parameters collectively, and a rank that skipped them hung the others.
+            measure(self.teacher, self.student, ids[:1], self.mu, hp, self.num_loops)
+            return
+        ids = ids[real]
         found = measure(self.teacher, self.student, ids, self.mu, hp, self.num_loops)
         self.val_metrics[VAL_SETS[dataloader_idx]].update(*found, ids)
 

@@ -45,7 +45,7 @@ def views(path: Path) -> Iterator[str]:
     raw = read_text_file(path)
     yield raw
     if text_suffix(path) == ".jsonl":
-        yield "\n".join(" ".join(strings(json.loads(line))) for line in raw.splitlines() if line.strip())
+        yield "\n".join(" ".join(strings(json.loads(line))) for line in raw.split("\n") if line.strip())
 
 
 def strings(value: Any) -> Iterator[str]:
