@@ -54,7 +54,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from loopq.artifacts.student import student_meta, write_student
+from loopq.artifacts.student import fixed_layout_only, student_meta, write_student
 from loopq.calib.checkpoint_io import load_weights_only
 from loopq.calib.deepspeed import gathered, is_zero3
 from loopq.calib.losses import STATE_REDUCTIONS, layerwise_loss, loopq_loss
@@ -390,7 +390,7 @@ class LoopQCalibration(L.LightningModule):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
         missing = [k for k in ("student." + k for k in student_keys(self.student)) if k not in state_dict]
-        if strict and missing and all(SLT_STATE in k for k in missing):
+        if strict and missing and all(fixed_layout_only(k) for k in missing):
             raise UsageError(
                 f"checkpoint lacks the SLT slots {missing[:3]}: written before the fixed SLT layout; start the "
                 "calibration again (without --ckpt_path)"

@@ -126,3 +126,15 @@ def test_plain_ddp_is_refused_only_when_slt_slots_exist():
     SharingGapReselection().on_fit_start(trainer, LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=0)))
     with pytest.raises(UsageError, match=r"plain DDP rejects; use --trainer\.strategy ddp_find_unused_parameters_true"):
         SharingGapReselection().on_fit_start(trainer, LoopQCalibration(TEACHER, quant=QuantConfig(slt_budget=2)))
+
+
+@pytest.mark.parametrize("dropped", ["loop_transforms", "slt_"])
+def test_a_checkpoint_of_the_old_slt_layout_is_told_to_start_again(module, dropped):
+    """A checkpoint written before the fixed SLT layout lacks the per-loop slots (and the SLT state): resuming from
+    it names the cause and the fix, not a bare KeyError (which it gave when only the SLT state was recognised)."""
+    state = {k: v for k, v in module.state_dict().items() if dropped not in k}
+    assert len(state) < len(module.state_dict())
+    with pytest.raises(UsageError, match=r"written before the fixed SLT layout; start the calibration again"):
+        module.load_state_dict(state)
+    with pytest.raises(KeyError, match="is it a LoopQ calibration checkpoint"):
+        module.load_state_dict({k: v for k, v in state.items() if "act_clip" not in k or "loop_" in k})
