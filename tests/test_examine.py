@@ -117,7 +117,7 @@ def test_json_output_is_written_atomically(tmp_path, monkeypatch):
     earlier file and left a torn one; now the earlier file stays as it was and no temporary file is left."""
     out = tmp_path / "numbers.json"
     out.write_text('{"earlier": true}\n')
-    monkeypatch.setattr(command, "inspect", lambda path, windows: {"ppl": [1.0, 2.0, 3.0]})
+    monkeypatch.setattr(command, "inspect", lambda path, windows, teacher=None: {"ppl": [1.0, 2.0, 3.0]})
     monkeypatch.setattr(command, "markdown", lambda result: "")
     real = Path.write_text
 
@@ -132,3 +132,25 @@ def test_json_output_is_written_atomically(tmp_path, monkeypatch):
     assert out.read_text() == '{"earlier": true}\n' and sorted(tmp_path.iterdir()) == [out]
     command.examine(tmp_path / "run", json=out)
     assert json.loads(out.read_text()) == {"ppl": [1.0, 2.0, 3.0]}
+
+
+def test_a_student_whose_teacher_moved_is_examined_with_its_teacher(tmp_path):
+    """As loopq.evaluate, export and generate: the loader's "pass the teacher directory (--teacher)" is an option."""
+    import shutil
+
+    from loopq.artifacts.student import StudentFormatError, student_meta, write_student
+    from loopq.models import load_looplm
+    from loopq.paths import ASSETS
+    from tests.export.conftest import make_student
+
+    teacher = shutil.copytree(ASSETS / "tiny-ouro", tmp_path / "teacher")
+    student, promoted = make_student(load_looplm(teacher), a_bits=4)
+    directory = tmp_path / "run" / "student"
+    meta = student_meta(student, teacher, directory, [promoted], [1.0] * student.calibrated_loops, None)
+    write_student(student, meta, directory)
+    before = inspect(directory, 1)
+    moved = teacher.rename(tmp_path / "moved")
+    with pytest.raises(StudentFormatError, match=r"pass the teacher directory \(--teacher\)$"):
+        main([str(directory), "--windows", "1"])
+    after = main([str(directory), "--windows", "1", "--teacher", str(moved)])
+    assert after["knock_outs"] == before["knock_outs"] and after["slt"] == before["slt"]

@@ -160,13 +160,14 @@ def knock_outs(student: LoopLM, stream: Tensor) -> dict[str, float]:
     return result
 
 
-def inspect(path: Path, windows: int) -> dict[str, Any]:
+def inspect(path: Path, windows: int, teacher: Path | None = None) -> dict[str, Any]:
     directory = student_dir(path)
-    student, meta = load_student(directory)
+    student, meta = load_student(directory, teacher_dir=teacher)
     student.eval()
     groups = looped_quant_groups(student)
     promoted = [n for n in meta["promoted"] if n in groups]
-    stream = torch.tensor(wikitext2_stream(load_tokenizer(Path(meta["teacher"]))))[: windows * SEQ_LEN]
+    tokenizer = load_tokenizer(teacher if teacher is not None else Path(meta["teacher"]))
+    stream = torch.tensor(wikitext2_stream(tokenizer))[: windows * SEQ_LEN]
     if stream.numel() < SEQ_LEN:
         raise UsageError(f"--windows {windows}: needs at least one window of {SEQ_LEN} tokens")
     history = slt_history(path) if directory != path else []
@@ -245,15 +246,18 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def examine(path: Path, windows: PositiveInt = 32, json: Path | None = None) -> dict[str, Any]:
+def examine(
+    path: Path, windows: PositiveInt = 32, json: Path | None = None, teacher: Path | None = None
+) -> dict[str, Any]:
     """Print what a student's loop-aware parts learned as Markdown (module docstring); returns the numbers.
 
     Args:
         path: a run directory (RUN/student, RUN/checkpoints) or a student directory
         windows: WikiText-2 test windows for the knock-outs
         json: also write the numbers to this JSON file
+        teacher: teacher directory of a student whose recorded teacher path is gone (same content hash)
     """
-    result = inspect(path, windows)
+    result = inspect(path, windows, teacher)
     print(markdown(result), end="")
     if json is not None:
         atomic_write(json, lambda p: p.write_text(dumps(result, indent=2) + "\n"))  # never a torn file
