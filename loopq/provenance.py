@@ -29,8 +29,13 @@ from typing import Any
 
 from loopq.errors import LoopQError
 
-#: files of a model directory whose bytes define the teacher (weights, shapes and tokenizer)
-TEACHER_FILE_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json")
+#: files of a model directory whose bytes define the teacher (weights, shapes and tokenizer): every weight format
+#: the loader reads (safetensors, sharded or not, and Parcae's pytorch_model.bin) and every tokenizer format
+#: (tokenizer.json, GPT-2's encoder.json + vocab.bpe); a file a directory lacks changes nothing
+TEACHER_FILE_PATTERNS = (
+    "config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin",
+    "tokenizer.json", "encoder.json", "vocab.bpe",
+)  # fmt: skip
 
 _FILE_MEMO: dict[tuple[str, int, int], str] = {}
 

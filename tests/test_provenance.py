@@ -66,6 +66,17 @@ def test_fingerprint_by_hand(tmp_path):
     assert teacher_fingerprint(tmp_path) == hashlib.sha256(f"config.json\0{file_hash}\n".encode()).hexdigest()
 
 
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "encoder.json", "vocab.bpe"])
+def test_every_weight_and_tokenizer_file_the_loaders_read_enters_the_fingerprint(tmp_path, name):
+    """Parcae publishes pytorch_model.bin (which the loader reads) and LoopFormer a GPT-2 tokenizer: a teacher
+    rebuilt in such files kept its fingerprint, so its target cache, resume checks and loopq.run's skips held."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / name).write_bytes(b"one")
+    before = teacher_fingerprint(tmp_path)
+    (tmp_path / name).write_bytes(b"two")
+    assert teacher_fingerprint(tmp_path) != before
+
+
 def test_fingerprint_of_an_empty_directory_is_refused(tmp_path):
     with pytest.raises(ProvenanceError, match=r"no config\.json or weights"):
         teacher_fingerprint(tmp_path)
