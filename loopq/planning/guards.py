@@ -533,6 +533,15 @@ def check_calibration(config: Any) -> None:
         check_against_teacher(config, model)
 
 
+def activation_dtype_bytes(precision: str) -> int:
+    """Bytes per element of what a ``trainer.precision`` keeps for backward: 2 under ``bf16-true`` / ``16-true``, 8
+    under ``64`` / ``64-true``, else 4 (``32``, ``32-true``, and mixed precision, which keeps the quantizer chains in
+    fp32). Reading any ``*-true`` as 2 bytes halved fp32's estimate and quartered float64's."""
+    if precision in ("bf16-true", "16-true"):
+        return 2
+    return 8 if precision in ("64", "64-true") else 4
+
+
 def check_against_teacher(config: Any, model: LoopLM) -> None:
     """For a local teacher (``model``: built on the meta device): ``data.seq_len`` against its positions, the loop
     count against the memory, and the calibration text against the windows asked for."""
@@ -546,7 +555,7 @@ def check_against_teacher(config: Any, model: LoopLM) -> None:
         batch=config.data.batch_size,
         seq_len=config.data.seq_len,
         samples=config.data.num_samples,
-        dtype_bytes=2 if precision.endswith("-true") else 4,  # mixed precision keeps the quantizer chains in fp32
+        dtype_bytes=activation_dtype_bytes(precision),
         checkpoint_loops=bool(config.model.checkpoint_loops),
     )
     check_loop_plan(plan, available_memory(), device_memory(getattr(config.trainer, "accelerator", None)))

@@ -337,6 +337,20 @@ def test_num_loops_far_above_the_trained_count_is_refused_naming_the_key_and_the
     assert not list(tmp_path.iterdir())  # nothing was started
 
 
+@pytest.mark.parametrize(("precision", "size"), [("32-true", 4), ("64-true", 8), ("bf16-true", 2), ("bf16-mixed", 4)])
+def test_the_loop_memory_guard_counts_the_bytes_of_the_precision(monkeypatch, tmp_path, precision, size):
+    """Lightning's own spelling of fp32, ``32-true``, was read as 2 bytes (every ``*-true`` was): the estimate halved
+    and a calibration that does not fit was accepted (review finding)."""
+    monkeypatch.setattr(guards, "available_memory", lambda: 16 * 2**30)
+    monkeypatch.delenv(guards.ALLOW_LOW_MEMORY, raising=False)
+    args = ("--config", "configs/tiny.yaml", "--model.teacher", str(TINY), "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.precision", precision, "--model.quant.num_loops", "1000")  # fmt: skip
+    with pytest.raises(GuardError) as err:
+        fit.build_cli(list(args), run.DeferredCLI)
+    acts = 4 * 128 * 128 * 1000 * size * 132  # as in the test above, at this precision's bytes
+    assert f"(activations {acts / 2**30:.1f} GiB," in one_line(err.value)
+
+
 def test_num_loops_above_twice_the_trained_count_warns_with_the_memory_it_needs(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(guards, "available_memory", lambda: 16 * 2**30)
     args = ("--config", "configs/tiny.yaml", "--model.teacher", str(TINY), "--trainer.default_root_dir", str(tmp_path),
