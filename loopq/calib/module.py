@@ -147,7 +147,7 @@ class LoopQCalibration(L.LightningModule):
         super().__init__()
         quant = quant or QuantConfig()
         if objective not in OBJECTIVES:
-            raise ValueError(f"model.objective={objective!r}: use one of {OBJECTIVES}")
+            raise UsageError(f"model.objective={objective!r}: use one of {OBJECTIVES}")
         if state_reduction not in STATE_REDUCTIONS:
             raise UsageError(f"model.state_reduction={state_reduction!r}: use one of {STATE_REDUCTIONS}")
         if not METHODS[quant.method].trained:

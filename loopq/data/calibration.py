@@ -163,6 +163,8 @@ class CalibrationDataModule(L.LightningDataModule):
         super().__init__()
         if num_samples < 1 or seq_len < 2 or batch_size < 1:
             raise DataError("data.num_samples, data.seq_len and data.batch_size must be positive (seq_len >= 2)")
+        if holdout_samples < 0:
+            raise DataError(f"data.holdout_samples={holdout_samples}: a count of held-out windows, 0 or more")
         if val_samples < 0 or (val_sources and val_samples == 0):
             raise DataError(f"data.val_samples={val_samples}: use a positive count of validation windows per set")
         for spec in sources or ():

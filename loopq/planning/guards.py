@@ -365,14 +365,16 @@ def check_schedule(max_steps: int | None, warmup_steps: int) -> None:
 def check_optimiser(model: Any) -> None:
     """Learning rates must be finite and positive (a negative one calibrates by gradient ascent: the loss rises
     while the run reports success), weight decay and the loss weight ``lam`` finite and non-negative, the
-    distillation temperature finite and positive."""
+    distillation temperature finite and positive, ``topk`` a count (0 switched the logit term off silently)."""
     rules = (
         ("lr", "a finite number > 0 (configs/tiny.yaml uses 0.005)", lambda v: v > 0),
         ("clip_lr_mult", "a finite number > 0 (the clipping ratios' lr is clip_lr_mult x lr)", lambda v: v > 0),
         ("weight_decay", "a finite number >= 0", lambda v: v >= 0),
         ("lam", "a finite number >= 0 (the weight of Eq. 8's state terms)", lambda v: v >= 0),
         ("temperature", "a finite number > 0", lambda v: v > 0),
-    )
+        ("topk", "a whole number >= 1 (the teacher logits the KL keeps; the configs use 1000)",
+         lambda v: v >= 1 and float(v).is_integer()),
+    )  # fmt: skip
     for key, must, ok in rules:
         value = getattr(model, key, None)
         if value is None:
@@ -380,6 +382,22 @@ def check_optimiser(model: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
             reason = "not finite" if isinstance(value, float) and not math.isfinite(value) else "out of range"
             raise UsageError(f"--model.{key} {value}: {reason}; it must be {must}")
+
+
+def check_choices(config: Any) -> None:
+    """Options the calibration module and data module would refuse only once the teacher is loaded: refused first,
+    in the same words (``model.objective``, ``model.state_reduction``, ``data.holdout_samples``)."""
+    from loopq.calib.losses import STATE_REDUCTIONS
+    from loopq.calib.module import OBJECTIVES
+
+    model, data = config.model, config.data
+    for key, allowed in (("objective", OBJECTIVES), ("state_reduction", STATE_REDUCTIONS)):
+        value = getattr(model, key, None)
+        if value is not None and value not in allowed:
+            raise UsageError(f"model.{key}={value!r}: use one of {allowed}")
+    holdout = getattr(data, "holdout_samples", 0)
+    if isinstance(holdout, int) and holdout < 0:
+        raise UsageError(f"data.holdout_samples={holdout}: a count of held-out windows, 0 or more")
 
 
 def zero_duration(value: Any) -> bool:
@@ -416,6 +434,9 @@ def check_steps(trainer: Any) -> None:
             )
     if getattr(trainer, "max_time", None) is not None and zero_duration(trainer.max_time):
         raise UsageError(f"--trainer.max_time {trainer.max_time}: no time to train; leave it unset or give a duration")
+    devices = getattr(trainer, "devices", None)
+    if devices in (0, "0") or devices == []:
+        raise UsageError(f"--trainer.devices {devices}: no device to run on; pass 1 or more (or auto)")
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if accumulate != 1:
         raise UsageError(
@@ -512,6 +533,7 @@ def check_calibration(config: Any) -> None:
     check_schedule(config.trainer.max_steps, config.model.warmup_steps)
     check_steps(config.trainer)
     check_optimiser(config.model)
+    check_choices(config)
     check_strategy(config.trainer)
     check_student_choice(config)
     teacher = str(config.model.teacher)
@@ -547,6 +569,10 @@ def check_against_teacher(config: Any, model: LoopLM) -> None:
     count against the memory, and the calibration text against the windows asked for."""
     check_positions(model, config.data.seq_len, "--data.seq_len", f"the teacher {config.model.teacher}")
     check_tokenizer_vocab(config.data.tokenizer or config.model.teacher, model)
+    vocab = int(model.lm_head.weight.shape[0])
+    topk = getattr(config.model, "topk", None)
+    if isinstance(topk, int) and topk > vocab:
+        raise UsageError(f"--model.topk {topk}: more than the teacher's {vocab} logits; pass {vocab} or less")
     quant = config.model.quant
     precision = str(getattr(config.trainer, "precision", None) or "32")
     plan = loop_plan(
