@@ -147,6 +147,28 @@ def test_plan_of_an_explicit_shape_is_the_plan_of_its_config():
     )
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto means the CPU only without CUDA")
+def test_accelerator_auto_on_a_machine_without_cuda_is_planned_as_the_cpu_run_it_is():
+    """Lightning's default ``auto`` runs on the CPU here; the plan printed a GPU plan for it (without the targets a
+    CPU run holds in memory), half the CPU peak (review finding)."""
+    cpu = plan.plan_from_config(parsed([*FIT_CONFIGS, "--trainer.accelerator", "cpu"]))[1]
+    auto = plan.plan_from_config(parsed([*FIT_CONFIGS, "--trainer.accelerator", "auto"]))[1]
+    assert auto.settings.on_cpu and auto.peak == cpu.peak and auto.peak_phase == cpu.peak_phase
+
+
+def test_the_plan_follows_init_clipping_and_names_an_objective_it_does_not_model():
+    """The setup's clip initialisation is not planned when it does not run; a layer-wise plan says what it assumes
+    (it printed the trajectory objective's terms without a word)."""
+    on = plan.plan_from_config(parsed(list(FIT_CONFIGS)))[1]
+    off = plan.plan_from_config(parsed([*FIT_CONFIGS, "--model.init_clipping", "false"]))[1]
+    assert on.clip_init > 0 and off.clip_init == 0
+    assert off.phases["setup"] == on.phases["setup"] - on.clip_init
+    layerwise = plan.plan_from_config(parsed([*FIT_CONFIGS, "--model.objective", "layerwise"]))[1]
+    text = plan.format_plan(layerwise, "t", "s")
+    assert "model.objective layerwise: planned as the trajectory objective" in text
+    assert "model.objective" not in plan.format_plan(on, "t", "s")
+
+
 def test_optimizer_state_follows_the_zero_paper():
     """Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64 GPUs, mixed-precision Adam: 120 GB unsharded,
     2 + 2 + 12/64 bytes per parameter sharding the optimizer states, 2 + 14/64 with gradients, 16/64 with

@@ -54,18 +54,30 @@ def compute_targets(
     batch_size: int = 8,
     store_dtype: torch.dtype = torch.float16,
 ) -> TeacherTargets:
-    """Run the teacher once over all samples (no grad) and keep what the loss needs."""
+    """Run the teacher once over all samples (no grad) and keep what the loss needs, written into tensors allocated
+    once for all samples (appending chunks and concatenating them held the targets twice at the end)."""
     device = next(teacher.parameters()).device
-    values, indices, states = [], [], []
+    out_values = out_indices = out_states = None
+    start = 0
     for chunk in samples.split(batch_size):
         out = teacher(chunk.to(device), num_loops=num_loops, return_trajectory=True)
         # the vocabulary from the logits, not lm_head.weight (an empty placeholder under DeepSpeed ZeRO-3)
         index_dtype = torch.int16 if out.logits.shape[-1] <= torch.iinfo(torch.int16).max else torch.int32
         v, i = teacher_topk(out.logits, k)
-        values.append(v.to(store_dtype).cpu())
-        indices.append(i.to(index_dtype).cpu())
-        states.append(torch.stack(out.loop_states, dim=1).to(store_dtype).cpu())
-    return TeacherTargets(torch.cat(values), torch.cat(indices), torch.cat(states))
+        st = torch.stack(out.loop_states, dim=1)
+        if out_values is None:
+            n = samples.shape[0]
+            out_values = torch.empty((n, *v.shape[1:]), dtype=store_dtype)
+            out_indices = torch.empty((n, *i.shape[1:]), dtype=index_dtype)
+            out_states = torch.empty((n, *st.shape[1:]), dtype=store_dtype)
+        rows = slice(start, start + chunk.shape[0])
+        out_values[rows] = v.to(store_dtype).cpu()
+        out_indices[rows] = i.to(index_dtype).cpu()
+        out_states[rows] = st.to(store_dtype).cpu()
+        start += chunk.shape[0]
+    if out_values is None:
+        raise ValueError("compute_targets: no samples")
+    return TeacherTargets(out_values, out_indices, out_states)
 
 
 def cache_key(
@@ -108,6 +120,8 @@ def load_or_compute(
             tensors = {"values": t.values, "indices": t.indices, "states": t.states}
             meta = {"teacher_sha256": teacher_sha256}
             atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
+            del tensors
+        del t  # the file is read back below: the targets are not held twice
     if callable(barrier):
         barrier()
     if not path.is_file():

@@ -40,8 +40,8 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
   one call's input and three working copies, min(B N S, 4096) 4 max_g in_g 3, or one group's chain without a
   graph, 4 x 3 of the largest group's weight, whichever is larger; and the forward's logits, B N S V 4.
 * **teacher targets** (:func:`target_bytes`): M S k (2 + b_id) + M T S D 2 - fp16 top-k logits, int16/int32 ids,
-  fp16 loop states - held in host memory (twice while they are concatenated; a cache file is read back whole), and
-  the cache file on disk.
+  fp16 loop states - held once in host memory (written into tensors allocated for all samples; a cache file is read
+  back whole after the computed copy is dropped), and the cache file on disk.
 
 The peak is the larger phase: setup or the training step. SLT costs no phase of its own: its per-loop gradients are
 recorded in the training step's backward (transform-sized; ``loopq.calib.slt``). On a CPU run the
@@ -319,6 +319,8 @@ class RunSettings:
     compiled: bool = False  # model.compile_quantizers
     on_cpu: bool = False  # host and device memory are one
     target_cache: bool = False
+    init_clipping: bool = True  # model.init_clipping: LAS's data-driven clip initialisation runs in the setup
+    objective: str = "trajectory"  # model.objective: the plan's terms are the trajectory objective's
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -581,7 +583,11 @@ def plan_memory(counts: ModelCounts, settings: RunSettings) -> MemoryPlan:
         quant_params=counts.trainable * 4,
         quant_state=optimizer_bytes(counts.trainable, s.strategy, n, s.param_bytes),
         step=training_pass(counts, loops, s),
-        clip_init=clip_init_bytes(s.batch * n * s.seq_len, counts.largest_input, counts.largest_group, counts.vocab),
+        clip_init=(
+            clip_init_bytes(s.batch * n * s.seq_len, counts.largest_input, counts.largest_group, counts.vocab)
+            if s.init_clipping
+            else 0
+        ),
         targets=target_bytes(s.samples, s.seq_len, s.topk, counts.vocab, counts.shape.hidden, loops),
         teacher_load=teacher_load_bytes(params, s.teacher_bytes),
     )
@@ -647,9 +653,18 @@ def settings_from_config(config: Any) -> RunSettings:
         teacher_dtype=resolve_teacher_dtype(model.teacher_dtype, precision),
         checkpoint_loops=bool(model.checkpoint_loops),
         compiled=bool(model.compile_quantizers),
-        on_cpu=str(trainer.accelerator) == "cpu",
+        on_cpu=runs_on_cpu(trainer.accelerator),
         target_cache=bool(model.target_cache_dir),
+        init_clipping=bool(getattr(model, "init_clipping", True)),
+        objective=str(getattr(model, "objective", "trajectory")),
     )
+
+
+def runs_on_cpu(accelerator: Any) -> bool:
+    """Whether Lightning will run on the CPU: ``cpu``, or ``auto`` (the default) on a machine without CUDA (it was
+    planned as a GPU run there, without the targets that a CPU run holds)."""
+    name = str(accelerator or "auto")
+    return name == "cpu" or (name == "auto" and not torch.cuda.is_available())
 
 
 def device_count(devices: Any) -> int:
@@ -695,6 +710,14 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
         f"  run: {s.strategy} x {s.processes}, {s.precision}, teacher {s.teacher_dtype}, checkpoint_loops "
         f"{on(s.checkpoint_loops)}, compile_quantizers "
         f"{on(s.compiled)}, batch {s.batch} x {s.seq_len} per process",
+        *(
+            [
+                f"  model.objective {s.objective}: planned as the trajectory objective (teacher targets, logits); the "
+                "layer-wise objective runs the teacher live instead"
+            ]
+            if s.objective != "trajectory"
+            else []
+        ),
         head,
     ]
     rows = [
@@ -723,7 +746,7 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     ]
     if not s.on_cpu:
         lines.append(
-            f"  host memory per process: teacher targets {size(plan.targets)} (twice while built), teacher while "
+            f"  host memory per process: teacher targets {size(plan.targets)}, teacher while "
             f"loading {size(plan.teacher_load)}"
         )
     kept = "" if s.target_cache else " (model.target_cache_dir unset: they stay in memory only)"

@@ -20,3 +20,22 @@ def test_a_bf16_teachers_cached_targets_are_not_reused_for_an_fp32_teacher(tmp_p
     assert torch.equal(got.indices, want.indices) and torch.equal(got.states, want.states)
     again = load_or_compute(fp32, "same-files", samples, 16, 4, str(tmp_path))  # read back, not recomputed
     assert torch.equal(again.values, got.values) and len(list(tmp_path.glob("teacher-targets-*"))) == 2
+
+
+def test_targets_are_written_into_one_allocation_and_equal_the_chunkwise_computation():
+    """compute_targets fills tensors allocated once for all samples (concatenating per-chunk lists held the targets
+    twice): the result is what each chunk's own forward gives, whatever the chunking."""
+    from loopq.calib.targets import teacher_topk
+
+    samples = torch.randint(0, 2048, (5, 16), generator=torch.Generator().manual_seed(1))
+    teacher = load_looplm(ASSETS / "tiny-ouro")
+    got = compute_targets(teacher, samples, 8, 4, batch_size=2)  # chunks of 2, 2, 1
+    assert got.values.shape == (5, 16, 8) and got.states.shape[:3] == (5, 4, 16)
+    values, indices, states = [], [], []
+    for chunk in samples.split(2):  # the same chunks, concatenated (the former implementation)
+        with torch.no_grad():
+            out = teacher(chunk, num_loops=4, return_trajectory=True)
+        v, i = teacher_topk(out.logits, 8)
+        values.append(v.half()), indices.append(i), states.append(torch.stack(out.loop_states, 1).half())
+    assert torch.equal(got.values, torch.cat(values)) and torch.equal(got.states, torch.cat(states))
+    assert got.indices.dtype == torch.int16 and torch.equal(got.indices.long(), torch.cat(indices).long())
