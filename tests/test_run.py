@@ -214,3 +214,107 @@ def test_a_teacher_rebuilt_in_place_is_noticed(tmp_path, monkeypatch):
     with pytest.raises(PipelineError, match=r"teacher_sha256.*--force"):
         main([*TINY, "--trainer.default_root_dir", str(root), *args])
     assert {path: path.stat().st_mtime_ns for path in root.rglob("*") if path.is_file()} == stamps
+
+
+# ---------------------------------------------------------------------------------------------------- reuse rules
+# What a rerun reuses, checked on copies of the ``first`` run with every stage action stubbed (:func:`stopped`): the
+# first action that runs raises :class:`Ran`, so nothing is calibrated or evaluated.
+class Ran(Exception):
+    """A stage action ran: its name, and for ``calibrate`` the checkpoint it would resume from."""
+
+
+@pytest.fixture
+def stopped(monkeypatch):
+    from loopq.commands.run import Pipeline
+
+    monkeypatch.chdir(REPO_ROOT)
+
+    def stop(name):
+        def action(self, *args):
+            raise Ran(name, self.own_last_checkpoint() if name == "calibrate" else None)
+
+        return action
+
+    for name in ("calibrate", "export", "evaluate", "report"):
+        monkeypatch.setattr(Pipeline, name, stop(name))
+
+
+def copy_run(first, tmp_path: Path) -> Path:
+    """A copy of the ``first`` run (modification times kept: its stages are as done as the original's)."""
+    root = tmp_path / "tiny"
+    shutil.copytree(first[0], root)
+    return root
+
+
+def rerun(root: Path, *extra: str) -> tuple[str, ...]:
+    """Run the stubbed pipeline on ``root``: the :class:`Ran` arguments of the first stage action that ran."""
+    with pytest.raises(Ran) as ran:
+        main([*TINY, "--trainer.default_root_dir", str(root), *extra])
+    return ran.value.args
+
+
+def edit_manifest(root: Path, edit) -> None:
+    path = root / "pipeline.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest["stages"])
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_student_rewritten_with_the_same_config_is_calibrated_again_not_skipped(first, tmp_path, stopped):
+    """A stage's outputs must be the files it wrote (stamps recorded at finish): a student written over since, even
+    with the same config, makes the calibration run again, resuming from its own last checkpoint."""
+    root = copy_run(first, tmp_path)
+    weights = root / "student" / "loopq_student.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert rerun(root) == ("calibrate", root / "checkpoints" / "last.ckpt")
+
+
+def test_a_finished_calibration_whose_student_was_lost_resumes_from_its_last_checkpoint(first, tmp_path, stopped):
+    """The re-run of a finished stage with the same inputs keeps its start, so the checkpoints it wrote are its own
+    (a review found the calibration restarted from step 0)."""
+    root = copy_run(first, tmp_path)
+    shutil.rmtree(root / "student")
+    assert rerun(root) == ("calibrate", root / "checkpoints" / "last.ckpt")
+
+
+def test_a_stage_is_done_only_while_its_outputs_are_the_files_it_wrote(tmp_path):
+    from loopq.stages import Manifest
+
+    out = tmp_path / "out.json"
+    manifest = Manifest(tmp_path / "pipeline.json")
+    manifest.start("s", {"a": 1})
+    out.write_text("1")
+    manifest.finish("s", {}, 0.0, [out])
+    assert manifest.is_done("s", {"a": 1}, [out]) and not manifest.is_done("s", {"a": 2}, [out])
+    out.write_text("22")  # rewritten by another command
+    assert not manifest.is_done("s", {"a": 1}, [out])
+    out.unlink()
+    assert not manifest.is_done("s", {"a": 1}, [out])
+
+
+def test_an_entry_without_output_stamps_is_done_until_an_output_changes_after_it_finished(tmp_path):
+    """pipeline.json written before the stamps were recorded: an output modified after the stage finished is not
+    the stage's."""
+    from loopq.stages import Manifest
+
+    out = tmp_path / "out.json"
+    out.write_text("1")
+    finished = out.stat().st_mtime_ns + 10**9
+    (tmp_path / "pipeline.json").write_text(json.dumps({"stages": {"s": {"inputs": {}, "finished": finished}}}))
+    manifest = Manifest(tmp_path / "pipeline.json")
+    assert manifest.is_done("s", {}, [out])
+    os.utime(out, ns=(finished + 1, finished + 1))
+    assert not manifest.is_done("s", {}, [out])
+
+
+def test_a_finished_stage_started_again_with_the_same_inputs_keeps_its_start(tmp_path):
+    from loopq.stages import Manifest
+
+    manifest = Manifest(tmp_path / "pipeline.json")
+    manifest.start("s", {"a": 1})
+    started = manifest.stages["s"]["started"]
+    manifest.finish("s", {}, 0.0)
+    manifest.start("s", {"a": 1})
+    assert manifest.stages["s"]["started"] == started and manifest.stages["s"]["finished"] is None
+    manifest.start("s", {"a": 2})
+    assert manifest.stages["s"]["started"] > started
