@@ -260,6 +260,22 @@ def edit_manifest(root: Path, edit) -> None:
     path.write_text(json.dumps(manifest))
 
 
+def test_a_student_rewritten_by_loopq_fit_with_another_config_is_refused(first, tmp_path, stopped):
+    """``python -m loopq.fit --model.lr 0.02 --force`` over the run's student: pipeline.json still records the old
+    config, the student's own provenance says 0.02; the run stops naming it (a review found calibrate skipped as up to
+    date and the other student evaluated)."""
+    from loopq.artifacts import read_student_meta
+    from loopq.artifacts.seal import seal
+
+    root = copy_run(first, tmp_path)
+    meta = read_student_meta(root / "student")
+    meta["provenance"]["config"]["model.lr"] = 0.02
+    (root / "student" / "loopq_quant.json").write_text(json.dumps(seal(meta)))
+    changed = r"student calibrated with another config \(model\.lr: 0\.02 -> 0\.005\).*--force"
+    with pytest.raises(PipelineError, match=changed):
+        main([*TINY, "--trainer.default_root_dir", str(root)])
+
+
 def test_a_student_rewritten_with_the_same_config_is_calibrated_again_not_skipped(first, tmp_path, stopped):
     """A stage's outputs must be the files it wrote (stamps recorded at finish): a student written over since, even
     with the same config, makes the calibration run again, resuming from its own last checkpoint."""
@@ -275,6 +291,40 @@ def test_a_finished_calibration_whose_student_was_lost_resumes_from_its_last_che
     root = copy_run(first, tmp_path)
     shutil.rmtree(root / "student")
     assert rerun(root) == ("calibrate", root / "checkpoints" / "last.ckpt")
+
+
+def test_a_student_of_loopq_fit_is_adopted_only_with_the_whole_config(first, tmp_path, stopped, capsys):
+    """No record of the calibration in pipeline.json: the student is adopted when its provenance is this config (a
+    line says so), and refused when any key differs - not only the quant config (a review found a student of
+    max_steps 3, lr 0.005, seed 0 adopted by a run asking max_steps 8, lr 0.02, seed 7)."""
+    root = copy_run(first, tmp_path)
+    edit_manifest(root, lambda stages: stages.pop("calibrate"))
+    other = ["--trainer.max_steps", "8", "--model.lr", "0.02", "--seed_everything", "7"]
+    with pytest.raises(PipelineError, match=r"another config \(model\.lr: .*seed_everything: 0 -> 7.*--force"):
+        main([*TINY, "--trainer.default_root_dir", str(root), *other])
+    assert "calibrate" not in json.loads((root / "pipeline.json").read_text())["stages"]
+    capsys.readouterr()
+    assert rerun(root)[0] == "evaluate"  # the LoopQ evaluation names the copy's student path
+    out = capsys.readouterr().out
+    assert f"calibrate: adopted the student {root / 'student'}" in out
+    assert "[1/6] calibrate: up to date" in out and "[2/6] export: up to date" in out
+
+
+def test_a_record_from_before_an_option_existed_is_the_same_calibration(first, tmp_path, stopped, capsys):
+    """pipeline.json's calibration inputs are read as loopq.fit reads a record (provenance.LATER_OPTIONS,
+    RETIRED_OPTIONS): one written before ``model.student_from`` existed, or holding a retired schedule option at its
+    default, is this config (a review found it refused as another one)."""
+    root = copy_run(first, tmp_path)
+
+    def older(stages):
+        del stages["calibrate"]["inputs"]["model.student_from"]
+        stages["calibrate"]["inputs"]["model.slt_every_n_steps"] = 50
+
+    edit_manifest(root, older)
+    capsys.readouterr()
+    assert rerun(root)[0] == "evaluate"
+    out = capsys.readouterr().out
+    assert "[1/6] calibrate: up to date" in out and "[2/6] export: up to date" in out
 
 
 def test_a_stage_is_done_only_while_its_outputs_are_the_files_it_wrote(tmp_path):
