@@ -327,6 +327,24 @@ def test_a_record_from_before_an_option_existed_is_the_same_calibration(first, t
     assert "[1/6] calibrate: up to date" in out and "[2/6] export: up to date" in out
 
 
+def test_the_report_reads_the_student_where_model_output_dir_put_it(first, tmp_path, monkeypatch):
+    """``--model.output_dir``: the report's run reads the student there (a review found the calibration called
+    unfinished and Fig. 3 dropped)."""
+    from loopq.commands.run import Options, Pipeline, parse
+
+    monkeypatch.chdir(REPO_ROOT)
+    root, elsewhere = copy_run(first, tmp_path), tmp_path / "students" / "tiny"
+    elsewhere.parent.mkdir()
+    (root / "student").rename(elsewhere)
+    cli = parse([*TINY, "--trainer.default_root_dir", str(root), "--model.output_dir", str(elsewhere)])
+    try:
+        Pipeline(cli, Options.of(cli.config)).report()
+    finally:
+        cli.release_lock()
+    report = (root / "report" / "report.md").read_text()
+    assert "calibration unfinished" not in report and "Fig. 3 - SLT selection order" in report
+
+
 def test_a_stage_is_done_only_while_its_outputs_are_the_files_it_wrote(tmp_path):
     from loopq.stages import Manifest
 

@@ -322,7 +322,8 @@ class Pipeline(StageRunner):
 
     def report(self) -> dict[str, Any]:
         results = [load_result(path) for path in self.result_paths().values()]
-        report = build_report(results, [load_run(self.root, self.root.name)], [], self.report_dir, blocks=[self.bits])
+        run = load_run(self.root, self.root.name, self.student_dir)
+        report = build_report(results, [run], [], self.report_dir, blocks=[self.bits])
         return {"report": str(report), "note": str(report)}
 
     # ------------------------------------------------------------------ summary
