@@ -2,9 +2,10 @@
 
 Stages run in order. A JSON manifest (:class:`Manifest`, ``pipeline.json`` for ``loopq.run``) records, per stage, the
 inputs it ran with (its settings and the modification times of the outputs of the stages it reads), when it started
-and finished, and its summary; :class:`StageRunner` skips a stage whose outputs exist and whose inputs are as
-recorded, and runs it again otherwise. The manifest is rewritten atomically at every start and finish, so a run
-killed at any point leaves a readable one and the interrupted stage runs again.
+and finished, the stamps of its own outputs (modification time and size) and its summary; :class:`StageRunner` skips
+a stage whose outputs are still the files it wrote and whose inputs are as recorded, and runs it again otherwise.
+The manifest is rewritten atomically at every start and finish, so a run killed at any point leaves a readable one
+and the interrupted stage runs again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from typing import Any
 
 from loopq.errors import LoopQError
 from loopq.files import atomic_write
+
+#: maps a stage's inputs to the form they are compared in (:attr:`Stage.canonical`)
+Canonical = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class StageError(LoopQError):
@@ -36,10 +40,14 @@ class Stage:
     action: Callable[[], dict[str, Any]]
     settings: dict[str, Any] = field(default_factory=dict)
     after: tuple[str, ...] = ()
+    #: puts recorded and current inputs in one form before they are compared (e.g. options added since a record was
+    #: written read as the value they had then); None: compared as they are
+    canonical: Canonical | None = None
 
 
 class Manifest:
-    """``pipeline.json``: per stage, the inputs it ran with, its finish stamp (ns, None while running), its summary.
+    """``pipeline.json``: per stage, the inputs it ran with, its start and finish stamps (ns, finish None while
+    running), the stamps of the outputs it wrote (:func:`output_stamps`), its summary.
 
     ``fresh``: start empty (a forced re-run) instead of reading ``path``; ``error``: what an unreadable file raises.
     """
@@ -54,20 +62,42 @@ class Manifest:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise self.error(f"{self.path}: unreadable ({err}); delete it or pass --force") from None
 
-    def is_done(self, name: str, inputs: dict[str, Any]) -> bool:
+    def is_done(
+        self, name: str, inputs: dict[str, Any], outputs: Sequence[Path] = (), canonical: Canonical | None = None
+    ) -> bool:
+        """Finished with the same inputs (:meth:`same_inputs`), and ``outputs`` are the files it wrote: they exist
+        with the recorded stamps (an entry written before stamps were recorded: none modified after it finished)."""
         entry = self.stages.get(name)
-        return entry is not None and entry.get("finished") is not None and entry.get("inputs") == inputs
+        if entry is None or entry.get("finished") is None or not self.same_inputs(name, inputs, canonical):
+            return False
+        if not all(p.exists() for p in outputs):
+            return False
+        if "outputs" not in entry:
+            return all(p.stat().st_mtime_ns <= entry["finished"] for p in outputs)
+        return entry["outputs"] == output_stamps(outputs)
 
-    def start(self, name: str, inputs: dict[str, Any]) -> None:
-        """Record a (re)start; an unfinished attempt with the same inputs keeps its ``started`` stamp."""
+    def same_inputs(self, name: str, inputs: dict[str, Any], canonical: Canonical | None = None) -> bool:
+        """Whether ``name`` is recorded with ``inputs`` (both put through ``canonical`` first when given)."""
+        entry = self.stages.get(name)
+        if entry is None or "inputs" not in entry:
+            return False
+        if canonical is None:
+            return entry["inputs"] == inputs
+        return canonical(entry["inputs"]) == canonical(inputs)
+
+    def start(self, name: str, inputs: dict[str, Any], canonical: Canonical | None = None) -> None:
+        """Record a (re)start; an attempt with the same inputs keeps its ``started`` stamp, also once finished (a
+        stage re-run because an output was lost or rewritten may resume from what it wrote since then)."""
         entry = self.stages.get(name) or {}
-        resumed = entry.get("inputs") == inputs and entry.get("finished") is None and "started" in entry
+        resumed = "started" in entry and self.same_inputs(name, inputs, canonical)
         started = entry["started"] if resumed else time.time_ns()
         self.stages[name] = {"inputs": inputs, "started": started, "finished": None}
         self.save()
 
-    def finish(self, name: str, summary: dict[str, Any], seconds: float) -> None:
-        self.stages[name].update(finished=time.time_ns(), seconds=round(seconds, 1), summary=summary)
+    def finish(self, name: str, summary: dict[str, Any], seconds: float, outputs: Sequence[Path] = ()) -> None:
+        """Record the end of ``name``, with the stamps of the ``outputs`` it wrote."""
+        stamps = output_stamps(outputs)
+        self.stages[name].update(finished=time.time_ns(), seconds=round(seconds, 1), outputs=stamps, summary=summary)
         self.save()
 
     def save(self) -> None:
@@ -94,14 +124,14 @@ class StageRunner:
         modification times: a file rewritten by a re-run, or by hand, makes the stages reading it run again)."""
         stamps = {f"after {dep.name}": [p.stat().st_mtime_ns for p in dep.outputs if p.exists()] for dep in after}
         inputs = normalised({**stage.settings, **stamps})
-        if self.manifest.is_done(stage.name, inputs) and all(p.exists() for p in stage.outputs):
+        if self.manifest.is_done(stage.name, inputs, stage.outputs, stage.canonical):
             say(f"{label}: up to date, skipped ({stage.target})")
             return
         say(f"{label} -> {stage.target}  ({clock(time.monotonic() - self.started)} elapsed)")
         start = time.monotonic()
-        self.manifest.start(stage.name, inputs)
+        self.manifest.start(stage.name, inputs, stage.canonical)
         summary = stage.action()
-        self.manifest.finish(stage.name, summary, time.monotonic() - start)
+        self.manifest.finish(stage.name, summary, time.monotonic() - start, stage.outputs)
         note = f" - {summary['note']}" if "note" in summary else ""
         say(f"{label}: done in {clock(time.monotonic() - start)}{note}")
 
@@ -115,6 +145,20 @@ def say(text: str) -> None:
 def clock(seconds: float) -> str:
     """``seconds`` as ``H:MM:SS``."""
     return str(timedelta(seconds=round(seconds)))
+
+
+def output_stamps(outputs: Sequence[Path]) -> list[list[int] | None]:
+    """``[mtime_ns, size]`` of each of ``outputs`` in order (None for a missing one): what tells a file a stage wrote
+    from one written over it since (by hand, or by another command)."""
+    stamps: list[list[int] | None] = []
+    for path in outputs:
+        try:
+            stat = path.stat()
+        except OSError:
+            stamps.append(None)
+            continue
+        stamps.append([stat.st_mtime_ns, stat.st_size])
+    return stamps
 
 
 def normalised(value: Any) -> Any:

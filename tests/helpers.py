@@ -59,6 +59,8 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 class KillAtStep(L.Callback):
     """SIGKILL the process right before optimizer step ``step`` starts: a real crash, no cleanup, no save."""
 
+    changes_student = False  # not in the recorded config: the resumed segment runs without it
+
     def __init__(self, step: int) -> None:
         self.step = step
 
@@ -98,6 +100,8 @@ class SaveRankStudent(L.Callback):
     """At the end of fit, every rank writes its own copy of the student to ``<default_root_dir>/rank<r>.safetensors``
     (multi-process tests check that the ranks stayed identical)."""
 
+    changes_student = False
+
     def on_fit_end(self, trainer, pl_module) -> None:
         from safetensors.torch import save_file
 
@@ -113,6 +117,8 @@ class RecordPrecision(L.Callback):
     """Write to ``path`` (JSON) the dtypes a calibration held its parts in: the teacher's parameters, the student's
     frozen group weights (and whether they are the teacher's storage), the trainable quantization parameters, their
     AdamW states, the cached teacher targets, the logits of the training steps (bf16 under autocast), and the losses."""
+
+    changes_student = False
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -210,7 +210,10 @@ def test_edited_export_description_is_refused(calibrated, tmp_path):
         load_quantized(out)
 
 
-def test_only_the_method_callbacks_count_in_the_recorded_config():
+def test_observer_callbacks_stay_out_of_the_recorded_config_and_every_other_counts():
+    """Checkpointing, progress, diagnostics, a test's kill switch (``changes_student = False``) do not change the
+    student; the method's schedules do, and so does any other callback - EarlyStopping on a validation metric or
+    StochasticWeightAveraging (a review found them dropped: a rerun or resume with them passed as the same config)."""
     from jsonargparse import Namespace
 
     from loopq.commands.fit import fit_settings
@@ -219,9 +222,29 @@ def test_only_the_method_callbacks_count_in_the_recorded_config():
         return Namespace(trainer=Namespace(callbacks=[{"class_path": p, "init_args": {}} for p in paths]))
 
     method = "loopq.calib.reselection.SharingGapReselection"
-    with_debug = fit_settings(config(method, "tests.helpers.KillAtStep", "lightning.pytorch.callbacks.ModelCheckpoint"))
-    assert with_debug == fit_settings(config(method))
+    observers = (
+        "tests.helpers.KillAtStep",
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "lightning.pytorch.callbacks.LearningRateMonitor",
+        "callbacks.line_progress.LineProgress",  # a re-export: the class decides, not the path
+        "loopq.calib.diagnostics.PerLoopDiagnostics",
+    )
+    assert fit_settings(config(method, *observers)) == fit_settings(config(method))
     assert fit_settings(config(method)) != fit_settings(config())  # dropping SLT reselection changes the student
+    for steering in ("EarlyStopping", "StochasticWeightAveraging", "Timer"):
+        assert fit_settings(config(method, f"lightning.pytorch.callbacks.{steering}")) != fit_settings(config(method))
+    assert fit_settings(config(method, "no.such.Callback")) != fit_settings(config(method))
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO_ROOT / "configs").glob("*.yaml")))
+def test_the_shipped_configs_record_the_method_callbacks_as_before(name):
+    """Inverting the callback rule keeps the records of the shipped configs: their recorded callbacks are the
+    method's two schedules, as under the earlier rule (students and checkpoints written before still compare equal)."""
+    from loopq.commands.fit import build_parser, fit_settings
+
+    settings = fit_settings(build_parser().parse_args(["--config", str(REPO_ROOT / "configs" / name)]))
+    recorded = [c["class_path"] for c in settings["trainer.callbacks"]]
+    assert recorded == ["loopq.calib.mu.AdaptiveMu", "loopq.calib.reselection.SharingGapReselection"]
 
 
 def test_a_record_from_before_an_option_existed_reads_as_its_default():

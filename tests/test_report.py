@@ -186,6 +186,19 @@ def test_run_reading(run_dir):
     assert sum(math.isfinite(v) for v in matrix.flat) == 2
 
 
+def test_a_student_outside_the_run_directory_is_read_where_it_is(run_dir, tmp_path):
+    """``--model.output_dir``: the student is not ``<run>/student``; the loader is given its directory (a review found
+    the calibration called unfinished and Fig. 3 dropped)."""
+    elsewhere = tmp_path / "students" / "tiny"
+    elsewhere.parent.mkdir()
+    (run_dir / "student").rename(elsewhere)
+    run = load_run(run_dir, "tiny", elsewhere)
+    assert run.promoted == ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.qkv_proj"]
+    assert not any("calibration unfinished" in note for note in run.notes)
+    missing = load_run(run_dir, "tiny")
+    assert "run `tiny`: no `student/loopq_quant.json` (calibration unfinished?)" in missing.notes
+
+
 def test_student_result_is_grouped_under_its_teacher(run_dir, tmp_path):
     path = write(tmp_path / "lq.json", result("LoopQ", "w4a8", 4, 20.0, model=str(run_dir / "student")))
     r = load_result(path)

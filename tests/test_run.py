@@ -214,3 +214,175 @@ def test_a_teacher_rebuilt_in_place_is_noticed(tmp_path, monkeypatch):
     with pytest.raises(PipelineError, match=r"teacher_sha256.*--force"):
         main([*TINY, "--trainer.default_root_dir", str(root), *args])
     assert {path: path.stat().st_mtime_ns for path in root.rglob("*") if path.is_file()} == stamps
+
+
+# ---------------------------------------------------------------------------------------------------- reuse rules
+# What a rerun reuses, checked on copies of the ``first`` run with every stage action stubbed (:func:`stopped`): the
+# first action that runs raises :class:`Ran`, so nothing is calibrated or evaluated.
+class Ran(Exception):
+    """A stage action ran: its name, and for ``calibrate`` the checkpoint it would resume from."""
+
+
+@pytest.fixture
+def stopped(monkeypatch):
+    from loopq.commands.run import Pipeline
+
+    monkeypatch.chdir(REPO_ROOT)
+
+    def stop(name):
+        def action(self, *args):
+            raise Ran(name, self.own_last_checkpoint() if name == "calibrate" else None)
+
+        return action
+
+    for name in ("calibrate", "export", "evaluate", "report"):
+        monkeypatch.setattr(Pipeline, name, stop(name))
+
+
+def copy_run(first, tmp_path: Path) -> Path:
+    """A copy of the ``first`` run (modification times kept: its stages are as done as the original's)."""
+    root = tmp_path / "tiny"
+    shutil.copytree(first[0], root)
+    return root
+
+
+def rerun(root: Path, *extra: str) -> tuple[str, ...]:
+    """Run the stubbed pipeline on ``root``: the :class:`Ran` arguments of the first stage action that ran."""
+    with pytest.raises(Ran) as ran:
+        main([*TINY, "--trainer.default_root_dir", str(root), *extra])
+    return ran.value.args
+
+
+def edit_manifest(root: Path, edit) -> None:
+    path = root / "pipeline.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest["stages"])
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_student_rewritten_by_loopq_fit_with_another_config_is_refused(first, tmp_path, stopped):
+    """``python -m loopq.fit --model.lr 0.02 --force`` over the run's student: pipeline.json still records the old
+    config, the student's own provenance says 0.02; the run stops naming it (a review found calibrate skipped as up to
+    date and the other student evaluated)."""
+    from loopq.artifacts import read_student_meta
+    from loopq.artifacts.seal import seal
+
+    root = copy_run(first, tmp_path)
+    meta = read_student_meta(root / "student")
+    meta["provenance"]["config"]["model.lr"] = 0.02
+    (root / "student" / "loopq_quant.json").write_text(json.dumps(seal(meta)))
+    changed = r"student calibrated with another config \(model\.lr: 0\.02 -> 0\.005\).*--force"
+    with pytest.raises(PipelineError, match=changed):
+        main([*TINY, "--trainer.default_root_dir", str(root)])
+
+
+def test_a_student_rewritten_with_the_same_config_is_calibrated_again_not_skipped(first, tmp_path, stopped):
+    """A stage's outputs must be the files it wrote (stamps recorded at finish): a student written over since, even
+    with the same config, makes the calibration run again, resuming from its own last checkpoint."""
+    root = copy_run(first, tmp_path)
+    weights = root / "student" / "loopq_student.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert rerun(root) == ("calibrate", root / "checkpoints" / "last.ckpt")
+
+
+def test_a_finished_calibration_whose_student_was_lost_resumes_from_its_last_checkpoint(first, tmp_path, stopped):
+    """The re-run of a finished stage with the same inputs keeps its start, so the checkpoints it wrote are its own
+    (a review found the calibration restarted from step 0)."""
+    root = copy_run(first, tmp_path)
+    shutil.rmtree(root / "student")
+    assert rerun(root) == ("calibrate", root / "checkpoints" / "last.ckpt")
+
+
+def test_a_student_of_loopq_fit_is_adopted_only_with_the_whole_config(first, tmp_path, stopped, capsys):
+    """No record of the calibration in pipeline.json: the student is adopted when its provenance is this config (a
+    line says so), and refused when any key differs - not only the quant config (a review found a student of
+    max_steps 3, lr 0.005, seed 0 adopted by a run asking max_steps 8, lr 0.02, seed 7)."""
+    root = copy_run(first, tmp_path)
+    edit_manifest(root, lambda stages: stages.pop("calibrate"))
+    other = ["--trainer.max_steps", "8", "--model.lr", "0.02", "--seed_everything", "7"]
+    with pytest.raises(PipelineError, match=r"another config \(model\.lr: .*seed_everything: 0 -> 7.*--force"):
+        main([*TINY, "--trainer.default_root_dir", str(root), *other])
+    assert "calibrate" not in json.loads((root / "pipeline.json").read_text())["stages"]
+    capsys.readouterr()
+    assert rerun(root)[0] == "evaluate"  # the LoopQ evaluation names the copy's student path
+    out = capsys.readouterr().out
+    assert f"calibrate: adopted the student {root / 'student'}" in out
+    assert "[1/6] calibrate: up to date" in out and "[2/6] export: up to date" in out
+
+
+def test_a_record_from_before_an_option_existed_is_the_same_calibration(first, tmp_path, stopped, capsys):
+    """pipeline.json's calibration inputs are read as loopq.fit reads a record (provenance.LATER_OPTIONS,
+    RETIRED_OPTIONS): one written before ``model.student_from`` existed, or holding a retired schedule option at its
+    default, is this config (a review found it refused as another one)."""
+    root = copy_run(first, tmp_path)
+
+    def older(stages):
+        del stages["calibrate"]["inputs"]["model.student_from"]
+        stages["calibrate"]["inputs"]["model.slt_every_n_steps"] = 50
+
+    edit_manifest(root, older)
+    capsys.readouterr()
+    assert rerun(root)[0] == "evaluate"
+    out = capsys.readouterr().out
+    assert "[1/6] calibrate: up to date" in out and "[2/6] export: up to date" in out
+
+
+def test_the_report_reads_the_student_where_model_output_dir_put_it(first, tmp_path, monkeypatch):
+    """``--model.output_dir``: the report's run reads the student there (a review found the calibration called
+    unfinished and Fig. 3 dropped)."""
+    from loopq.commands.run import Options, Pipeline, parse
+
+    monkeypatch.chdir(REPO_ROOT)
+    root, elsewhere = copy_run(first, tmp_path), tmp_path / "students" / "tiny"
+    elsewhere.parent.mkdir()
+    (root / "student").rename(elsewhere)
+    cli = parse([*TINY, "--trainer.default_root_dir", str(root), "--model.output_dir", str(elsewhere)])
+    try:
+        Pipeline(cli, Options.of(cli.config)).report()
+    finally:
+        cli.release_lock()
+    report = (root / "report" / "report.md").read_text()
+    assert "calibration unfinished" not in report and "Fig. 3 - SLT selection order" in report
+
+
+def test_a_stage_is_done_only_while_its_outputs_are_the_files_it_wrote(tmp_path):
+    from loopq.stages import Manifest
+
+    out = tmp_path / "out.json"
+    manifest = Manifest(tmp_path / "pipeline.json")
+    manifest.start("s", {"a": 1})
+    out.write_text("1")
+    manifest.finish("s", {}, 0.0, [out])
+    assert manifest.is_done("s", {"a": 1}, [out]) and not manifest.is_done("s", {"a": 2}, [out])
+    out.write_text("22")  # rewritten by another command
+    assert not manifest.is_done("s", {"a": 1}, [out])
+    out.unlink()
+    assert not manifest.is_done("s", {"a": 1}, [out])
+
+
+def test_an_entry_without_output_stamps_is_done_until_an_output_changes_after_it_finished(tmp_path):
+    """pipeline.json written before the stamps were recorded: an output modified after the stage finished is not
+    the stage's."""
+    from loopq.stages import Manifest
+
+    out = tmp_path / "out.json"
+    out.write_text("1")
+    finished = out.stat().st_mtime_ns + 10**9
+    (tmp_path / "pipeline.json").write_text(json.dumps({"stages": {"s": {"inputs": {}, "finished": finished}}}))
+    manifest = Manifest(tmp_path / "pipeline.json")
+    assert manifest.is_done("s", {}, [out])
+    os.utime(out, ns=(finished + 1, finished + 1))
+    assert not manifest.is_done("s", {}, [out])
+
+
+def test_a_finished_stage_started_again_with_the_same_inputs_keeps_its_start(tmp_path):
+    from loopq.stages import Manifest
+
+    manifest = Manifest(tmp_path / "pipeline.json")
+    manifest.start("s", {"a": 1})
+    started = manifest.stages["s"]["started"]
+    manifest.finish("s", {}, 0.0)
+    manifest.start("s", {"a": 1})
+    assert manifest.stages["s"]["started"] == started and manifest.stages["s"]["finished"] is None
+    manifest.start("s", {"a": 2})
+    assert manifest.stages["s"]["started"] > started

@@ -137,7 +137,7 @@ class Sweep(StageRunner):
         if stage.name not in self.manifest.stages and out.is_file() and "per_loop_of" not in read_json(out):
             # a row read off a longer evaluation (per_loop_result) is never adopted: it ran with other inputs
             self.manifest.start(slug, normalised(inputs))
-            self.manifest.finish(slug, {"note": f"adopted: written before {MANIFEST}"}, 0.0)
+            self.manifest.finish(slug, {"note": f"adopted: written before {MANIFEST}"}, 0.0, stage.outputs)
         self.execute(stage, f"row {slug}", [])
         return out
 

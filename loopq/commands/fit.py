@@ -22,6 +22,8 @@ fp32 otherwise) before the module is built, so the saved config and the provenan
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import sys
 from collections.abc import Iterable
@@ -78,8 +80,26 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
-#: callbacks that are part of LoopQ's method (mu_t updates, SLT reselection): a changed one changes the student
-METHOD_CALLBACKS = ("loopq.calib.mu", "loopq.calib.reselection", "callbacks.adaptive_mu", "callbacks.sharing_gap")
+#: callbacks that watch a calibration without changing its student (checkpointing, progress, summaries, logging,
+#: diagnostics, a clean stop on a signal, memory peaks): left out of the recorded config, so one added for a segment of
+#: a run is not another config. Every other callback counts - the method's schedules (mu_t, SLT reselection), and any
+#: that stops, averages or otherwise steers training (EarlyStopping, StochasticWeightAveraging, Timer, ...). A callback
+#: class of one's own that only watches says so with a class attribute ``changes_student = False``.
+OBSERVER_CALLBACKS = (
+    "lightning.pytorch.callbacks.ModelCheckpoint",  # under student_from: best its choice counts (student_choice)
+    "lightning.pytorch.callbacks.OnExceptionCheckpoint",
+    "lightning.pytorch.callbacks.TQDMProgressBar",
+    "lightning.pytorch.callbacks.RichProgressBar",
+    "lightning.pytorch.callbacks.ModelSummary",
+    "lightning.pytorch.callbacks.RichModelSummary",
+    "lightning.pytorch.callbacks.LearningRateMonitor",
+    "lightning.pytorch.callbacks.DeviceStatsMonitor",
+    "lightning.pytorch.callbacks.ThroughputMonitor",
+    "loopq.calib.line_progress.LineProgress",
+    "loopq.calib.diagnostics.PerLoopDiagnostics",
+    "loopq.calib.stop_on_signal.StopOnSignal",
+    "loopq.commands.gpu_check.flow.PeakMemory",
+)
 
 
 #: settings of earlier releases that moved (one home per setting): key -> where it is set now
@@ -300,14 +320,14 @@ def calibrate(cli: LoopQCLI) -> LoopQCalibration:
 
 def fit_settings(config: Any) -> dict[str, Any]:
     """The resolved calibration config as flat dotted keys, without the :data:`COSMETIC` options; of
-    ``trainer.callbacks`` only those of the method (:data:`METHOD_CALLBACKS`) count - checkpointing, progress,
-    diagnostics or a debugging callback added for one segment of a run do not change the student. With
-    ``model.student_from: best`` the monitoring checkpoint's choice does (``student_choice``: what it monitors, in
-    which direction, and which steps it scores), so a changed choice reruns the calibration."""
+    ``trainer.callbacks`` every one but the observers (:func:`is_observer`: checkpointing, progress, diagnostics, ...,
+    which do not change the student) counts. With ``model.student_from: best`` the monitoring checkpoint's choice
+    does (``student_choice``: what it monitors, in which direction, and which steps it scores), so a changed choice
+    reruns the calibration."""
     tree = config.as_dict()
     callbacks = (tree.get("trainer") or {}).get("callbacks")
     if isinstance(callbacks, list):
-        tree["trainer"]["callbacks"] = [c for c in callbacks if is_method_callback(c)]
+        tree["trainer"]["callbacks"] = [c for c in callbacks if not is_observer(c)]
         if (tree.get("model") or {}).get("student_from") == "best":
             tree["student_choice"] = [choice for choice in map(_choice, callbacks) if choice]
     return {k: v for k, v in flatten(tree).items() if k not in COSMETIC}
@@ -325,9 +345,28 @@ def _choice(callback: Any) -> dict[str, Any]:
     return {k: args.get(k) for k in CHOICE_KEYS} if args.get("monitor") else {}
 
 
-def is_method_callback(callback: Any) -> bool:
-    path = callback.get("class_path", "") if isinstance(callback, dict) else type(callback).__module__
-    return str(path).startswith(METHOD_CALLBACKS)
+def is_observer(callback: Any) -> bool:
+    """Whether a ``trainer.callbacks`` entry (a ``class_path`` dict, or an instance) only watches the calibration: its
+    class is one of :data:`OBSERVER_CALLBACKS` or says ``changes_student = False``; a class that does not import
+    counts as changing the student."""
+    cls = import_class(str(callback.get("class_path", ""))) if isinstance(callback, dict) else type(callback)
+    return cls is not None and (cls in observer_classes() or getattr(cls, "changes_student", True) is False)
+
+
+@functools.cache
+def observer_classes() -> frozenset[type]:
+    """The classes :data:`OBSERVER_CALLBACKS` names (those that import)."""
+    return frozenset(cls for cls in map(import_class, OBSERVER_CALLBACKS) if cls is not None)
+
+
+def import_class(path: str) -> type | None:
+    """The class a dotted ``class_path`` names, None when it does not import."""
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) else None
 
 
 def checkpoint_record(ckpt_path: str) -> tuple[dict[str, Any], int | None]:

@@ -23,14 +23,17 @@ The default limit keeps the embedded default under ten minutes on two CPU cores;
 
 Re-running is safe and cheap. ``pipeline.json`` in the run directory records every stage's inputs (its settings and
 the modification times of the files it reads from earlier stages) and its summary; a stage whose outputs exist and
-whose inputs did not change is skipped, so an interrupted run continues where it stopped - a calibration from the
-newest intact ``checkpoints/*.ckpt`` written since it first started (never from an earlier run's). A student is not
-recalibrated silently either: if the calibration config differs from the one that made it or started it (options
-in :data:`loopq.fit.COSMETIC` aside) or the teacher's content differs (a teacher rebuilt in place), the run stops
-and names the keys; a student that ``python -m loopq.fit`` wrote is reused
-if its quant config is the one asked. ``--force`` reruns every stage from scratch (files are replaced, nothing is
-deleted). All files are written atomically. The stage bookkeeping (``pipeline.json``, skipping, re-running) is the
-generic runner of :mod:`loopq.stages`; this module defines LoopQ's stages on it.
+whose inputs did not change is skipped (its outputs must still be the files it wrote: same modification time and
+size), so an interrupted run continues where it stopped - a calibration from the newest intact ``checkpoints/*.ckpt``
+written since it first started (never from an earlier run's; a finished calibration whose student was lost resumes
+from its last checkpoint and writes it again). A student is not recalibrated silently either: if the calibration
+config differs from the one that made it or started it (``pipeline.json``'s record and the student's own provenance;
+options in :data:`loopq.fit.COSMETIC` aside, records read as :func:`loopq.provenance.flat_record` reads them) or the
+teacher's content differs (a teacher rebuilt in place), the run stops and names the keys; a student that
+``python -m loopq.fit`` wrote is adopted if it was calibrated with this teacher and config (a line says so).
+``--force`` reruns every stage from scratch (files are replaced, nothing is deleted). All files are written
+atomically. The stage bookkeeping (``pipeline.json``, skipping, re-running) is the generic runner of
+:mod:`loopq.stages`; this module defines LoopQ's stages on it.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.metrics.tasks import check_tasks
 from loopq.models.loading import architecture_for, read_config, resolve_model_dir
 from loopq.planning.guards import meta_teacher
-from loopq.provenance import teacher_fingerprint
+from loopq.provenance import describe, flat_record, teacher_fingerprint
 from loopq.quant import QuantConfig
 from loopq.quant.accounting import footprint
 from loopq.quant.config import Bits
@@ -192,7 +195,14 @@ class Pipeline(StageRunner):
         student_files = [self.student_dir / STUDENT_WEIGHTS, self.student_dir / STUDENT_META]
         everything = ("calibrate", *(stage.name for stage in evals))
         return [
-            Stage("calibrate", self.student_dir, student_files, self.calibrate, self.calibration_settings()),
+            Stage(
+                "calibrate",
+                self.student_dir,
+                student_files,
+                self.calibrate,
+                self.calibration_settings(),
+                canonical=calibration_inputs,
+            ),
             Stage("export", self.exported_dir, [self.exported_dir / EXPORT_META], self.export, after=("calibrate",)),
             *evals,
             Stage("report", self.report_path, [self.report_path], self.report, after=everything),
@@ -218,39 +228,53 @@ class Pipeline(StageRunner):
 
     def run(self) -> Path:
         stages = self.stages()
-        self.check_calibration(stages[0].settings)
+        self.check_calibration(stages[0])
         self.run_stages(stages)
         self.print_summary()
         return self.report_path
 
-    def check_calibration(self, settings: dict[str, Any]) -> None:
-        """Refuse to reuse a student or checkpoint made with another config; adopt a student ``loopq.fit`` wrote."""
+    def check_calibration(self, stage: Stage) -> None:
+        """Refuse to reuse a student or checkpoint made with another config (``pipeline.json``'s record, and the
+        student's own); adopt a student ``loopq.fit`` wrote with this config."""
         if self.options.force:
             return
+        current = calibration_inputs(normalised(stage.settings))
         entry = self.manifest.stages.get("calibrate")
         if entry is not None:
-            changed = differing_keys(entry["inputs"], normalised(settings))
+            changed = differing_keys(calibration_inputs(entry["inputs"]), current)
             if changed:
                 raise PipelineError(
                     f"{self.root} was calibrated with another config ({', '.join(changed)} differ); pass --force to "
                     "start over, or set another --trainer.default_root_dir"
                 )
-        elif (self.student_dir / STUDENT_WEIGHTS).is_file():
-            self.adopt_student(settings)
+        if (self.student_dir / STUDENT_WEIGHTS).is_file():
+            self.check_student(current)
+            if entry is None:
+                self.adopt_student(stage)
 
-    def adopt_student(self, settings: dict[str, Any]) -> None:
-        """A student ``python -m loopq.fit`` wrote (no record here) is reused if its quant config is the one asked
-        and it was calibrated on this teacher (same content hash)."""
+    def check_student(self, current: dict[str, Any]) -> None:
+        """The student in the output directory was calibrated on this teacher (same content hash) with this config
+        (its recorded provenance, as :func:`loopq.fit.check_student_replace` compares it): ``python -m loopq.fit``
+        may have written it, or written over the one this pipeline made."""
         meta = read_student_meta(self.student_dir)
         check_student_teacher(self.student_dir, meta, resolve_model_dir(self.teacher))
-        changed = differing_keys(meta["quant"], normalised(self.quant), prefix="model.quant.")
+        fix = "pass --force to recalibrate, or set another --trainer.default_root_dir / --model.output_dir"
+        if not meta.get("provenance"):
+            raise PipelineError(f"{self.student_dir} holds a student calibrated without a recorded config; {fix}")
+        recorded = unprefixed(flat_record(meta["provenance"]))
+        changed = differing_keys(recorded, current)
         if changed:
             raise PipelineError(
-                f"{self.student_dir} holds a student with another quant config ({', '.join(changed)} differ); pass "
-                "--force to recalibrate, or set another --trainer.default_root_dir"
+                f"{self.student_dir} holds a student calibrated with another config "
+                f"({describe(changed, recorded, current)}); {fix}"
             )
-        self.manifest.start("calibrate", normalised(settings))
-        self.manifest.finish("calibrate", {"note": "adopted an existing student"}, 0.0)
+
+    def adopt_student(self, stage: Stage) -> None:
+        """Record a student ``python -m loopq.fit`` wrote (no record here; checked by :meth:`check_student`) as this
+        run's calibration."""
+        self.manifest.start(stage.name, normalised(stage.settings))
+        self.manifest.finish(stage.name, {"note": "adopted an existing student"}, 0.0, stage.outputs)
+        say(f"calibrate: adopted the student {self.student_dir} (written by python -m loopq.fit with this config)")
 
     # ------------------------------------------------------------------ stage actions
     def calibrate(self) -> dict[str, Any]:
@@ -298,7 +322,8 @@ class Pipeline(StageRunner):
 
     def report(self) -> dict[str, Any]:
         results = [load_result(path) for path in self.result_paths().values()]
-        report = build_report(results, [load_run(self.root, self.root.name)], [], self.report_dir, blocks=[self.bits])
+        run = load_run(self.root, self.root.name, self.student_dir)
+        report = build_report(results, [run], [], self.report_dir, blocks=[self.bits])
         return {"report": str(report), "note": str(report)}
 
     # ------------------------------------------------------------------ summary
@@ -319,6 +344,19 @@ class Pipeline(StageRunner):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def calibration_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The calibrate stage's inputs (the flat config and ``teacher_sha256``) as ``loopq.fit`` compares a record
+    (:func:`loopq.provenance.flat_record`: an option added since a record was written reads as the value it had then,
+    a retired one at its default drops out), keys as the stage records them (``model.lr``, ``teacher_sha256``)."""
+    config = {k: v for k, v in inputs.items() if k != "teacher_sha256"}
+    return unprefixed(flat_record({"teacher_sha256": inputs.get("teacher_sha256"), "config": config}))
+
+
+def unprefixed(flat: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`loopq.provenance.flat_record` with its ``config.`` keys as the config names them."""
+    return {k.removeprefix("config."): v for k, v in flat.items()}
+
+
 def asked_quant(config: Any) -> dict[str, Any]:
     """The QuantConfig the calibration config asks for, as a plain dict."""
     quant = config.model.quant

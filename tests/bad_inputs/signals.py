@@ -10,6 +10,8 @@ class WaitForSignalAtStep(L.Callback):
     """Right before optimizer step ``step`` starts: create ``marker`` (the test then sends a signal) and wait, at most
     ``timeout`` seconds, until Lightning has registered it - so the signal always lands in the middle of that step."""
 
+    changes_student = False  # not in the recorded config: the resumed segment runs without it
+
     def __init__(self, step: int, marker: str, timeout: float = 60.0) -> None:
         self.step, self.marker, self.timeout = step, marker, timeout
 

@@ -236,19 +236,21 @@ def read_rows(path: Path, pattern: str, what: str) -> dict[int, dict[str, float]
     return rows
 
 
-def load_run(path: Path, name: str) -> Run:
-    """Read a ``loopq.fit`` directory; missing pieces become notes, unreadable files errors naming them."""
+def load_run(path: Path, name: str, student: Path | None = None) -> Run:
+    """Read a ``loopq.fit`` directory, its student from ``student`` (default ``<path>/student``; a run calibrated
+    with ``--model.output_dir`` keeps it there); missing pieces become notes, unreadable files errors naming them."""
     if not path.is_dir():
         raise ReportInputError(f"{path}: run directory not found")
     run = Run(path=path, name=name)
-    meta_path = path / "student" / STUDENT_META
+    meta_path = (path / "student" if student is None else student) / STUDENT_META
     if meta_path.is_file():
         meta = read_student_meta(meta_path.parent)
         if not isinstance(meta.get("promoted", []), list):
             raise ReportInputError(f"{meta_path}: not a LoopQ student config (no 'promoted' list)")
         run.meta, run.promoted = meta, [str(n) for n in meta.get("promoted", [])]
     else:
-        run.notes.append(f"run `{name}`: no `student/{STUDENT_META}` (calibration unfinished?)")
+        shown = meta_path.relative_to(path) if meta_path.is_relative_to(path) else meta_path
+        run.notes.append(f"run `{name}`: no `{shown}` (calibration unfinished?)")
     for version in reversed(version_dirs(path / "lightning_logs")):
         errors_path = version / "loop_errors.jsonl"
         if errors_path.is_file() and (entry := read_loop_errors(errors_path)):
