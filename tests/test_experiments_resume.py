@@ -3,6 +3,7 @@ only if its JSON exists and its recorded inputs match; a row whose config change
 with the calibration and evaluation replaced by recorders, and once end to end on the committed tiny teacher."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -137,8 +138,9 @@ def test_a_calibration_resumes_only_a_checkpoint_of_its_own_config(monkeypatch, 
     own = record(settings.pop("teacher_sha256"), settings)
     other = record(own["teacher_sha256"], {**settings, "trainer.max_steps": 9})
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    for name, provenance in (("epoch=0-step=3.ckpt", own), ("last.ckpt", other)):
+    for age, (name, provenance) in enumerate((("epoch=0-step=3.ckpt", own), ("last.ckpt", other))):
         torch.save({"loopq": {"provenance": provenance}}, tmp_path / "run" / "checkpoints" / name)
+        os.utime(tmp_path / "run" / "checkpoints" / name, ns=(10**18 + age, 10**18 + age))  # the coarse clock
     experiments.calibrate(calibration)  # the newest checkpoint is of another config: a fresh start
     torch.save({"loopq": {"provenance": own}}, tmp_path / "run" / "checkpoints" / "last.ckpt")
     experiments.calibrate(calibration)
