@@ -67,9 +67,9 @@ def compute_targets(
         st = torch.stack(out.loop_states, dim=1)
         if out_values is None:
             n = samples.shape[0]
-            out_values = torch.empty((n, *v.shape[1:]), dtype=store_dtype)
-            out_indices = torch.empty((n, *i.shape[1:]), dtype=index_dtype)
-            out_states = torch.empty((n, *st.shape[1:]), dtype=store_dtype)
+            out_values = torch.empty((n, *v.shape[1:]), dtype=store_dtype, device="cpu")
+            out_indices = torch.empty((n, *i.shape[1:]), dtype=index_dtype, device="cpu")
+            out_states = torch.empty((n, *st.shape[1:]), dtype=store_dtype, device="cpu")
         rows = slice(start, start + chunk.shape[0])
         out_values[rows] = v.to(store_dtype).cpu()
         out_indices[rows] = i.to(index_dtype).cpu()

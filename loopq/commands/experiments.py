@@ -141,6 +141,13 @@ class Sweep(StageRunner):
         self.execute(stage, f"row {slug}", [])
         return out
 
+    def tag(self, path: Path, **fields: object) -> Path:
+        """:func:`_tag` a row's JSON and record its new stamps as the row's own (else the row's outputs would look
+        rewritten, and every tagged row ran again on the next call)."""
+        _tag(path, **fields)
+        self.manifest.restamp(path.stem, [path])
+        return path
+
     @staticmethod
     def compute(out: Path, evaluation: dict[str, Any], calibration: Calibration | None) -> dict[str, Any]:
         if calibration is not None:
@@ -262,7 +269,7 @@ def table1(
                 calibration = Calibration(
                     model, sweep.root / "runs" / slug, configs[row.calibration], BITS[bit_label], args
                 )
-                written.append(_tag(sweep.row(slug, calibration, **common), seed=seed))
+                written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))
     return written
 
 
@@ -285,7 +292,7 @@ def ablations(
             args = (*switch, *seed_args(seed), *(extra or []))
             calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, 4, args)
             common = {"method": name, "bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
-            written.append(_tag(sweep.row(slug, calibration, **common), seed=seed))
+            written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))
     return written
 
 
@@ -327,7 +334,7 @@ def slt_budget(
             calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, BITS[bits], args)
             common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
             path = sweep.row(slug, calibration, **common)
-            written.append(_tag(path, slt_budget=budget, seed=seed, **promotion_record(calibration.run)))
+            written.append(sweep.tag(path, slt_budget=budget, seed=seed, **promotion_record(calibration.run)))
     return written
 
 
@@ -373,7 +380,7 @@ def num_samples(
             model, sweep.root / "runs" / slug, fit_config, BITS[bits], ("--data.num_samples", str(size))
         )
         path = sweep.row(slug, calibration, method="LoopQ", bits=bits, limit=limit, tasks=tasks or [])
-        written.append(_tag(path, num_samples=size))
+        written.append(sweep.tag(path, num_samples=size))
     return written
 
 
@@ -424,9 +431,9 @@ def loops(
         if tasks:
             for n in range(calibrated, top + 1):
                 path = sweep.row(f"{slug}-loops{n}", tasks=tasks, num_loops=n, **common, **row)
-                written.append(_tag(path, **tag))
+                written.append(sweep.tag(path, **tag))
             continue
-        source = _tag(sweep.row(f"{slug}-loops{top}", tasks=[], num_loops=top, **common, **row), **tag)
+        source = sweep.tag(sweep.row(f"{slug}-loops{top}", tasks=[], num_loops=top, **common, **row), **tag)
         written += [per_loop_result(source, n) for n in range(calibrated, top)] + [source]
     return written
 
