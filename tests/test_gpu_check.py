@@ -319,6 +319,29 @@ def test_benchmark_check_passes_on_the_kernels(transform):
     assert row.problems == [] and row.max_abs_err <= 1e-5
 
 
+@pytest.mark.parametrize(("m", "bits"), [(1, 4), (16, 8), (17, 4)])
+def test_benchmark_times_the_kernels_the_packed_model_runs(monkeypatch, m, bits):
+    """The timed GEMM is the kernel on the layout the export stores: no weight re-layout or activation unpacking per
+    call (the compatibility path of ``gemm_w4a4`` re-tiles the whole weight each time), and it computes what that
+    path computes on the same codes."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, 128, generator=gen).to(DEVICE, DTYPE)
+    w, sw = loopq.kernels.quantize_weight(torch.randn(64, 128, generator=gen).to(DEVICE))
+    left, right = kernel_bench.transform_factors(128, gen, DEVICE, True)
+    quant, gemm = kernel_bench.timed_calls(x, left, right, w, sw, bits, DTYPE)
+    per_call = []
+    for module, name in ((ops, "tile_weight"), (kernel_bench, "tile_weight"), (ops, "deinterleave_groups")):
+        monkeypatch.setattr(module, name, lambda *a, name=name: per_call.append(name))
+    monkeypatch.setattr(ops.reference, "unpack_int4", lambda *a: per_call.append("unpack_int4"))
+    got = gemm()
+    quant()
+    assert per_call == []
+    monkeypatch.undo()
+    a, sa = loopq.kernels.quantize_activation(x, left, right, kernel_bench.CLIP, bits, backend="triton")
+    expected = dict(kernel_bench.GEMMS)[bits](a, sa, w, sw, DTYPE, backend="triton")
+    assert torch.equal(got, expected)
+
+
 def test_benchmark_check_catches_a_wrong_kernel(monkeypatch):
     wrong_gemm = ops._GEMM_W4A4["triton"]
     monkeypatch.setitem(ops._GEMM_W4A4, "triton", lambda *args: wrong_gemm(*args) + 0.01)

@@ -46,8 +46,9 @@ def quantize_activation(
 def gemm(a_codes: Tensor, a_scales: Tensor, w_codes: Tensor, w_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``[M, K] x [N, K]^T`` from int8-stored codes and per-group scales ``[M, G]``, ``[N, G]``."""
     groups = a_scales.shape[1]
-    a = a_codes.float().reshape(a_codes.shape[0], groups, -1)
-    w = w_codes.float().reshape(w_codes.shape[0], groups, -1)
+    size = a_codes.shape[1] // groups  # explicit: zero rows (an empty batch) cannot infer a -1
+    a = a_codes.float().reshape(a_codes.shape[0], groups, size)
+    w = w_codes.float().reshape(w_codes.shape[0], groups, size)
     sa, sw = a_scales.float(), w_scales.float()
     acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
     for g in range(groups):

@@ -180,7 +180,7 @@ def test_ops_dispatch_decode_up_to_16_rows(monkeypatch):
     seen = []
     monkeypatch.setattr(decode_kernel, "gemm_tiled", lambda a, *args: seen.append(("decode", a.shape[0])))
     monkeypatch.setattr(ops.gemm_kernel, "gemm", lambda a, *args: seen.append(("tile", a.shape[0])))
-    w, sw = torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1)
+    w, sw = torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1, dtype=torch.float16)
     for m in (1, 16, 17):
         gemm_w4a4(torch.zeros(m, 16, dtype=torch.uint8), torch.ones(m, 1), w, sw, backend="triton")
     assert seen == [("decode", 1), ("decode", 16), ("tile", 17)]

@@ -13,6 +13,7 @@ from loopq.kernels import (
     triton_interpreted,
     unpack_int4,
 )
+from loopq.kernels.packing import tile_weight
 
 X = torch.randn(4, 128)
 A4, A8 = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 128, dtype=torch.int8)
@@ -36,6 +37,8 @@ BAD_CALLS = {
     "scale rows": (lambda: gemm_w4a8(A8, SA, W, SW[:5]), "w_scales"),
     "out dtype": (lambda: gemm_w4a4(A4, SA, W, SW, torch.int32), "out_dtype"),
     "gemm triton group": (lambda: gemm_w4a4(A4, SA[:, :2], W, SW[:, :2], backend="triton"), "group_size"),
+    # the decode kernel reads float16 scales: fp32 ones were rounded there, 100x outside the documented bound
+    "gemm triton scales": (lambda: gemm_w4a8(A8, SA, W, SW.float(), backend="triton"), "float16 weight scales"),
     "pack range": (lambda: pack_int4(torch.tensor([8, 0], dtype=torch.int8)), r"\[-8, 7\]"),
     "pack odd": (lambda: pack_int4(torch.zeros(3, dtype=torch.int8)), "must be even"),
     "pack dtype": (lambda: pack_int4(torch.zeros(4, dtype=torch.int32)), "codes must be int8"),
@@ -63,6 +66,20 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setattr(ops, "triton_interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         quantize_activation(X, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_empty_batch_gives_an_empty_output(backend, bits):
+    """Zero tokens (an empty batch) is a legitimate call: every backend returns ``[0, N]`` (the torch reference's
+    reshape could not infer its group size from zero rows)."""
+    w, sw = quantize_weight(torch.randn(40, 128))
+    a, sa = quantize_activation(torch.randn(0, 128), bits=bits)
+    out = (gemm_w4a4 if bits == 4 else gemm_w4a8)(a, sa, w, sw, backend=backend)
+    assert out.shape == (0, 40)
+    codes, scales = tile_weight(w, sw)
+    y = ops.quantized_linear(torch.randn(0, 128), codes, scales, 40, a_bits=bits, backend=backend)
+    assert y.shape == (0, 40)
 
 
 def test_default_backend_is_torch_on_cpu(monkeypatch):

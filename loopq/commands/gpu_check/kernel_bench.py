@@ -1,20 +1,19 @@
 """The kernel benchmark: fused activation quantizer + W4A4 / W4A8 GEMM against a BF16 ``torch.matmul``.
 
-Shapes are Ouro-1.4B's linears as the exported model runs them (:data:`SHAPES`, ``(N, K)``: fused QKV, ``o_proj``,
-fused gate+up, ``down_proj``) at M tokens per call (:data:`TOKENS`: decode, a small batch, a calibration-size and a
-prefill-size call). Every row is first **checked** - the Triton quantizer must reproduce the torch reference's
-codes and scales bit for bit, the Triton GEMM's fp32 output must lie within the fp32 rounding bound of the float64
-value of the same codes (:func:`gemm_fp64_chunked`, in bounded memory: neither the prefill tile kernel of M > 16,
-which sums several groups per step with FMA, nor the decode kernel of M <= 16 follows the reference's
-order; see :mod:`loopq.kernels`) - then **timed** with
-``triton.testing.do_bench`` (median, L2 flushed before every call, so weights are read from memory as in a real
-forward). A quantized linear pays quantizer + GEMM per call (``x q+mm``); the goals (:func:`goal_for`) are on the
-GEMM alone (``x mm``): at M = 1 it reads 0.5625 bytes per weight (int4 + an fp16 scale per 32) instead of BF16's
-2, so up to ~3.6x from bandwidth; at large M it runs int8 ``mma``, at most 2x BF16
+Shapes are Ouro-1.4B's linears as the exported model runs them (:data:`SHAPES`, ``(N, K)``: fused QKV, ``o_proj``, fused
+gate+up, ``down_proj``) at M tokens per call (:data:`TOKENS`: decode, a small batch, a calibration-size and a
+prefill-size call). Every row is first **checked** - the Triton quantizer must reproduce the torch reference's codes and
+scales bit for bit, the Triton GEMM's fp32 output must lie within the fp32 rounding bound of the float64 value of the
+same codes (:func:`gemm_fp64_chunked`, in bounded memory: neither the prefill tile kernel of M > 16, which sums several
+groups per step with FMA, nor the decode kernel of M <= 16 follows the reference's order; see :mod:`loopq.kernels`) -
+then **timed** with ``triton.testing.do_bench`` (median, L2 flushed before every call, so weights are read from memory
+as in a real forward), each as the packed model runs it (:func:`timed_calls`: at M <= 16 the decode kernel on the weight
+laid out once, as the export stores it). A quantized linear pays quantizer + GEMM per call (``x q+mm``); the goals
+(:func:`goal_for`) are on the GEMM alone (``x mm``): at M = 1 it reads 0.5625 bytes per weight (int4 + an fp16 scale per
+32) instead of BF16's 2, so up to ~3.6x from bandwidth; at large M it runs int8 ``mma``, at most 2x BF16
 (:mod:`loopq.commands.gpu_check.peaks`).
 
-The check runs wherever the kernels run (CUDA, or Triton's interpreter on CPU at a tiny shape); the timing needs
-CUDA.
+The check runs wherever the kernels run (CUDA, or Triton's interpreter on CPU at a tiny shape); the timing needs CUDA.
 """
 
 from __future__ import annotations
@@ -29,7 +28,17 @@ from torch import Tensor
 
 from loopq.commands.gpu_check.peaks import DevicePeaks, fraction, gemm_tera_ops, percent, weight_tb_s
 from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, grid
-from loopq.kernels import gemm_w4a4, gemm_w4a8, quantize_activation, quantize_weight, unpack_int4
+from loopq.kernels import (
+    GROUP_SIZE,
+    decode_kernel,
+    gemm_w4a4,
+    gemm_w4a8,
+    quantize_activation,
+    quantize_kernel,
+    quantize_weight,
+    unpack_int4,
+)
+from loopq.kernels.packing import tile_weight
 from loopq.quant.transforms import kron_factors
 
 #: (N, K) of Ouro-1.4B's linears: fused q/k/v, o_proj, fused gate/up, down_proj
@@ -158,9 +167,34 @@ def check_row(
     return row
 
 
+def timed_calls(
+    x: Tensor,
+    left: Tensor | None,
+    right: Tensor | None,
+    w: Tensor,
+    sw: Tensor,
+    bits: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The quantizer and the GEMM of one W4A{bits} row, as the packed model runs them: 1..16 tokens take the decode
+    quantizer (codes in the decode order) and the decode GEMM on the weight laid out once beforehand (the export
+    stores that layout), more tokens the quantizer and the prefill kernel on the natural layout. So the timed GEMM
+    is the kernel alone, never the compatibility path's per-call weight re-layout (``ops._triton_gemm``)."""
+    m, n = x.shape[0], w.shape[0]
+    if m > decode_kernel.MAX_M:
+        quant = partial(quantize_activation, x, left, right, CLIP, bits, backend="triton")
+        a, sa = quant()
+        return quant, partial(dict(GEMMS)[bits], a, sa, w, sw, out_dtype, backend="triton")
+    quant = partial(quantize_kernel.quantize_activation, x, left, right, CLIP, bits, GROUP_SIZE, None, None, True)
+    a, sa = quant()
+    w_codes, w_scales = tile_weight(w, sw.half())
+    return quant, partial(decode_kernel.gemm_tiled, a, sa, w_codes, w_scales, n, out_dtype)
+
+
 def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
     """Fill ``row``'s times (CUDA, compiled kernels): BF16 ``x @ W^T``, and per W4A4 / W4A8 the quantizer (with the
-    transform) and the GEMM (BF16 output), each the median of ``do_bench`` with the L2 cache flushed per call."""
+    transform) and the GEMM (BF16 output) of :func:`timed_calls`, each the median of ``do_bench`` with the L2 cache
+    flushed per call."""
     from triton.testing import do_bench
 
     bench = partial(do_bench, return_mode="median")
@@ -170,12 +204,10 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
     w, sw = quantize_weight(weight)
     left, right = transform_factors(row.k, gen, "cuda", transform)
     row.bf16_ms = bench(lambda: torch.matmul(x, weight.T))
-    for bits, gemm in GEMMS:
-        a, sa = quantize_activation(x, left, right, CLIP, bits)
-        quant_ms = bench(lambda bits=bits: quantize_activation(x, left, right, CLIP, bits))
-        gemm_ms = bench(lambda a=a, sa=sa, gemm=gemm: gemm(a, sa, w, sw, torch.bfloat16))
-        setattr(row, f"w4a{bits}_quant_ms", quant_ms)
-        setattr(row, f"w4a{bits}_gemm_ms", gemm_ms)
+    for bits, _ in GEMMS:
+        quant, gemm = timed_calls(x, left, right, w, sw, bits)
+        setattr(row, f"w4a{bits}_quant_ms", bench(quant))
+        setattr(row, f"w4a{bits}_gemm_ms", bench(gemm))
 
 
 def measure(
