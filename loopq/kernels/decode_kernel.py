@@ -246,7 +246,7 @@ def _nibbles16(w, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr):
+def _weight_operand(w_step, i, g, G, MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr):
     """The ``[S, K = 32, ROWS]`` int8 operand (16 x the codes) of group ``g = 64 c + 8 i + j[s]`` for each warp
     ``s``, K in the activation's order: the 16 low nibbles (even k), then the 16 high ones (odd k).
 
@@ -262,14 +262,11 @@ def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.con
     first lane bit now runs along K: 3.6 stages the tile K-major, 8 bytes per store, read with ``ldmatrix``.
     """
     if HALVES:
-        half = tl.arange(0, 2)[:, None, None, None]
-        b8 = tl.arange(0, 8)[None, None, None, :]
-        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
         if MASKED:
-            w = tl.load(w_rows[None, None, :, None] + w_off, mask=g[None, :, :, :] < G, other=0x88,
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), mask=g[None, :, :, :] < G, other=0x88,
                         eviction_policy="evict_first")  # fmt: skip
         else:
-            w = tl.load(w_rows[None, None, :, None] + w_off, eviction_policy="evict_first")
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), eviction_policy="evict_first")
         shape: tl.constexpr = [2, w.shape[1], w.shape[2], 2, 8]  # [half, S, ROWS, h, b]
         lo = tl.broadcast_to(tl.reshape(_nibbles16(w, False, ASM), [2, w.shape[1], w.shape[2], 1, 8]), shape)
         hi = tl.broadcast_to(tl.reshape(_nibbles16(w, True, ASM), [2, w.shape[1], w.shape[2], 1, 8]), shape)
@@ -277,11 +274,10 @@ def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.con
         wk = tl.reshape(tl.permute(wk, [1, 2, 3, 0, 4]), [w.shape[1], w.shape[2], 32])  # [S, ROWS, K]
         wk = tl.trans(wk, [0, 2, 1])
     else:
-        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None]  # [S, 16, ROWS]
         if MASKED:
-            w = tl.load(w_rows[None, None, :] + w_off, mask=g < G, other=0x88, eviction_policy="evict_first")
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), mask=g < G, other=0x88, eviction_policy="evict_first")
         else:
-            w = tl.load(w_rows[None, None, :] + w_off, eviction_policy="evict_first")
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), eviction_policy="evict_first")
         wk = tl.join(_nibbles16(w, False, ASM), _nibbles16(w, True, ASM))  # [S, 16, ROWS, 2]
         wk = tl.reshape(tl.permute(wk, [0, 3, 1, 2]), [w.shape[0], 32, w.shape[2]])
     return wk
@@ -289,7 +285,7 @@ def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.con
 
 @triton.jit
 def _mma_lanes(
-    acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b32, i8,
+    acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8,
     MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Groups ``g = 64 c + 8 i + j[s]`` (i = 0..7) of the program's rows for all 16 tokens, one lane ``j[s]`` per
@@ -298,18 +294,27 @@ def _mma_lanes(
     js = j[:, None, None]  # [S, 1, 1]
     sw = tl.load(sw_rows[None, :, None] + (c * _ROWS * _CHUNK + js * _RUN) + i8[None, None, :], cache_modifier=".cg")
     sw = sw.to(tl.float32)  # [S, ROWS, 8]: the 8 groups' scales, one 16-byte load per row
+    g0 = c * _CHUNK + j  # [S]: the step's group at i = 0
+    a_step = a_rows + (g0 * 32)[:, None, None]  # [S, 16, 32]
+    sa_step = sa_rows + g0[:, None]  # [S, 16]
+    if HALVES:
+        half = tl.arange(0, 2)[:, None, None, None]
+        b8 = tl.arange(0, 8)[None, None, None, :]
+        w_off = c * (_RUN * _ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
+        w_step = w_rows[None, None, :, None] + w_off
+    else:
+        w_step = w_rows[None, None, :] + (c * (_RUN * _ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None])
     for i in tl.static_range(_RUN):
-        g2 = c * _CHUNK + i * _LANES + j[:, None]  # [S, 1]
+        g2 = g0[:, None] + i * _LANES  # [S, 1]
         g = g2[:, :, None]
-        a_off = row[None, :, None] * (G * 32) + g * 32 + b32[None, None, :]  # [S, 16, 32]
         if MASKED:
-            a = tl.load(a_ptr + a_off, mask=g < G, other=0)
-            sa = tl.load(sa_ptr + row[None, :] * G + g2, mask=g2 < G, other=0.0)
+            a = tl.load(a_step + i * (_LANES * 32), mask=g < G, other=0)
+            sa = tl.load(sa_step + i * _LANES, mask=g2 < G, other=0.0)
         else:
-            a = tl.load(a_ptr + a_off)
-            sa = tl.load(sa_ptr + row[None, :] * G + g2)
+            a = tl.load(a_step + i * (_LANES * 32))
+            sa = tl.load(sa_step + i * _LANES)
         # the activation holds per group its 16 even-k codes, then its 16 odd-k codes: the low nibbles, then the high
-        wk = _weight_operand(w_rows, c, i, js, g, G, MASKED, HALVES, ASM)  # [S, K, ROWS]
+        wk = _weight_operand(w_step, i, g, G, MASKED, HALVES, ASM)  # [S, K, ROWS]
         dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
         acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick3(sw, i)[:, None, :]
     return acc
@@ -341,16 +346,18 @@ def _decode_mma_kernel(
     sw_rows = sw_ptr + tile * (chunks * (_ROWS * _CHUNK)) + r * _CHUNK
     row = tl.minimum(tl.arange(0, 16), M - 1)
     b32, i8, s = tl.arange(0, 32), tl.arange(0, _RUN), tl.arange(0, SPLIT)
+    a_rows = a_ptr + (row[:, None] * (G * 32) + b32[None, :])[None, :, :]  # [1, 16, 32]: group 0 of each token
+    sa_rows = sa_ptr + (row * G)[None, :]  # [1, 16]
     acc = tl.zeros([SPLIT, 16, ROWS], dtype=tl.float32)
     full = G // _CHUNK
     for c in range(full):
         for jj in range(_LANES // SPLIT):
             j = jj * SPLIT + s
-            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b32, i8, False, HALVES, ASM)
+            acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, False, HALVES, ASM)
     if full < chunks:
         for jj in range(_LANES // SPLIT):
             j = jj * SPLIT + s
-            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, full, j, G, row, b32, i8, True, HALVES, ASM)
+            acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, full, j, G, i8, True, HALVES, ASM)
     om = tl.arange(0, 16)
     out = tl.sum(acc, axis=0) * 0.0625  # the dots were of 16 x the codes: exact
     if HAS_BIAS:
