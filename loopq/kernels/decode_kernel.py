@@ -246,6 +246,24 @@ def _nibbles16(w, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _widen(x, ASM: tl.constexpr):
+    """fp16 -> fp32 (``cvt``) in the layout ``x`` was loaded in, so that a layout conversion that follows moves the
+    fp32 values: Triton moves a conversion above ``.to(tl.float32)`` (to move half the bytes) and above a pure
+    inline-assembly op (rematerialized in the target layout), and then every thread converts each value it receives.
+    The weight scales are a ``[S, ROWS, 8]`` tile of which each thread loads 8 and, in the accumulator's layout,
+    holds 64 (8 rows x 8 groups, each held by 8 lanes): 8 ``cvt`` instead of 64 plus their unpacking ``mov``. As
+    ``is_pure=False`` Triton cannot rematerialize it, and the ``expand_dims`` after it is where Triton 3.6 places the
+    one conversion of the tile (it moves a conversion above an ``expand_dims`` it cannot see past; without one it
+    converted each group's slice after the picking, 2 ``bar.sync`` each). Triton 3.9 converts the fp32 tile and then
+    each group's ``[S, 1, R]`` slice (24 ``bar.sync`` per step instead of 18, 58 fewer instructions)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("cvt.f32.f16 $0, $1;", "=r,h", [x], dtype=tl.float32, is_pure=False, pack=1)
+    else:
+        out = x.to(tl.float32)
+    return out
+
+
+@triton.jit
 def _weight_operand(w_step, i, g, G, MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr):
     """The ``[S, K = 32, ROWS]`` int8 operand (16 x the codes) of group ``g = 64 c + 8 i + j[s]`` for each warp
     ``s``, K in the activation's order: the 16 low nibbles (even k), then the 16 high ones (odd k).
@@ -293,7 +311,7 @@ def _mma_lanes(
     tile."""
     js = j[:, None, None]  # [S, 1, 1]
     sw = tl.load(sw_rows[None, :, None] + (c * _ROWS * _CHUNK + js * _RUN) + i8[None, None, :], cache_modifier=".cg")
-    sw = sw.to(tl.float32)  # [S, ROWS, 8]: the 8 groups' scales, one 16-byte load per row
+    sw = _widen(sw, ASM)[:, None, :, :]  # [S, 1, ROWS, 8]: the 8 groups' scales, one 16-byte load per row
     g0 = c * _CHUNK + j  # [S]: the step's group at i = 0
     a_step = a_rows + (g0 * 32)[:, None, None]  # [S, 16, 32]
     sa_step = sa_rows + g0[:, None]  # [S, 16]
@@ -316,16 +334,45 @@ def _mma_lanes(
         # the activation holds per group its 16 even-k codes, then its 16 odd-k codes: the low nibbles, then the high
         wk = _weight_operand(w_step, i, g, G, MASKED, HALVES, ASM)  # [S, K, ROWS]
         dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
-        acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick3(sw, i)[:, None, :]
+        acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick4(sw, i)
     return acc
 
 
 @triton.jit
-def _pick3(tile, i: tl.constexpr):
-    """Entry ``i`` (0..7) of the last axis of a ``[S, R, 8]`` tile held in one thread (see :func:`_pick`)."""
-    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], tile.shape[1], 4, 2]))
+def _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, HALVES: tl.constexpr, ASM: tl.constexpr):
+    """The last, partial chunk ``c``: as :func:`_mma_lanes` with the groups past ``G`` masked, one group per
+    iteration (a loop over the groups that exist; each group's scale loaded on its own), so that it holds fewer
+    registers than the unrolled steps (unrolled, it made ptxas spill under Triton 3.6)."""
+    js = j[:, None, None]  # [S, 1, 1]
+    g0 = c * _CHUNK + j
+    if HALVES:
+        half = tl.arange(0, 2)[:, None, None, None]
+        b8 = tl.arange(0, 8)[None, None, None, :]
+        w_off = c * (_RUN * _ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
+        w_step = w_rows[None, None, :, None] + w_off
+    else:
+        w_step = w_rows[None, None, :] + (c * (_RUN * _ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None])
+    for i in range(tl.cdiv(G - c * _CHUNK, _LANES)):
+        g2 = g0[:, None] + i * _LANES  # [S, 1]
+        g = g2[:, :, None]
+        a = tl.load(a_rows + g * 32, mask=g < G, other=0)
+        sa = tl.load(sa_rows + g2, mask=g2 < G, other=0.0)
+        sw = tl.load(sw_rows[None, None, :] + (c * (_ROWS * _CHUNK) + js * _RUN + i)).to(tl.float32)  # [S, 1, ROWS]
+        wk = _weight_operand(w_step, i, g, G, True, HALVES, ASM)  # [S, K, ROWS]
+        dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
+        acc += (dot.to(tl.float32) * sa[:, :, None]) * sw
+    return acc
+
+
+@triton.jit
+def _pick4(tile, i: tl.constexpr):
+    """Entry ``i`` (0..7) of the last axis of a ``[S, 1, R, 8]`` tile held in one thread (see :func:`_pick`): the
+    ``[S, 1, R]`` weight scales of group ``i``, ready to broadcast against a ``[S, 16, R]`` dot."""
+    s0: tl.constexpr = tile.shape[0]
+    s2: tl.constexpr = tile.shape[2]
+    a0, a1 = tl.split(tl.reshape(tile, [s0, 1, s2, 4, 2]))
     b = a0 if i % 2 == 0 else a1
-    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], tile.shape[1], 2, 2]))
+    b0, b1 = tl.split(tl.reshape(b, [s0, 1, s2, 2, 2]))
     c = b0 if (i // 2) % 2 == 0 else b1
     c0, c1 = tl.split(c)
     return c0 if i // 4 == 0 else c1
@@ -350,14 +397,14 @@ def _decode_mma_kernel(
     sa_rows = sa_ptr + (row * G)[None, :]  # [1, 16]
     acc = tl.zeros([SPLIT, 16, ROWS], dtype=tl.float32)
     full = G // _CHUNK
-    for c in range(full):
-        for jj in range(_LANES // SPLIT):
-            j = jj * SPLIT + s
-            acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, False, HALVES, ASM)
+    for step in range(full * (_LANES // SPLIT)):  # one loop over (chunk, lane run): no loop nest to keep registers for
+        c = step // (_LANES // SPLIT)
+        j = (step - c * (_LANES // SPLIT)) * SPLIT + s
+        acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, False, HALVES, ASM)
     if full < chunks:
         for jj in range(_LANES // SPLIT):
             j = jj * SPLIT + s
-            acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, full, j, G, i8, True, HALVES, ASM)
+            acc = _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, full, j, G, HALVES, ASM)
     om = tl.arange(0, 16)
     out = tl.sum(acc, axis=0) * 0.0625  # the dots were of 16 x the codes: exact
     if HAS_BIAS:
