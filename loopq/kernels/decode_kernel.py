@@ -50,7 +50,9 @@ weight byte per thread at M = 1):
   nibble and flips its top bit, which gives ``16 * code`` as an int8 for the offset-binary nibble, and a ``shl`` by
   4 first does the same for the low one; so each dot is 16 times the group's (exact: ``|16 dot| <= 2^19``) and the
   sum is multiplied by 1/16 (exact) after the loop, when the 4 warps' sums are added. The loop stages both dot
-  operands through shared memory (``bar.sync`` in it) and is not software-pipelined. The weight operand has two
+  operands through shared memory (``bar.sync`` in it) and is not software-pipelined; a step's 8 weight scales per
+  row are widened to fp32 where they are loaded and then moved to the accumulator's layout (:func:`_widen`), and
+  each group's addresses are the step's plus a constant. The weight operand has two
   forms with the same integer dots (:func:`_weight_operand`, :data:`MMA_HALVES`): Triton 3.9 converts the raw codes
   to the operand's layout before decoding them (16-byte stores, ``ldmatrix``); Triton 3.6 cannot, and stores the
   decoded operand in an order of its own choosing, so before 3.9 two lanes split each row's 16 bytes so that the
@@ -416,9 +418,11 @@ def _decode_mma_kernel(
 #: 9..16 tokens run :func:`_decode_mma_kernel`: output rows per program and warps (each warp every 4th K lane)
 MMA_ROWS, MMA_WARPS = 32, 4
 #: the tensor-core kernel's weight operand in the form the installed Triton stages through shared memory in wide
-#: vectors (:func:`_weight_operand`): two lanes per row before 3.9 (the GPU image's 3.6: 8.59 PTX instructions per
-#: weight byte instead of 15.02), one from 3.9 (7.80; the two-lane form would cost 7.93 there); both give the same
-#: integer dots, hence bit-identical outputs (``tests/kernels/test_decode_kernel.py`` runs both)
+#: vectors (:func:`_weight_operand`): two lanes per row before 3.9 (the GPU image's 3.6: 7.62 PTX instructions per
+#: weight byte, 0 spills, instead of 14.05 and a 24-byte spill on sm_80 in the one-lane form), one from 3.9 (7.18;
+#: the two-lane form would cost 7.30 there); both give the same integer dots, hence bit-identical outputs
+#: (``tests/kernels/test_decode_kernel.py`` runs both). Numbers: M = 16 main loop, sm_90 and sm_80 alike
+#: (``scripts/ptx_stats.py --kernels decode --m 16``, docs/benchmarks.md)
 MMA_HALVES = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
 
 
