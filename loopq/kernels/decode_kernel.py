@@ -50,7 +50,9 @@ weight byte per thread at M = 1):
   nibble and flips its top bit, which gives ``16 * code`` as an int8 for the offset-binary nibble, and a ``shl`` by
   4 first does the same for the low one; so each dot is 16 times the group's (exact: ``|16 dot| <= 2^19``) and the
   sum is multiplied by 1/16 (exact) after the loop, when the 4 warps' sums are added. The loop stages both dot
-  operands through shared memory (``bar.sync`` in it) and is not software-pipelined. The weight operand has two
+  operands through shared memory (``bar.sync`` in it) and is not software-pipelined; a step's 8 weight scales per
+  row are widened to fp32 where they are loaded and then moved to the accumulator's layout (:func:`_widen`), and
+  each group's addresses are the step's plus a constant. The weight operand has two
   forms with the same integer dots (:func:`_weight_operand`, :data:`MMA_HALVES`): Triton 3.9 converts the raw codes
   to the operand's layout before decoding them (16-byte stores, ``ldmatrix``); Triton 3.6 cannot, and stores the
   decoded operand in an order of its own choosing, so before 3.9 two lanes split each row's 16 bytes so that the
@@ -246,7 +248,25 @@ def _nibbles16(w, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr):
+def _widen(x, ASM: tl.constexpr):
+    """fp16 -> fp32 (``cvt``) in the layout ``x`` was loaded in, so that a layout conversion that follows moves the
+    fp32 values: Triton moves a conversion above ``.to(tl.float32)`` (to move half the bytes) and above a pure
+    inline-assembly op (rematerialized in the target layout), and then every thread converts each value it receives.
+    The weight scales are a ``[S, ROWS, 8]`` tile of which each thread loads 8 and, in the accumulator's layout,
+    holds 64 (8 rows x 8 groups, each held by 8 lanes): 8 ``cvt`` instead of 64 plus their unpacking ``mov``. As
+    ``is_pure=False`` Triton cannot rematerialize it, and the ``expand_dims`` after it is where Triton 3.6 places the
+    one conversion of the tile (it moves a conversion above an ``expand_dims`` it cannot see past; without one it
+    converted each group's slice after the picking, 2 ``bar.sync`` each). Triton 3.9 converts the fp32 tile and then
+    each group's ``[S, 1, R]`` slice (24 ``bar.sync`` per step instead of 18, 58 fewer instructions)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("cvt.f32.f16 $0, $1;", "=r,h", [x], dtype=tl.float32, is_pure=False, pack=1)
+    else:
+        out = x.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _weight_operand(w_step, i, g, G, MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr):
     """The ``[S, K = 32, ROWS]`` int8 operand (16 x the codes) of group ``g = 64 c + 8 i + j[s]`` for each warp
     ``s``, K in the activation's order: the 16 low nibbles (even k), then the 16 high ones (odd k).
 
@@ -262,14 +282,11 @@ def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.con
     first lane bit now runs along K: 3.6 stages the tile K-major, 8 bytes per store, read with ``ldmatrix``.
     """
     if HALVES:
-        half = tl.arange(0, 2)[:, None, None, None]
-        b8 = tl.arange(0, 8)[None, None, None, :]
-        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
         if MASKED:
-            w = tl.load(w_rows[None, None, :, None] + w_off, mask=g[None, :, :, :] < G, other=0x88,
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), mask=g[None, :, :, :] < G, other=0x88,
                         eviction_policy="evict_first")  # fmt: skip
         else:
-            w = tl.load(w_rows[None, None, :, None] + w_off, eviction_policy="evict_first")
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), eviction_policy="evict_first")
         shape: tl.constexpr = [2, w.shape[1], w.shape[2], 2, 8]  # [half, S, ROWS, h, b]
         lo = tl.broadcast_to(tl.reshape(_nibbles16(w, False, ASM), [2, w.shape[1], w.shape[2], 1, 8]), shape)
         hi = tl.broadcast_to(tl.reshape(_nibbles16(w, True, ASM), [2, w.shape[1], w.shape[2], 1, 8]), shape)
@@ -277,11 +294,10 @@ def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.con
         wk = tl.reshape(tl.permute(wk, [1, 2, 3, 0, 4]), [w.shape[1], w.shape[2], 32])  # [S, ROWS, K]
         wk = tl.trans(wk, [0, 2, 1])
     else:
-        w_off = (c * _RUN + i) * (_ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None]  # [S, 16, ROWS]
         if MASKED:
-            w = tl.load(w_rows[None, None, :] + w_off, mask=g < G, other=0x88, eviction_policy="evict_first")
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), mask=g < G, other=0x88, eviction_policy="evict_first")
         else:
-            w = tl.load(w_rows[None, None, :] + w_off, eviction_policy="evict_first")
+            w = tl.load(w_step + i * (_ROWS * _LANES * 16), eviction_policy="evict_first")
         wk = tl.join(_nibbles16(w, False, ASM), _nibbles16(w, True, ASM))  # [S, 16, ROWS, 2]
         wk = tl.reshape(tl.permute(wk, [0, 3, 1, 2]), [w.shape[0], 32, w.shape[2]])
     return wk
@@ -289,7 +305,7 @@ def _weight_operand(w_rows, c, i, js, g, G, MASKED: tl.constexpr, HALVES: tl.con
 
 @triton.jit
 def _mma_lanes(
-    acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b32, i8,
+    acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8,
     MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Groups ``g = 64 c + 8 i + j[s]`` (i = 0..7) of the program's rows for all 16 tokens, one lane ``j[s]`` per
@@ -297,30 +313,68 @@ def _mma_lanes(
     tile."""
     js = j[:, None, None]  # [S, 1, 1]
     sw = tl.load(sw_rows[None, :, None] + (c * _ROWS * _CHUNK + js * _RUN) + i8[None, None, :], cache_modifier=".cg")
-    sw = sw.to(tl.float32)  # [S, ROWS, 8]: the 8 groups' scales, one 16-byte load per row
+    sw = _widen(sw, ASM)[:, None, :, :]  # [S, 1, ROWS, 8]: the 8 groups' scales, one 16-byte load per row
+    g0 = c * _CHUNK + j  # [S]: the step's group at i = 0
+    a_step = a_rows + (g0 * 32)[:, None, None]  # [S, 16, 32]
+    sa_step = sa_rows + g0[:, None]  # [S, 16]
+    if HALVES:
+        half = tl.arange(0, 2)[:, None, None, None]
+        b8 = tl.arange(0, 8)[None, None, None, :]
+        w_off = c * (_RUN * _ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
+        w_step = w_rows[None, None, :, None] + w_off
+    else:
+        w_step = w_rows[None, None, :] + (c * (_RUN * _ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None])
     for i in tl.static_range(_RUN):
-        g2 = c * _CHUNK + i * _LANES + j[:, None]  # [S, 1]
+        g2 = g0[:, None] + i * _LANES  # [S, 1]
         g = g2[:, :, None]
-        a_off = row[None, :, None] * (G * 32) + g * 32 + b32[None, None, :]  # [S, 16, 32]
         if MASKED:
-            a = tl.load(a_ptr + a_off, mask=g < G, other=0)
-            sa = tl.load(sa_ptr + row[None, :] * G + g2, mask=g2 < G, other=0.0)
+            a = tl.load(a_step + i * (_LANES * 32), mask=g < G, other=0)
+            sa = tl.load(sa_step + i * _LANES, mask=g2 < G, other=0.0)
         else:
-            a = tl.load(a_ptr + a_off)
-            sa = tl.load(sa_ptr + row[None, :] * G + g2)
+            a = tl.load(a_step + i * (_LANES * 32))
+            sa = tl.load(sa_step + i * _LANES)
         # the activation holds per group its 16 even-k codes, then its 16 odd-k codes: the low nibbles, then the high
-        wk = _weight_operand(w_rows, c, i, js, g, G, MASKED, HALVES, ASM)  # [S, K, ROWS]
+        wk = _weight_operand(w_step, i, g, G, MASKED, HALVES, ASM)  # [S, K, ROWS]
         dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
-        acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick3(sw, i)[:, None, :]
+        acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick4(sw, i)
     return acc
 
 
 @triton.jit
-def _pick3(tile, i: tl.constexpr):
-    """Entry ``i`` (0..7) of the last axis of a ``[S, R, 8]`` tile held in one thread (see :func:`_pick`)."""
-    a0, a1 = tl.split(tl.reshape(tile, [tile.shape[0], tile.shape[1], 4, 2]))
+def _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, HALVES: tl.constexpr, ASM: tl.constexpr):
+    """The last, partial chunk ``c``: as :func:`_mma_lanes` with the groups past ``G`` masked, one group per
+    iteration (a loop over the groups that exist; each group's scale loaded on its own), so that it holds fewer
+    registers than the unrolled steps (unrolled, it made ptxas spill under Triton 3.6)."""
+    js = j[:, None, None]  # [S, 1, 1]
+    g0 = c * _CHUNK + j
+    if HALVES:
+        half = tl.arange(0, 2)[:, None, None, None]
+        b8 = tl.arange(0, 8)[None, None, None, :]
+        w_off = c * (_RUN * _ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
+        w_step = w_rows[None, None, :, None] + w_off
+    else:
+        w_step = w_rows[None, None, :] + (c * (_RUN * _ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None])
+    for i in range(tl.cdiv(G - c * _CHUNK, _LANES)):
+        g2 = g0[:, None] + i * _LANES  # [S, 1]
+        g = g2[:, :, None]
+        a = tl.load(a_rows + g * 32, mask=g < G, other=0)
+        sa = tl.load(sa_rows + g2, mask=g2 < G, other=0.0)
+        sw = tl.load(sw_rows[None, None, :] + (c * (_ROWS * _CHUNK) + js * _RUN + i)).to(tl.float32)  # [S, 1, ROWS]
+        wk = _weight_operand(w_step, i, g, G, True, HALVES, ASM)  # [S, K, ROWS]
+        dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
+        acc += (dot.to(tl.float32) * sa[:, :, None]) * sw
+    return acc
+
+
+@triton.jit
+def _pick4(tile, i: tl.constexpr):
+    """Entry ``i`` (0..7) of the last axis of a ``[S, 1, R, 8]`` tile held in one thread (see :func:`_pick`): the
+    ``[S, 1, R]`` weight scales of group ``i``, ready to broadcast against a ``[S, 16, R]`` dot."""
+    s0: tl.constexpr = tile.shape[0]
+    s2: tl.constexpr = tile.shape[2]
+    a0, a1 = tl.split(tl.reshape(tile, [s0, 1, s2, 4, 2]))
     b = a0 if i % 2 == 0 else a1
-    b0, b1 = tl.split(tl.reshape(b, [tile.shape[0], tile.shape[1], 2, 2]))
+    b0, b1 = tl.split(tl.reshape(b, [s0, 1, s2, 2, 2]))
     c = b0 if (i // 2) % 2 == 0 else b1
     c0, c1 = tl.split(c)
     return c0 if i // 4 == 0 else c1
@@ -341,16 +395,18 @@ def _decode_mma_kernel(
     sw_rows = sw_ptr + tile * (chunks * (_ROWS * _CHUNK)) + r * _CHUNK
     row = tl.minimum(tl.arange(0, 16), M - 1)
     b32, i8, s = tl.arange(0, 32), tl.arange(0, _RUN), tl.arange(0, SPLIT)
+    a_rows = a_ptr + (row[:, None] * (G * 32) + b32[None, :])[None, :, :]  # [1, 16, 32]: group 0 of each token
+    sa_rows = sa_ptr + (row * G)[None, :]  # [1, 16]
     acc = tl.zeros([SPLIT, 16, ROWS], dtype=tl.float32)
     full = G // _CHUNK
-    for c in range(full):
-        for jj in range(_LANES // SPLIT):
-            j = jj * SPLIT + s
-            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, c, j, G, row, b32, i8, False, HALVES, ASM)
+    for step in range(full * (_LANES // SPLIT)):  # one loop over (chunk, lane run): no loop nest to keep registers for
+        c = step // (_LANES // SPLIT)
+        j = (step - c * (_LANES // SPLIT)) * SPLIT + s
+        acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, False, HALVES, ASM)
     if full < chunks:
         for jj in range(_LANES // SPLIT):
             j = jj * SPLIT + s
-            acc = _mma_lanes(acc, a_ptr, sa_ptr, w_rows, sw_rows, full, j, G, row, b32, i8, True, HALVES, ASM)
+            acc = _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, full, j, G, HALVES, ASM)
     om = tl.arange(0, 16)
     out = tl.sum(acc, axis=0) * 0.0625  # the dots were of 16 x the codes: exact
     if HAS_BIAS:
@@ -362,9 +418,11 @@ def _decode_mma_kernel(
 #: 9..16 tokens run :func:`_decode_mma_kernel`: output rows per program and warps (each warp every 4th K lane)
 MMA_ROWS, MMA_WARPS = 32, 4
 #: the tensor-core kernel's weight operand in the form the installed Triton stages through shared memory in wide
-#: vectors (:func:`_weight_operand`): two lanes per row before 3.9 (the GPU image's 3.6: 8.59 PTX instructions per
-#: weight byte instead of 15.02), one from 3.9 (7.80; the two-lane form would cost 7.93 there); both give the same
-#: integer dots, hence bit-identical outputs (``tests/kernels/test_decode_kernel.py`` runs both)
+#: vectors (:func:`_weight_operand`): two lanes per row before 3.9 (the GPU image's 3.6: 7.62 PTX instructions per
+#: weight byte, 0 spills, instead of 14.05 and a 24-byte spill on sm_80 in the one-lane form), one from 3.9 (7.18;
+#: the two-lane form would cost 7.30 there); both give the same integer dots, hence bit-identical outputs
+#: (``tests/kernels/test_decode_kernel.py`` runs both). Numbers: M = 16 main loop, sm_90 and sm_80 alike
+#: (``scripts/ptx_stats.py --kernels decode --m 16``, docs/benchmarks.md)
 MMA_HALVES = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
 
 

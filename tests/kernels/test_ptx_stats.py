@@ -116,9 +116,10 @@ def test_decode_main_loop_proxies(triton_dir, tmp_path):
     """Every decode launch shape (M = 1, 2, 4, 8: the ``dp4a`` kernel; 16: the tensor-core kernel serving 9..16)
     for sm_90 and sm_80: no ``shfl`` in the main loop, 16-byte code and scale loads, no spills, each variant
     compiled in seconds; the ``dp4a`` loops without ``bar.sync``, at M = 1 at most 8 PTX instructions per weight
-    byte per thread. M = 16: at most 8 per weight byte under the pinned Triton and 9 under 3.6, whose form of the
-    weight operand (two lanes per row, ``decode_kernel.MMA_HALVES``) loads the codes 8 bytes at a time (15 per
-    byte before it: the operand was staged through shared memory byte by byte, docs/benchmarks.md).
+    byte per thread. M = 16: at most 8 per weight byte under the pinned Triton and 7.75 under 3.6 (7.62 measured),
+    whose form of the weight operand (two lanes per row, ``decode_kernel.MMA_HALVES``) loads the codes 8 bytes at a
+    time (15 per byte before it: the operand was staged through shared memory byte by byte; 8.59 before the scales
+    were widened ahead of their layout conversion, docs/benchmarks.md).
     The tensor-core loop stages its operands through shared memory, so it has ``bar.sync`` (one warp-group each)."""
     rows = ptx_stats(triton_dir, tmp_path, "decode", 300)
     assert sorted((r["arch"], r["M"]) for r in rows) == [(a, m) for a in (80, 90) for m in (1, 2, 4, 8, 16)]
@@ -134,7 +135,7 @@ def test_decode_main_loop_proxies(triton_dir, tmp_path):
     for r in (r for r in rows if r["M"] == 16):
         halves = r["variant"].endswith("2 lanes per row")  # before Triton 3.9 (the GPU image's 3.6)
         assert halves == (tuple(int(v) for v in r["triton"].split(".")[:2]) < (3, 9)), r
-        assert r["variant"].startswith("mma") and r["per_byte"] <= (9 if halves else 8), r
+        assert r["variant"].startswith("mma") and r["per_byte"] <= (7.75 if halves else 8), r
 
 
 @pytest.mark.slow
