@@ -259,9 +259,8 @@ def build_meta(native: dict[str, Any], quant: QuantConfig) -> tuple[LoopLM, Loop
 
 
 def promotion_size(group: QuantLinearGroup) -> int:
-    """Parameters a group's SLT promotion puts to use (T per-loop transforms and weight clips)."""
-    per_slot = sum(p.numel() for p in group.transform.parameters()) if group.transform is not None else 0
-    return group.slots * (per_slot + group.weight_clip.numel())
+    """Parameters a group's SLT promotion puts to use (its per-loop slots)."""
+    return sum(p.numel() for p in group.promotion_parameters())
 
 
 def model_counts(native: dict[str, Any], quant: QuantConfig) -> ModelCounts:
