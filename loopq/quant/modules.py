@@ -167,7 +167,6 @@ class LoopRecorder:
     (set :attr:`QuantLinearGroup.recorder`; :mod:`loopq.calib.slt` turns them into phi_{t,l})."""
 
     def __init__(self, slots: int) -> None:
-        self.slots = slots
         self.grads: list[list[Tensor | None]] = [[None] * 4 for _ in range(slots)]
 
     def add(self, slot: int, grads: tuple[Tensor | None, ...]) -> None:
@@ -176,9 +175,6 @@ class LoopRecorder:
             if g is not None:
                 g = g.detach()
                 row[i] = g.clone() if row[i] is None else row[i] + g
-
-    def clear(self) -> None:
-        self.grads = [[None] * 4 for _ in range(self.slots)]
 
 
 class QuantLinearGroup(nn.Module):
