@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         def prepare() -> LoopQCalibration:
             module = LoopQCalibration(str(teacher_dir), quant, topk=1000, checkpoint_loops=True, **switches)
             init_clipping_from_data(module.student, ids)
-            for name in list(looped_quant_groups(module.student))[: quant.slt_budget]:
-                module.student_group(name).promote()
+            for group in list(looped_quant_groups(module.student).values())[: quant.slt_budget]:
+                group.promote()
             return module
 
         module = stage("prepare", prepare, rows)

@@ -132,8 +132,7 @@ class RecordPrecision(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from loopq.calib.module import student_parameters
-        from loopq.quant import quant_groups
+        from loopq.quant import quant_groups, quant_parameters
 
         teacher = {p.untyped_storage().data_ptr() for p in pl_module.teacher.parameters()}
         frozen = [w for g in quant_groups(pl_module.student).values() for w in g.weights()]
@@ -143,7 +142,7 @@ class RecordPrecision(L.Callback):
             "teacher": sorted({str(p.dtype) for p in pl_module.teacher.parameters()}),
             "student_frozen": sorted({str(w.dtype) for w in frozen}),
             "frozen_shared": all(w.untyped_storage().data_ptr() in teacher for w in frozen),
-            "quant_params": sorted({str(p.dtype) for p in student_parameters(pl_module.student)}),
+            "quant_params": sorted({str(p.dtype) for p in quant_parameters(pl_module.student)}),
             "optimizer_states": sorted({str(t.dtype) for t in states if t.dim() > 0}),
             "targets": {k: str(getattr(targets, k).dtype) for k in ("values", "indices", "states")},
             "logits": sorted(self.logits),

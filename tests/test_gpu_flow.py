@@ -51,7 +51,7 @@ def test_plan_of_the_paper_config_is_parsed():
 
 
 def test_plan_verdict_by_hand():
-    planned = {"setup": 20.0, "probe": 40.0, "step": 30.0}
+    planned = {"setup": 40.0, "step": 30.0}
     gib = 2**30
     near = {
         "setup": {"allocated": 44 * gib, "reserved": 50 * gib},
@@ -59,7 +59,7 @@ def test_plan_verdict_by_hand():
     }
     result = flow.plan_verdict(planned, near, 3)
     assert result.status == OK and "+10 %" in result.summary and "-10 %" in result.summary
-    far = {**near, "setup": {"allocated": 79 * gib, "reserved": 79 * gib}}  # the first GPU run's probe
+    far = {**near, "setup": {"allocated": 79 * gib, "reserved": 79 * gib}}
     assert flow.plan_verdict(planned, far, 3).status == FAIL
     assert flow.plan_verdict(planned, {"setup": near["setup"]}, 3).status == FAIL  # no step measured
 

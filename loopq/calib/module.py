@@ -54,7 +54,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from loopq.artifacts.student import fixed_layout_only, student_meta, write_student
+from loopq.artifacts.student import fixed_layout_only, stored_tensors, student_meta, write_student
 from loopq.calib.checkpoint_io import load_weights_only
 from loopq.calib.deepspeed import gathered, is_zero3
 from loopq.calib.losses import STATE_REDUCTIONS, layerwise_loss, loopq_loss
@@ -68,18 +68,16 @@ from loopq.provenance import record, teacher_fingerprint
 from loopq.quant import (
     GroupOptions,
     QuantConfig,
-    QuantLinearGroup,
     init_clipping_from_data,
     init_diagonal_from_data,
     prepare,
     quant_groups,
+    quant_parameters,
 )
 from loopq.quant.accounting import parameter_report
 from loopq.quant.config import METHODS, QuantConfigError
 
 OBJECTIVES = ("trajectory", "layerwise")
-#: what the names of the SLT state's buffers contain (``slt_anchor.*``, ``slt_promoted``)
-SLT_STATE = "slt_"
 #: ``model.teacher_dtype`` -> the dtype of the frozen teacher (and of the student's frozen weights, which it shares)
 TEACHER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -223,17 +221,16 @@ class LoopQCalibration(L.LightningModule):
 
     def place(self) -> None:
         """Move the module to :attr:`compute_device` now. Lightning moves it only after ``setup``, but data-dependent
-        initialisation and up-front SLT rounds run in ``setup`` and need the teacher where the data goes; moving it
-        early is the move Lightning (and DeepSpeed) would make anyway, and a no-op when it is there already."""
+        initialisation runs in ``setup`` and needs the teacher where the data goes; moving it early is the move
+        Lightning (and DeepSpeed) would make anyway, and a no-op when it is there already."""
         self.to(self.compute_device)
 
     def initialise_from_data(self) -> None:
         """Data-dependent start, once per fresh run, from the first global batch (a resumed run loads its state).
 
         First the learnable diagonals (``quant.diag_init: smooth``: SmoothQuant-style scales from the teacher's
-        activations, FlatQuant's default), then LAS clipping on the activations those transforms produce. Also
-        called by up-front SLT rounds (which run in a callback's ``setup``, before this module's) so that they
-        score the groups from the start training has, as progressive rounds do.
+        activations, FlatQuant's default), then LAS clipping on the activations those transforms produce. A second
+        ``fit`` of the same module keeps what the first one calibrated.
         """
         if self._data_initialised or self.trainer.ckpt_path:
             return
@@ -246,9 +243,6 @@ class LoopQCalibration(L.LightningModule):
         if self.hparams.init_clipping:
             init_clipping_from_data(self.student, ids)
         self._data_initialised = True
-
-    def student_group(self, name: str) -> QuantLinearGroup:
-        return quant_groups(self.student)[name]
 
     def on_fit_start(self) -> None:
         if self.hparams.objective == "trajectory":  # the layer-wise objective runs the teacher live instead
@@ -348,18 +342,17 @@ class LoopQCalibration(L.LightningModule):
         Fixed for the whole run (:mod:`loopq.quant.modules`): the per-loop slots of a group take part from its
         promotion on (no gradient before, so AdamW leaves them and their state untouched until then)."""
         slt = [p for g in quant_groups(self.student).values() for p in g.promotion_parameters() if p.requires_grad]
-        promoted_ids = {id(p) for p in slt}
+        slot_ids = {id(p) for p in slt}
         main, clips = [], []
         for name, p in self.student.named_parameters():
-            if not p.requires_grad or id(p) in promoted_ids:
-                continue
-            (clips if "clip" in name else main).append(p)
+            if p.requires_grad and id(p) not in slot_ids:
+                (clips if "clip" in name else main).append(p)
         lr = self.hparams.lr
         groups = [
             {"params": main, "lr": lr, "name": "transforms"},
             {"params": clips, "lr": lr * self.hparams.clip_lr_mult, "name": "clips"},
+            {"params": slt, "lr": lr, "name": "slt"},
         ]
-        groups.append({"params": slt, "lr": lr, "name": "slt"})
         return [g for g in groups if g["params"]]
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
@@ -383,13 +376,14 @@ class LoopQCalibration(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Only the student's quantization parameters: the teacher is reloaded from its directory."""
+        """Only what a student directory stores (quantization parameters, SLT state): the teacher is reloaded from its
+        directory."""
         full = super().state_dict(*args, **kwargs)
-        keep = student_keys(self.student)
+        keep = stored_tensors(self.student)
         return {k: v for k, v in full.items() if k.removeprefix("student.") in keep}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        missing = [k for k in ("student." + k for k in student_keys(self.student)) if k not in state_dict]
+        missing = [k for k in ("student." + k for k in stored_tensors(self.student)) if k not in state_dict]
         if strict and missing and all(fixed_layout_only(k) for k in missing):
             raise UsageError(
                 f"checkpoint lacks the SLT slots {missing[:3]}: written before the fixed SLT layout; start the "
@@ -417,7 +411,7 @@ class LoopQCalibration(L.LightningModule):
         out = self.hparams.output_dir or (Path(self.trainer.default_root_dir) / "student")
         self.provenance["selected"] = self.select_student()
         # under ZeRO-3 the student's parameters are partitioned: every rank takes part in gathering them
-        with gathered(self.trainer.strategy, student_parameters(self.student)):
+        with gathered(self.trainer.strategy, quant_parameters(self.student)):
             if self.trainer.is_global_zero:
                 meta = student_meta(
                     self.student, self.teacher_dir, out, self.promoted, self.mu.tolist(), self.provenance
@@ -486,18 +480,6 @@ def load_teacher(path: str | Path, dtype: torch.dtype = torch.float32) -> LoopLM
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher.eval()
-
-
-def student_parameters(student: nn.Module) -> list[nn.Parameter]:
-    """The trainable quantization parameters (what a student directory stores)."""
-    return [p for p in student.parameters() if p.requires_grad]
-
-
-def student_keys(student: nn.Module) -> set[str]:
-    """State keys of the quantization parameters (transforms, clips, adapters) and of the SLT state (anchors and
-    promotion flags: buffers, :mod:`loopq.quant.modules`)."""
-    keys = {name for name, p in student.named_parameters() if p.requires_grad}
-    return keys | {name for name, _ in student.named_buffers() if SLT_STATE in name}
 
 
 def cosine(step: int, warmup: int, total: int) -> float:

@@ -26,13 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from loopq.calib.deepspeed import gathered
 from loopq.calib.slt import gap_scores, loop_gradients, reduce_phis, scored_groups, shared_inverses
 from loopq.errors import UsageError
 from loopq.quant import quant_groups
-from loopq.quant.modules import LoopRecorder
+from loopq.quant.modules import LoopRecorder, QuantLinearGroup
 from loopq.quant.sharing_gap import SharingGapAccumulator
 
 
@@ -66,7 +67,8 @@ class SharingGapReselection(L.Callback):
         self.selected: list[str] = []
         self.history: list[dict[str, Any]] = []
         self.acc: dict[str, SharingGapAccumulator] = {}
-        self._recording: dict[str, Any] = {}
+        #: the groups recording this step's per-loop gradients, with the shared (P1^-1, P2^-1) of the step
+        self._recording: dict[str, tuple[QuantLinearGroup, tuple[Tensor, Tensor]]] = {}
 
     # ------------------------------------------------------------------ schedule
     def _budget(self, pl_module: Any) -> int:
@@ -97,8 +99,7 @@ class SharingGapReselection(L.Callback):
             return  # recording already (the next micro-batch of an accumulated step), or not a scored step
         groups = scored_groups(pl_module.student)
         with gathered(trainer.strategy, [p for g in groups.values() for p in g.transform.parameters()]):
-            inverses = {n: shared_inverses(g) for n, g in groups.items()}
-        self._recording = {"groups": groups, "inverses": inverses}
+            self._recording = {n: (g, shared_inverses(g)) for n, g in groups.items()}
         for group in groups.values():
             group.recorder = LoopRecorder(group.slots)
 
@@ -106,8 +107,7 @@ class SharingGapReselection(L.Callback):
         """After the step's backward: its per-loop gradients, averaged across processes, join the round's."""
         if not self._recording:
             return
-        groups, inverses = self._recording["groups"], self._recording["inverses"]
-        phis = {n: loop_gradients(g.recorder, inverses[n]) for n, g in groups.items() if g.recorder is not None}
+        phis = {n: loop_gradients(g.recorder, inv) for n, (g, inv) in self._recording.items() if g.recorder is not None}
         reduce = None
         if trainer.world_size > 1:
             reduce = lambda flat: trainer.strategy.reduce(flat, reduce_op="mean")  # noqa: E731
@@ -122,7 +122,7 @@ class SharingGapReselection(L.Callback):
             self.run_round(trainer, pl_module, step)
 
     def _stop_recording(self) -> None:
-        for group in self._recording.get("groups", {}).values():
+        for group, _ in self._recording.values():
             group.recorder = None
         self._recording = {}
 

@@ -303,8 +303,8 @@ def build_parser() -> Any:
 def calibrate(cli: LoopQCLI) -> LoopQCalibration:
     """Run the calibration a built CLI describes (resuming from ``--ckpt_path``); returns the calibrated module."""
     cli.after_instantiate()
-    # Resolved before fit and set on the trainer, so that setup hooks already see it: DeepSpeed restores after
-    # building its engine, and the promoted SLT groups must exist before that (see loopq.calib.deepspeed).
+    # Resolved before fit and set on the trainer, so that setup hooks already see it: a resumed run skips the
+    # data-dependent initialisation in setup (it loads that state; DeepSpeed restores only after building its engine).
     cli.trainer.ckpt_path = resolve_ckpt_path(cli.trainer, cli.config.ckpt_path)
     cli.model.provenance = record(cli.model.teacher_sha256, fit_settings(cli.config))
     if cli.trainer.ckpt_path and not cli.config.get("allow_config_change"):

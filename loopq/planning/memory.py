@@ -240,7 +240,7 @@ class ModelCounts:
     largest_group: int  # elements of the largest group's frozen weights (one chain recomputed at a time)
     largest_input: int  # the widest group input (what the streamed clip initialisation scores at once)
     layers: int  # decoder layers in the loop (checkpoint_loops keeps each one's input)
-    trainable: int  # Q: trainable quantization parameters after SLT promotion
+    trainable: int  # Q: trainable quantization parameters (the SLT slots included: the layout is fixed)
     report: ParameterReport  # the paper's Table 5 (shared / loop-dependent)
 
 
@@ -259,9 +259,8 @@ def build_meta(native: dict[str, Any], quant: QuantConfig) -> tuple[LoopLM, Loop
 
 
 def promotion_size(group: QuantLinearGroup) -> int:
-    """Parameters a group's SLT promotion puts to use (T per-loop transforms and weight clips)."""
-    per_slot = sum(p.numel() for p in group.transform.parameters()) if group.transform is not None else 0
-    return group.slots * (per_slot + group.weight_clip.numel())
+    """Parameters a group's SLT promotion puts to use (its per-loop slots)."""
+    return sum(p.numel() for p in group.promotion_parameters())
 
 
 def model_counts(native: dict[str, Any], quant: QuantConfig) -> ModelCounts:
@@ -699,10 +698,9 @@ def size(n: int) -> str:
 
 def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     """The plan as a table a user reads before starting (``--print_plan``)."""
-    s, c = plan.settings, plan.counts
-    passes = {"training step": plan.step}
+    s, c, step = plan.settings, plan.counts, plan.step
     where = "CPU memory (host and device are one)" if s.on_cpu else "per GPU"
-    head = f"  {where:<58}" + "".join(f"{name:>16}" for name in passes)
+    head = f"  {where:<58}{'training step':>16}"
     lines = [
         f"LoopQ memory plan: {title}   (shapes: {source}; nothing loaded)",
         f"  teacher: {c.shape.parameters / 1e6:.1f}M parameters, hidden {c.shape.hidden}, {plan.loops} loops "
@@ -721,25 +719,22 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
         head,
     ]
     rows = [
-        (f"frozen teacher weights ({s.teacher_dtype}, shared with the student)", [plan.frozen] * len(passes)),
-        (f"quantization params + grads + AdamW ({millions(c.trainable)})", [plan.quant_state] * len(passes)),
-        ("fake-quant weights kept for the forward (no graph)", [p.weights for p in passes.values()]),
-        (
-            f"activations ({'layer inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)",
-            [p.kept for p in passes.values()],
-        ),
+        (f"frozen teacher weights ({s.teacher_dtype}, shared with the student)", plan.frozen),
+        (f"quantization params + grads + AdamW ({millions(c.trainable)})", plan.quant_state),
+        ("fake-quant weights kept for the forward (no graph)", step.weights),
+        (f"activations ({'layer inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)", step.kept),
     ]
     if s.checkpoint_loops:
-        rows.append(("one layer recomputed (with the next row, if the larger)", [p.recompute for p in passes.values()]))
-    rows.append(("one use's backward: weight chain + its gradient", [p.use for p in passes.values()]))
+        rows.append(("one layer recomputed (with the next row, if the larger)", step.recompute))
     rows += [
-        ("logits and loss as the backward starts (if the largest)", [p.logits for p in passes.values()]),
-        ("the batch's teacher targets", [p.targets for p in passes.values()]),
+        ("one use's backward: weight chain + its gradient", step.use),
+        ("logits and loss as the backward starts (if the largest)", step.logits),
+        ("the batch's teacher targets", step.targets),
     ]
     if s.on_cpu:
-        rows.append(("all teacher targets (in memory)", [plan.targets] * len(passes)))
-    rows.append(("total", [plan.phases[name] for name in passes]))
-    lines += [f"    {name:<56}" + "".join(f"{size(v):>16}" for v in values) for name, values in rows]
+        rows.append(("all teacher targets (in memory)", plan.targets))
+    rows.append(("total", plan.phases["training step"]))
+    lines += [f"    {name:<56}{size(value):>16}" for name, value in rows]
     lines += [
         f"  setup (teacher as loaded, streamed LAS clip initialisation): {size(plan.phases['setup'])}",
         f"  PEAK {where}: {size(plan.peak)} ({plan.peak_phase})",

@@ -167,7 +167,6 @@ class LoopRecorder:
     (set :attr:`QuantLinearGroup.recorder`; :mod:`loopq.calib.slt` turns them into phi_{t,l})."""
 
     def __init__(self, slots: int) -> None:
-        self.slots = slots
         self.grads: list[list[Tensor | None]] = [[None] * 4 for _ in range(slots)]
 
     def add(self, slot: int, grads: tuple[Tensor | None, ...]) -> None:
@@ -176,9 +175,6 @@ class LoopRecorder:
             if g is not None:
                 g = g.detach()
                 row[i] = g.clone() if row[i] is None else row[i] + g
-
-    def clear(self) -> None:
-        self.grads = [[None] * 4 for _ in range(self.slots)]
 
 
 class QuantLinearGroup(nn.Module):
@@ -222,13 +218,11 @@ class QuantLinearGroup(nn.Module):
             self.slt_anchor = nn.Module()  # the shared values at promotion (buffers: no optimizer holds them)
             if self.transform is not None:
                 self.loop_transforms = nn.ModuleList(_zero_offsets(self.transform) for _ in range(self.slots))
-                for name, p in self.transform.named_parameters():
-                    self.slt_anchor.register_buffer(_anchor_name(name), torch.zeros_like(p))
             self.loop_weight_clip = _offset_param((self.slots, out), self.weight_clip.requires_grad)
-            self.slt_anchor.register_buffer("weight_clip", torch.zeros(1, out))
             if act_slots == 1:
                 self.loop_act_clip = _offset_param((self.slots,), self.act_clip.requires_grad)
-                self.slt_anchor.register_buffer("act_clip", torch.zeros(1))
+            for name, p in self.named_shared_parameters().items():
+                self.slt_anchor.register_buffer(_anchor_name(name), torch.zeros(p.shape))
             self.register_buffer("slt_promoted", torch.zeros((), dtype=torch.bool))
         self._promoted = False  # mirrors the slt_promoted buffer (read every forward without a device sync)
         self.options = options or GroupOptions()
@@ -262,7 +256,7 @@ class QuantLinearGroup(nn.Module):
         if not self._promoted or self.loop_transforms is None:
             return None
         offsets = dict(self.loop_transforms[slot].named_parameters())
-        return {n: getattr(self.slt_anchor, _anchor_name(n)) + offsets[n] for n, _ in self.transform.named_parameters()}
+        return {n: self._anchor(n) + offsets[n] for n, _ in self.transform.named_parameters()}
 
     def transform_for(self, slot: int) -> KroneckerTransform | None:
         """The transform ``slot`` computes with, as a module: the shared one, or a detached copy holding the
@@ -459,12 +453,8 @@ class QuantLinearGroup(nn.Module):
         if self._promoted:
             return
         self._cache, self._cache_state = {}, None
-        if self.transform is not None:
-            for name, p in self.transform.named_parameters():
-                getattr(self.slt_anchor, _anchor_name(name)).copy_(p)
-        self.slt_anchor.weight_clip.copy_(self.weight_clip)
-        if self.loop_act_clip is not None:
-            self.slt_anchor.act_clip.copy_(self.act_clip)
+        for name, p in self.named_shared_parameters().items():
+            self._anchor(name).copy_(p)
         self.slt_promoted.fill_(True)
         self._promoted = True
 
@@ -479,22 +469,22 @@ class QuantLinearGroup(nn.Module):
         it was promoted with, its anchors. Unused after the promotion, they still take AdamW's zero-gradient momentum
         steps, whose last digits differ between strategies and across a ZeRO-3 resume; stored so, the student does
         not depend on them. Empty for an unpromoted group."""
-        if not self._promoted:
-            return {}
+        return {name: self._anchor(name) for name in self.named_shared_parameters()} if self._promoted else {}
+
+    def named_shared_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters every loop uses while the group is shared (unused once it is promoted), by name relative to
+        the group; each has an anchor in a promotable group."""
         named = dict(self.transform.named_parameters(prefix="transform")) if self.transform is not None else {}
-        out = {name: getattr(self.slt_anchor, _anchor_name(name.removeprefix("transform."))) for name in named}
-        out["weight_clip"] = self.slt_anchor.weight_clip
+        named["weight_clip"] = self.weight_clip
         if self.loop_act_clip is not None:
-            out["act_clip"] = self.slt_anchor.act_clip
-        return out
+            named["act_clip"] = self.act_clip
+        return named
 
     def shared_parameters(self) -> list[nn.Parameter]:
-        """The parameters every loop uses while the group is shared (unused once it is promoted)."""
-        params = list(self.transform.parameters()) if self.transform is not None else []
-        params.append(self.weight_clip)
-        if self.loop_act_clip is not None:
-            params.append(self.act_clip)
-        return params
+        return list(self.named_shared_parameters().values())
+
+    def _anchor(self, name: str) -> Tensor:
+        return getattr(self.slt_anchor, _anchor_name(name))
 
 
 class _Evaluate(nn.Module):
@@ -516,7 +506,8 @@ def begin_forward(model: nn.Module, args: object) -> None:
 
 
 def _anchor_name(name: str) -> str:
-    return name.replace(".", "_")
+    """The anchor buffer's name of shared parameter ``name`` (relative to the group or to its transform)."""
+    return name.removeprefix("transform.").replace(".", "_")
 
 
 def _zero_offsets(transform: KroneckerTransform) -> KroneckerTransform:

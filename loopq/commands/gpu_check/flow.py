@@ -11,10 +11,10 @@ differ are reported (a near-tie of two logits may flip under another summation o
 
 ``paper-shape``: a random-weight teacher of Ouro-2.6B's exact shape (:data:`loopq.planning.memory.PUBLISHED`), written
 in the published layout (bf16, sharded safetensors + index) with the SmolLM2 tokenizer Ouro uses, then
-``python -m loopq.fit --config configs/ouro2.6b.yaml`` for :data:`PAPER_STEPS` steps with SLT on (its up-front probe
-included) on the shared calibration prose. :class:`PeakMemory` records the CUDA allocator's peaks of setup + the SLT
-probe and of the training steps; the stage compares them with the plan ``--print_plan`` prints for the same command
-and fails beyond :data:`PLAN_TOLERANCE`.
+``python -m loopq.fit --config configs/ouro2.6b.yaml`` for :data:`PAPER_STEPS` steps with SLT on (scored in the
+training steps' own backward) on the shared calibration prose. :class:`PeakMemory` records the CUDA allocator's peaks
+of setup and of the training steps; the stage compares them with the plan ``--print_plan`` prints for the same
+command and fails beyond :data:`PLAN_TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ def pipeline(
 # ------------------------------------------------------------------------------------------------- paper shape
 class PeakMemory(L.Callback):
     """The CUDA allocator's peaks of a ``loopq.fit`` run, written to ``path`` as JSON: ``setup`` (from the first
-    hook to the first training batch: loading, data-dependent initialisation, the up-front SLT probe, the teacher
-    targets; the peak since the process started) and ``step`` (the training steps), allocated and reserved, in bytes.
+    hook to the first training batch: loading, data-dependent initialisation, the teacher targets; the peak since
+    the process started) and ``step`` (the training steps), allocated and reserved, in bytes.
     Added to a run with ``--trainer.callbacks+ '{"class_path": "loopq.commands.gpu_check.flow.PeakMemory", "init_args":
     {"path": ...}}'``."""
 
@@ -205,29 +205,21 @@ PLAN_LINES = {
 
 
 def plan_peaks(text: str) -> dict[str, float]:
-    """GiB of ``--print_plan``'s output: ``step`` (training step), ``setup`` and ``peak`` (``probe``: the SLT probe
-    step of plans printed before the per-use backward, when present)."""
+    """GiB of ``--print_plan``'s output: ``step`` (training step), ``setup`` and ``peak``."""
     found: dict[str, float] = {}
     for line in text.splitlines():
-        total = PLAN_LINES["step"].match(line)
-        if total:
-            sizes = re.findall(r"([\d.]+) (GiB|MiB)", line)
-            values = [float(v) / (1024 if unit == "MiB" else 1) for v, unit in sizes]
-            found["step"] = values[0]
-            if len(values) > 1:
-                found["probe"] = values[1]
-        setup = PLAN_LINES["setup"].search(line)
-        if setup:
-            found["setup"] = float(setup.group(1)) / (1024 if setup.group(2) == "MiB" else 1)
+        for name, pattern in PLAN_LINES.items():
+            if match := pattern.search(line):
+                found[name] = float(match.group(1)) / (1024 if match.group(2) == "MiB" else 1)
     found["peak"] = max(found.values(), default=0.0)
     return found
 
 
 def plan_verdict(planned: dict[str, float], measured: dict[str, dict[str, int]], steps: int) -> StageResult:
-    """Measured allocator peaks against the plan: setup + up-front probe against max(setup, probe), the steps
-    against the training step; beyond :data:`PLAN_TOLERANCE` either way fails."""
+    """Measured allocator peaks against the plan: the setup against the setup, the steps against the training step;
+    beyond :data:`PLAN_TOLERANCE` either way fails."""
     pairs = {
-        "setup + SLT probe": (max(planned.get("setup", 0.0), planned.get("probe", 0.0)), measured.get("setup")),
+        "setup": (planned.get("setup", 0.0), measured.get("setup")),
         "training step": (planned.get("step", 0.0), measured.get("step")),
     }
     parts, status = [], OK
