@@ -17,7 +17,8 @@ format (config.json + model.safetensors) with ``tokenizer.json`` to ``out_dir``.
 
 Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint(save_last=true)``, as in
 ``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
-newest checkpoint (model, optimizer, LR schedule, step; the data order restarts its epoch, in that epoch's order).
+newest checkpoint (model, optimizer, LR schedule, step; the data order goes on in its epoch after the batches the
+checkpointed steps consumed, so a resumed run trains on the batches an uninterrupted one would).
 The record written next to the model names the command, seed, steps and the wall time summed over all resumed
 segments.
 
@@ -48,7 +49,7 @@ from jsonargparse import capture_parser
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from loopq.artifacts.layout import RUN_LOCK, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
@@ -116,8 +117,12 @@ class PretrainDataModule(L.LightningDataModule):
         self.val, self.train = windows[: hp.val_windows], windows[hp.val_windows :]
 
     def train_dataloader(self) -> DataLoader:
-        sampler = EpochShuffle(len(self.train), self.hparams.seed)
-        return DataLoader(TensorDataset(self.train), batch_size=self.hparams.batch_size, sampler=sampler)
+        trainer, batch = self.trainer, self.hparams.batch_size
+        processes = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        sampler = EpochShuffle(len(self.train), self.hparams.seed, *processes)
+        if trainer is not None:  # a resumed fit goes on after the windows its checkpointed steps consumed
+            sampler.resume(*consumed_windows(trainer, epoch_batches(trainer, len(sampler), batch), batch))
+        return DataLoader(TensorDataset(self.train), batch_size=batch, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.val), batch_size=self.hparams.batch_size)
@@ -129,22 +134,45 @@ def step_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
-class EpochShuffle(Sampler[int]):
+class EpochShuffle(DistributedSampler):
     """The training windows in a fresh order each epoch, drawn from (seed, epoch) alone: Lightning calls
     ``set_epoch`` before each epoch, so a run resumed in epoch k replays epoch k's order (a generator seeded once
-    per run, as before, replayed epoch 0's) - from its first window: a resume restarts its epoch."""
+    per run, as before, replayed epoch 0's). Each of ``num_replicas`` processes takes every ``num_replicas``-th window
+    of the order (padded to a multiple of them, as ``DistributedSampler``; Lightning leaves a ``DistributedSampler``
+    as it is). :meth:`resume` skips the windows this process consumed before a mid-epoch checkpoint, so a resumed run
+    sees the batches an uninterrupted one would. The length stays the whole epoch's: Lightning counts the batches
+    its restored progress says were fetched."""
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+    def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.size, self.resume_epoch, self.skip = size, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.size
+    def resume(self, epoch: int, windows: int) -> None:
+        """Start ``epoch`` after this process's first ``windows`` windows of it (other epochs are whole)."""
+        self.resume_epoch, self.skip = epoch, windows
 
     def __iter__(self) -> Iterator[int]:
-        return iter(torch.randperm(self.size, generator=step_generator(self.seed, self.epoch)).tolist())
+        order = torch.randperm(self.size, generator=step_generator(self.seed, self.epoch)).tolist()
+        order += order[: self.total_size - self.size]
+        mine = order[self.rank : self.total_size : self.num_replicas]
+        return iter(mine[self.skip :] if self.epoch == self.resume_epoch else mine)
+
+
+def epoch_batches(trainer: L.Trainer, windows: int, batch_size: int) -> int:
+    """Batches one process runs per epoch: its ``windows`` in batches of ``batch_size``, cut by
+    ``trainer.limit_train_batches`` (a count, or a fraction of the batches) as Lightning cuts them."""
+    batches, limit = math.ceil(windows / batch_size), trainer.limit_train_batches
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+
+def consumed_windows(trainer: L.Trainer, batches: int, batch_size: int) -> tuple[int, int]:
+    """(the epoch the trainer's ``global_step`` falls in, the windows of it one process has consumed): an epoch of
+    ``batches`` batches is ceil(batches / accumulate_grad_batches) optimizer steps (its last step may accumulate
+    fewer), and every step before the global one took ``accumulate_grad_batches`` batches. 0 windows at a fresh
+    start and at an epoch's end."""
+    accumulate = trainer.accumulate_grad_batches
+    epoch, step = divmod(trainer.global_step, max(1, math.ceil(batches / accumulate)))
+    return epoch, step * accumulate * batch_size
 
 
 def per_loop_token_losses(model: OuroLM, ids: Tensor) -> tuple[Tensor, list[Tensor]]:
