@@ -264,3 +264,46 @@ def test_epoch_shuffle_shards_the_epoch_over_processes_and_skips_what_a_resume_c
     assert list(shards[1]) == padded[1::4][2:] and len(shards[1]) == 3  # Lightning counts the skipped as fetched
     shards[1].set_epoch(2)
     assert len(list(shards[1])) == 3
+
+
+def test_validation_windows_share_no_text_with_training_when_a_source_is_listed_twice(tmp_path):
+    """The pretrain configs list WikiText-2 valid twice to weight it; validation windows cut from the shuffled windows
+    of that stream had their text in the other copy's training windows (review finding: optimistic val/ce). On text
+    of random words (no span of 4 words repeats by chance) no 16-token span of a validation window is in training (a
+    copy cut at another offset holds at least one such half of a window)."""
+    import random
+
+    gen = random.Random(0)
+    words = ["".join(gen.choices("abcdefghij", k=5)) for _ in range(5000)]
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(" ".join(gen.choices(words, k=4000)) + "\n")
+    dm = PretrainDataModule(sources=["a.txt", "b.txt", "b.txt"], root=str(tmp_path), vocab_size=300, seq_len=32,
+                            val_windows=32, bos=True)  # fmt: skip
+    dm.setup()
+
+    def spans(windows):
+        return {tuple(w[i : i + 16]) for w in windows.tolist() for i in range(1, len(w) - 15)}
+
+    assert len(dm.val) == 32 and not spans(dm.val) & spans(dm.train)
+    once = PretrainDataModule(sources=["a.txt", "b.txt"], root=str(tmp_path), vocab_size=300, seq_len=32,
+                                  val_windows=32, bos=True)  # fmt: skip
+    once.setup()
+    assert len(dm.train) > 1.45 * len(once.train)  # b's copy still weights its text
+
+
+def test_split_windows_holds_out_text_of_the_distinct_sources_and_keeps_the_old_split_without_repeats():
+    """Token values unique per text position, so shared values are shared text."""
+    from pathlib import Path
+
+    from loopq.commands.pretrain import split_windows
+
+    a, b = Path("a"), Path("b")
+    streams = {a: torch.arange(0, 60), b: torch.arange(100, 190)}
+    val, train = split_windows(streams, [a, b, b], seq_len=4, bos=7, val_windows=5, seed=0)
+    assert (val[:, 0] == 7).all() and (train[:, 0] == 7).all() and val.shape == (5, 5)
+    assert not set(val[:, 1:].flatten().tolist()) & set(train[:, 1:].flatten().tolist())
+    assert set(val[:, 1:].flatten().tolist()) <= set(range(60)) | set(range(100, 188))  # cut before b repeats
+    windows = torch.cat([streams[a], streams[b]]).view(-1, 5)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
+    val, train = split_windows(streams, [a, b], seq_len=4, bos=None, val_windows=5, seed=0)
+    assert torch.equal(val, windows[order[:5]]) and torch.equal(train, windows[order[5:]])  # as before the fix

@@ -56,7 +56,7 @@ from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.stream import contiguous_windows, token_stream
-from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
+from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_source, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import UsageError
 from loopq.locks import DirectoryLock
@@ -105,16 +105,12 @@ class PretrainDataModule(L.LightningDataModule):
             return
         hp = self.hparams
         files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
-        docs = read_training_text(files)
+        docs = read_training_text(files)  # the guards, over the sources as listed (a repeated one weights its text)
         self.tokenizer = load_tokenizer(hp.tokenizer) if hp.tokenizer else train_bpe(docs, hp.vocab_size)
-        if hp.bos:  # [BOS] + seq_len stream tokens: the model always sees BOS at position 0 (attention sink)
-            body = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len)
-            windows = torch.cat([torch.full((len(body), 1), eos_id(self.tokenizer), dtype=body.dtype), body], 1)
-        else:
-            windows = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len + 1)
-        order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(hp.seed))
-        windows = windows[order]
-        self.val, self.train = windows[: hp.val_windows], windows[hp.val_windows :]
+        files = [path.resolve() for path in files]  # a file listed twice, however spelled, is one text
+        streams = {path: token_stream(read_source(path)[1], self.tokenizer) for path in dict.fromkeys(files)}
+        bos = eos_id(self.tokenizer) if hp.bos else None
+        self.val, self.train = split_windows(streams, files, hp.seq_len, bos, hp.val_windows, hp.seed)
 
     def train_dataloader(self) -> DataLoader:
         trainer, batch = self.trainer, self.hparams.batch_size
@@ -126,6 +122,47 @@ class PretrainDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.val), batch_size=self.hparams.batch_size)
+
+
+def split_windows(
+    streams: dict[Path, Tensor], files: Sequence[Path], seq_len: int, bos: int | None, val_windows: int, seed: int
+) -> tuple[Tensor, Tensor]:
+    """(validation, training) windows of the token ``streams`` of the distinct source files.
+
+    Validation: the first ``val_windows`` of the shuffled contiguous windows of the distinct sources, cut before any
+    source is repeated. Training: the shuffled contiguous windows of the sources as listed (a source listed twice
+    weights its text, as the configs weight WikiText-2 valid), less every window that holds a token of validation
+    text; a repeated source's copy used to put the text of validation windows into training. Without repeats this is
+    the one shuffle split at ``val_windows``, as before. With ``bos`` each window is [BOS] + seq_len stream tokens (the
+    model always sees BOS at position 0: attention sink), else seq_len + 1 stream tokens."""
+    span = seq_len if bos is not None else seq_len + 1
+    distinct, listed = torch.cat(list(streams.values())), torch.cat([streams[path] for path in files])
+    val_cut, train_cut = contiguous_windows(distinct, span), contiguous_windows(listed, span)
+    val_order = shuffled_order(len(val_cut), seed)[:val_windows]
+    held = torch.zeros(distinct.numel(), dtype=torch.bool)
+    held[contiguous_windows(torch.arange(distinct.numel()), span)[val_order].flatten()] = True
+    order = shuffled_order(len(train_cut), seed)
+    train_order = order[~held[contiguous_windows(text_positions(streams, files), span)[order]].any(1)]
+    return with_bos(val_cut[val_order], bos), with_bos(train_cut[train_order], bos)
+
+
+def shuffled_order(count: int, seed: int) -> Tensor:
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+
+
+def text_positions(streams: dict[Path, Tensor], files: Sequence[Path]) -> Tensor:
+    """For every token of the stream of ``files`` as listed, its position in the stream of the distinct files (each
+    at its first listing): the tokens of a repeated source's copies get the positions of its first."""
+    starts = torch.tensor([0] + [s.numel() for s in streams.values()]).cumsum(0).tolist()
+    first = dict(zip(streams, starts, strict=False))
+    return torch.cat([first[path] + torch.arange(streams[path].numel()) for path in files])
+
+
+def with_bos(windows: Tensor, bos: int | None) -> Tensor:
+    """``windows`` with a first column of ``bos`` (unchanged without)."""
+    if bos is None:
+        return windows
+    return torch.cat([torch.full((len(windows), 1), bos, dtype=windows.dtype), windows], 1)
 
 
 def step_generator(seed: int, index: int) -> torch.Generator:
