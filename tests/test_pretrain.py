@@ -307,3 +307,27 @@ def test_split_windows_holds_out_text_of_the_distinct_sources_and_keeps_the_old_
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
     val, train = split_windows(streams, [a, b], seq_len=4, bos=None, val_windows=5, seed=0)
     assert torch.equal(val, windows[order[:5]]) and torch.equal(train, windows[order[5:]])  # as before the fix
+
+
+def test_the_export_writes_tokenizer_and_record_atomically_the_record_last(data, tmp_path, monkeypatch):
+    """A run stopped while exporting leaves no half-written tokenizer.json or training_record.json, and the record
+    (what marks a teacher this command trained) comes after everything else (review finding: plain writes)."""
+    import loopq.commands.pretrain as pretrain
+
+    written: list[str] = []
+
+    def recorded(path, write):
+        written.append(path.name)
+        atomic(path, write)
+
+    atomic = pretrain.atomic_write
+    monkeypatch.setattr(pretrain, "atomic_write", recorded)
+    dm = PretrainDataModule(sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=16, batch_size=4)
+    module = TeacherPretrainer(vocab_size=300, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                               num_key_value_heads=1, total_ut_steps=2, out_dir=str(tmp_path / "teacher"))  # fmt: skip
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, limit_val_batches=0, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    assert written == ["tokenizer.json", "training_record.json"]
+    record = json.loads((tmp_path / "teacher" / "training_record.json").read_text())
+    assert record["steps"] == 1 and load_looplm(tmp_path / "teacher").arch == "ouro"

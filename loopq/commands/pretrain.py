@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from loopq.artifacts.layout import RUN_LOCK, check_output_dir
+from loopq.artifacts.layout import RUN_LOCK, TRAINING_RECORD, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
@@ -59,6 +59,7 @@ from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_source, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import UsageError
+from loopq.files import atomic_write
 from loopq.locks import DirectoryLock
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
@@ -433,32 +434,37 @@ def export_teacher(
 ) -> Path:
     """Save model + tokenizer in Ouro's native layout and a training record (the ``python -m program`` command and
     ``extra`` entries, e.g. a fine-tune's auxiliary objective) next to them. ``dtype``: of the saved weights
-    (bf16 halves a committed teacher; :func:`loopq.models.load_looplm` reads it back as fp32)."""
+    (bf16 halves a committed teacher; :func:`loopq.models.load_looplm` reads it back as fp32). Every file is written
+    atomically and the record last: a run stopped while exporting leaves no half-written file."""
     out = Path(module.hparams.out_dir)
     model = module.model.eval()
     (model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)).save_pretrained(out)
-    data.tokenizer.save(str(out / "tokenizer.json"))
-    metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
-    record = {
+    atomic_write(out / "tokenizer.json", lambda p: data.tokenizer.save(str(p)))
+    text = json.dumps(training_record(module, data, program, dtype) | (extra or {}), indent=2, default=str) + "\n"
+    atomic_write(out / TRAINING_RECORD, lambda p: p.write_text(text))
+    return out
+
+
+def training_record(module: TeacherPretrainer, data: PretrainDataModule, program: str, dtype: torch.dtype) -> dict:
+    """What the record next to a trained teacher says: the command, hyper-parameters, steps, tokens and time."""
+    trainer = module.trainer
+    return {
         "command": f"python -m {program} " + shlex.join(sys.argv[1:]),
         "model_hparams": dict(module.hparams),
         "data_hparams": dict(data.hparams),
-        "steps": module.trainer.global_step,
+        "steps": trainer.global_step,
         # optimizer steps x windows per step (accumulated micro-batches, every process) x tokens per window
-        "train_tokens": module.trainer.global_step
-        * module.trainer.accumulate_grad_batches
-        * module.trainer.world_size
+        "train_tokens": trainer.global_step
+        * trainer.accumulate_grad_batches
+        * trainer.world_size
         * data.hparams.batch_size
         * data.hparams.seq_len,
         "wall_seconds": round(module.wall_seconds(), 1),
         "seed": module.hparams.seed,
         "torch": torch.__version__,
-        "final_metrics": metrics,
+        "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "saved_dtype": str(dtype).removeprefix("torch."),
-        **(extra or {}),
     }
-    (out / "training_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    return out
 
 
 class PretrainCLI(SharedParsing, LightningCLI):
