@@ -201,3 +201,133 @@ def test_each_epoch_has_its_own_order_and_a_resume_replays_it():
         sampler.set_epoch(epoch)
         want.append(list(sampler))
     assert seen == want  # Lightning set each epoch on the sampler
+
+
+def test_a_resumed_pretraining_sees_the_uninterrupted_batches_and_ends_on_its_weights(data, tmp_path):
+    """Stopped mid-epoch at step 4 and resumed from last.ckpt, a run trains on the batches of an uninterrupted run and
+    ends on its weights (the resume used to restart its epoch at the first batch: review finding). Epochs of 5 batches
+    in steps of 2 (3 steps an epoch, the last of 1 batch): the resume lands 1 step into epoch 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen: list[tuple[int, int]] = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.current_epoch, int(batch[0].sum())))
+
+    class StopAt(L.Callback):
+        def on_train_batch_end(self, trainer, *_):
+            trainer.should_stop = trainer.should_stop or trainer.global_step == 4
+
+    def run(name, stop=False, ckpt_path=None):
+        dm = PretrainDataModule(sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=16,
+                                batch_size=4, bos=True)  # fmt: skip
+        module = TeacherPretrainer(
+            vocab_size=300, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+            total_ut_steps=2, warmup_steps=1, out_dir=str(tmp_path / name / "teacher"),
+        )  # fmt: skip
+        ckpt = ModelCheckpoint(dirpath=tmp_path / name / "ckpt", every_n_train_steps=2, save_last=True)
+        trainer = L.Trainer(
+            max_steps=8, accelerator="cpu", logger=False, callbacks=[ckpt, Record()] + [StopAt()] * stop,
+            enable_progress_bar=False, limit_train_batches=5, accumulate_grad_batches=2, limit_val_batches=0,
+            enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        return module
+
+    straight = run("straight")
+    want, seen[:] = list(seen), []
+    run("resumed", stop=True)
+    assert len(seen) == 7  # 3 steps of epoch 0 (5 batches), 1 step of epoch 1
+    resumed = run("resumed", ckpt_path=str(tmp_path / "resumed" / "ckpt" / "last.ckpt"))
+    assert seen == want
+    for (name, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_epoch_shuffle_shards_the_epoch_over_processes_and_skips_what_a_resume_consumed():
+    """One process takes the epoch's (seed, epoch) permutation as it is (the order the embedded teachers trained
+    on); each of N takes every N-th window of it, padded to a multiple of N; a resume skips the windows this
+    process consumed in the resumed epoch only."""
+    from loopq.commands.pretrain import EpochShuffle, step_generator
+
+    order = torch.randperm(10, generator=step_generator(3, 1)).tolist()
+    one = EpochShuffle(10, seed=3)
+    one.set_epoch(1)
+    assert list(one) == order
+    shards = [EpochShuffle(10, seed=3, num_replicas=4, rank=r) for r in range(4)]
+    for shard in shards:
+        shard.set_epoch(1)
+    padded = order + order[:2]
+    assert [list(s) for s in shards] == [padded[r::4] for r in range(4)] and all(len(s) == 3 for s in shards)
+    shards[1].resume(epoch=1, windows=2)
+    assert list(shards[1]) == padded[1::4][2:] and len(shards[1]) == 3  # Lightning counts the skipped as fetched
+    shards[1].set_epoch(2)
+    assert len(list(shards[1])) == 3
+
+
+def test_validation_windows_share_no_text_with_training_when_a_source_is_listed_twice(tmp_path):
+    """The pretrain configs list WikiText-2 valid twice to weight it; validation windows cut from the shuffled windows
+    of that stream had their text in the other copy's training windows (review finding: optimistic val/ce). On text
+    of random words (no span of 4 words repeats by chance) no 16-token span of a validation window is in training (a
+    copy cut at another offset holds at least one such half of a window)."""
+    import random
+
+    gen = random.Random(0)
+    words = ["".join(gen.choices("abcdefghij", k=5)) for _ in range(5000)]
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(" ".join(gen.choices(words, k=4000)) + "\n")
+    dm = PretrainDataModule(sources=["a.txt", "b.txt", "b.txt"], root=str(tmp_path), vocab_size=300, seq_len=32,
+                            val_windows=32, bos=True)  # fmt: skip
+    dm.setup()
+
+    def spans(windows):
+        return {tuple(w[i : i + 16]) for w in windows.tolist() for i in range(1, len(w) - 15)}
+
+    assert len(dm.val) == 32 and not spans(dm.val) & spans(dm.train)
+    once = PretrainDataModule(sources=["a.txt", "b.txt"], root=str(tmp_path), vocab_size=300, seq_len=32,
+                                  val_windows=32, bos=True)  # fmt: skip
+    once.setup()
+    assert len(dm.train) > 1.45 * len(once.train)  # b's copy still weights its text
+
+
+def test_split_windows_holds_out_text_of_the_distinct_sources_and_keeps_the_old_split_without_repeats():
+    """Token values unique per text position, so shared values are shared text."""
+    from pathlib import Path
+
+    from loopq.commands.pretrain import split_windows
+
+    a, b = Path("a"), Path("b")
+    streams = {a: torch.arange(0, 60), b: torch.arange(100, 190)}
+    val, train = split_windows(streams, [a, b, b], seq_len=4, bos=7, val_windows=5, seed=0)
+    assert (val[:, 0] == 7).all() and (train[:, 0] == 7).all() and val.shape == (5, 5)
+    assert not set(val[:, 1:].flatten().tolist()) & set(train[:, 1:].flatten().tolist())
+    assert set(val[:, 1:].flatten().tolist()) <= set(range(60)) | set(range(100, 188))  # cut before b repeats
+    windows = torch.cat([streams[a], streams[b]]).view(-1, 5)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
+    val, train = split_windows(streams, [a, b], seq_len=4, bos=None, val_windows=5, seed=0)
+    assert torch.equal(val, windows[order[:5]]) and torch.equal(train, windows[order[5:]])  # as before the fix
+
+
+def test_the_export_writes_tokenizer_and_record_atomically_the_record_last(data, tmp_path, monkeypatch):
+    """A run stopped while exporting leaves no half-written tokenizer.json or training_record.json, and the record
+    (what marks a teacher this command trained) comes after everything else (review finding: plain writes)."""
+    import loopq.commands.pretrain as pretrain
+
+    written: list[str] = []
+
+    def recorded(path, write):
+        written.append(path.name)
+        atomic(path, write)
+
+    atomic = pretrain.atomic_write
+    monkeypatch.setattr(pretrain, "atomic_write", recorded)
+    dm = PretrainDataModule(sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=16, batch_size=4)
+    module = TeacherPretrainer(vocab_size=300, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                               num_key_value_heads=1, total_ut_steps=2, out_dir=str(tmp_path / "teacher"))  # fmt: skip
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, limit_val_batches=0, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    assert written == ["tokenizer.json", "training_record.json"]
+    record = json.loads((tmp_path / "teacher" / "training_record.json").read_text())
+    assert record["steps"] == 1 and load_looplm(tmp_path / "teacher").arch == "ouro"

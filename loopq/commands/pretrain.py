@@ -17,7 +17,8 @@ format (config.json + model.safetensors) with ``tokenizer.json`` to ``out_dir``.
 
 Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint(save_last=true)``, as in
 ``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
-newest checkpoint (model, optimizer, LR schedule, step; the data order restarts its epoch, in that epoch's order).
+newest checkpoint (model, optimizer, LR schedule, step; the data order goes on in its epoch after the batches the
+checkpointed steps consumed, so a resumed run trains on the batches an uninterrupted one would).
 The record written next to the model names the command, seed, steps and the wall time summed over all resumed
 segments.
 
@@ -48,16 +49,17 @@ from jsonargparse import capture_parser
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from loopq.artifacts.layout import RUN_LOCK, check_output_dir
+from loopq.artifacts.layout import RUN_LOCK, TRAINING_RECORD, check_output_dir
 from loopq.calib.stop_on_signal import exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.stream import contiguous_windows, token_stream
-from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
+from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_source, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import UsageError
+from loopq.files import atomic_write
 from loopq.locks import DirectoryLock
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
@@ -104,23 +106,64 @@ class PretrainDataModule(L.LightningDataModule):
             return
         hp = self.hparams
         files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
-        docs = read_training_text(files)
+        docs = read_training_text(files)  # the guards, over the sources as listed (a repeated one weights its text)
         self.tokenizer = load_tokenizer(hp.tokenizer) if hp.tokenizer else train_bpe(docs, hp.vocab_size)
-        if hp.bos:  # [BOS] + seq_len stream tokens: the model always sees BOS at position 0 (attention sink)
-            body = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len)
-            windows = torch.cat([torch.full((len(body), 1), eos_id(self.tokenizer), dtype=body.dtype), body], 1)
-        else:
-            windows = contiguous_windows(token_stream(docs, self.tokenizer), hp.seq_len + 1)
-        order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(hp.seed))
-        windows = windows[order]
-        self.val, self.train = windows[: hp.val_windows], windows[hp.val_windows :]
+        files = [path.resolve() for path in files]  # a file listed twice, however spelled, is one text
+        streams = {path: token_stream(read_source(path)[1], self.tokenizer) for path in dict.fromkeys(files)}
+        bos = eos_id(self.tokenizer) if hp.bos else None
+        self.val, self.train = split_windows(streams, files, hp.seq_len, bos, hp.val_windows, hp.seed)
 
     def train_dataloader(self) -> DataLoader:
-        sampler = EpochShuffle(len(self.train), self.hparams.seed)
-        return DataLoader(TensorDataset(self.train), batch_size=self.hparams.batch_size, sampler=sampler)
+        trainer, batch = self.trainer, self.hparams.batch_size
+        processes = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        sampler = EpochShuffle(len(self.train), self.hparams.seed, *processes)
+        if trainer is not None:  # a resumed fit goes on after the windows its checkpointed steps consumed
+            sampler.resume(*consumed_windows(trainer, epoch_batches(trainer, len(sampler), batch), batch))
+        return DataLoader(TensorDataset(self.train), batch_size=batch, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.val), batch_size=self.hparams.batch_size)
+
+
+def split_windows(
+    streams: dict[Path, Tensor], files: Sequence[Path], seq_len: int, bos: int | None, val_windows: int, seed: int
+) -> tuple[Tensor, Tensor]:
+    """(validation, training) windows of the token ``streams`` of the distinct source files.
+
+    Validation: the first ``val_windows`` of the shuffled contiguous windows of the distinct sources, cut before any
+    source is repeated. Training: the shuffled contiguous windows of the sources as listed (a source listed twice
+    weights its text, as the configs weight WikiText-2 valid), less every window that holds a token of validation
+    text; a repeated source's copy used to put the text of validation windows into training. Without repeats this is
+    the one shuffle split at ``val_windows``, as before. With ``bos`` each window is [BOS] + seq_len stream tokens (the
+    model always sees BOS at position 0: attention sink), else seq_len + 1 stream tokens."""
+    span = seq_len if bos is not None else seq_len + 1
+    distinct, listed = torch.cat(list(streams.values())), torch.cat([streams[path] for path in files])
+    val_cut, train_cut = contiguous_windows(distinct, span), contiguous_windows(listed, span)
+    val_order = shuffled_order(len(val_cut), seed)[:val_windows]
+    held = torch.zeros(distinct.numel(), dtype=torch.bool)
+    held[contiguous_windows(torch.arange(distinct.numel()), span)[val_order].flatten()] = True
+    order = shuffled_order(len(train_cut), seed)
+    train_order = order[~held[contiguous_windows(text_positions(streams, files), span)[order]].any(1)]
+    return with_bos(val_cut[val_order], bos), with_bos(train_cut[train_order], bos)
+
+
+def shuffled_order(count: int, seed: int) -> Tensor:
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+
+
+def text_positions(streams: dict[Path, Tensor], files: Sequence[Path]) -> Tensor:
+    """For every token of the stream of ``files`` as listed, its position in the stream of the distinct files (each
+    at its first listing): the tokens of a repeated source's copies get the positions of its first."""
+    starts = torch.tensor([0] + [s.numel() for s in streams.values()]).cumsum(0).tolist()
+    first = dict(zip(streams, starts, strict=False))
+    return torch.cat([first[path] + torch.arange(streams[path].numel()) for path in files])
+
+
+def with_bos(windows: Tensor, bos: int | None) -> Tensor:
+    """``windows`` with a first column of ``bos`` (unchanged without)."""
+    if bos is None:
+        return windows
+    return torch.cat([torch.full((len(windows), 1), bos, dtype=windows.dtype), windows], 1)
 
 
 def step_generator(seed: int, index: int) -> torch.Generator:
@@ -129,22 +172,45 @@ def step_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
-class EpochShuffle(Sampler[int]):
+class EpochShuffle(DistributedSampler):
     """The training windows in a fresh order each epoch, drawn from (seed, epoch) alone: Lightning calls
     ``set_epoch`` before each epoch, so a run resumed in epoch k replays epoch k's order (a generator seeded once
-    per run, as before, replayed epoch 0's) - from its first window: a resume restarts its epoch."""
+    per run, as before, replayed epoch 0's). Each of ``num_replicas`` processes takes every ``num_replicas``-th window
+    of the order (padded to a multiple of them, as ``DistributedSampler``; Lightning leaves a ``DistributedSampler``
+    as it is). :meth:`resume` skips the windows this process consumed before a mid-epoch checkpoint, so a resumed run
+    sees the batches an uninterrupted one would. The length stays the whole epoch's: Lightning counts the batches
+    its restored progress says were fetched."""
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+    def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.size, self.resume_epoch, self.skip = size, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.size
+    def resume(self, epoch: int, windows: int) -> None:
+        """Start ``epoch`` after this process's first ``windows`` windows of it (other epochs are whole)."""
+        self.resume_epoch, self.skip = epoch, windows
 
     def __iter__(self) -> Iterator[int]:
-        return iter(torch.randperm(self.size, generator=step_generator(self.seed, self.epoch)).tolist())
+        order = torch.randperm(self.size, generator=step_generator(self.seed, self.epoch)).tolist()
+        order += order[: self.total_size - self.size]
+        mine = order[self.rank : self.total_size : self.num_replicas]
+        return iter(mine[self.skip :] if self.epoch == self.resume_epoch else mine)
+
+
+def epoch_batches(trainer: L.Trainer, windows: int, batch_size: int) -> int:
+    """Batches one process runs per epoch: its ``windows`` in batches of ``batch_size``, cut by
+    ``trainer.limit_train_batches`` (a count, or a fraction of the batches) as Lightning cuts them."""
+    batches, limit = math.ceil(windows / batch_size), trainer.limit_train_batches
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+
+def consumed_windows(trainer: L.Trainer, batches: int, batch_size: int) -> tuple[int, int]:
+    """(the epoch the trainer's ``global_step`` falls in, the windows of it one process has consumed): an epoch of
+    ``batches`` batches is ceil(batches / accumulate_grad_batches) optimizer steps (its last step may accumulate
+    fewer), and every step before the global one took ``accumulate_grad_batches`` batches. 0 windows at a fresh
+    start and at an epoch's end."""
+    accumulate = trainer.accumulate_grad_batches
+    epoch, step = divmod(trainer.global_step, max(1, math.ceil(batches / accumulate)))
+    return epoch, step * accumulate * batch_size
 
 
 def per_loop_token_losses(model: OuroLM, ids: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -368,32 +434,37 @@ def export_teacher(
 ) -> Path:
     """Save model + tokenizer in Ouro's native layout and a training record (the ``python -m program`` command and
     ``extra`` entries, e.g. a fine-tune's auxiliary objective) next to them. ``dtype``: of the saved weights
-    (bf16 halves a committed teacher; :func:`loopq.models.load_looplm` reads it back as fp32)."""
+    (bf16 halves a committed teacher; :func:`loopq.models.load_looplm` reads it back as fp32). Every file is written
+    atomically and the record last: a run stopped while exporting leaves no half-written file."""
     out = Path(module.hparams.out_dir)
     model = module.model.eval()
     (model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)).save_pretrained(out)
-    data.tokenizer.save(str(out / "tokenizer.json"))
-    metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
-    record = {
+    atomic_write(out / "tokenizer.json", lambda p: data.tokenizer.save(str(p)))
+    text = json.dumps(training_record(module, data, program, dtype) | (extra or {}), indent=2, default=str) + "\n"
+    atomic_write(out / TRAINING_RECORD, lambda p: p.write_text(text))
+    return out
+
+
+def training_record(module: TeacherPretrainer, data: PretrainDataModule, program: str, dtype: torch.dtype) -> dict:
+    """What the record next to a trained teacher says: the command, hyper-parameters, steps, tokens and time."""
+    trainer = module.trainer
+    return {
         "command": f"python -m {program} " + shlex.join(sys.argv[1:]),
         "model_hparams": dict(module.hparams),
         "data_hparams": dict(data.hparams),
-        "steps": module.trainer.global_step,
+        "steps": trainer.global_step,
         # optimizer steps x windows per step (accumulated micro-batches, every process) x tokens per window
-        "train_tokens": module.trainer.global_step
-        * module.trainer.accumulate_grad_batches
-        * module.trainer.world_size
+        "train_tokens": trainer.global_step
+        * trainer.accumulate_grad_batches
+        * trainer.world_size
         * data.hparams.batch_size
         * data.hparams.seq_len,
         "wall_seconds": round(module.wall_seconds(), 1),
         "seed": module.hparams.seed,
         "torch": torch.__version__,
-        "final_metrics": metrics,
+        "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "saved_dtype": str(dtype).removeprefix("torch."),
-        **(extra or {}),
     }
-    (out / "training_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    return out
 
 
 class PretrainCLI(SharedParsing, LightningCLI):

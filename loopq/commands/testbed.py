@@ -38,6 +38,7 @@ from loopq.calib.regime import activation_regime, fresh_sharing_gaps, looped_gro
 from loopq.commands.cli import Command
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_training_text, resolve_sources
 from loopq.data.tokenizer import load_tokenizer
+from loopq.errors import UsageError
 from loopq.files import atomic_write
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models import LoopLM, load_looplm
@@ -86,6 +87,16 @@ def outlier_reparameterize(
                 for linear in layer.get_submodule(group_name).children():
                     linear.weight[:, idx] /= factor
     return out, OutlierSpec(chosen, factor, seed)
+
+
+def check_has_stress_variant(model: LoopLM, model_dir: Path) -> None:
+    """``--outliers_out`` needs an RMSNorm feeding a quantized group (``norm_feeds``): refused before any
+    measurement or write otherwise (LoopFormer's groups are fed by weightless, time-modulated RMS norms)."""
+    if not model.norm_feeds:
+        raise UsageError(
+            f"--outliers_out: {model_dir} ({model.arch}) has no RMSNorm feeding a quantized group (norm_feeds is "
+            "empty), so it has no stress variant; drop --outliers_out"
+        )
 
 
 def unigram_perplexity(train_ids: Tensor, test_ids: Tensor, vocab_size: int) -> float:
@@ -254,6 +265,8 @@ def testbed(
         check_output_dir(outliers_out, [model], "--outliers_out", replaces=("stress variant",))
     tokenizer = load_tokenizer(model)
     teacher = load_looplm(model)
+    if outliers_out:
+        check_has_stress_variant(teacher, model)
     result = measure(model, tokenizer, teacher, windows)
     write(model, model.name, result)
     print(json.dumps({k: v for k, v in result.items() if k not in BULKY}, indent=1))

@@ -55,17 +55,35 @@ class OuroConfig:
     def __post_init__(self) -> None:
         if self.hidden_act != "silu":
             raise LoopLMError(f"config.json: hidden_act={self.hidden_act!r} is not supported (Ouro uses 'silu')")
-        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", "default") != "default":
-            raise LoopLMError(f"config.json: rope_scaling={self.rope_scaling!r} is not supported; use null")
+        self._check_rope()
         if self.num_attention_heads % self.num_key_value_heads:
             raise LoopLMError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
         layer_types = self.extra.get("layer_types") or []
         if any(kind != "full_attention" for kind in layer_types) or self.extra.get("use_sliding_window"):
             raise LoopLMError("config.json: sliding-window layers (layer_types / use_sliding_window) unsupported")
 
+    def _check_rope(self) -> None:
+        """Only the default RoPE (``rope_theta``) is implemented: any other variant is refused however config.json
+        names it (``rope_scaling``, or transformers 5's ``rope_parameters``, kept in ``extra``)."""
+        for key, entry in (("rope_scaling", self.rope_scaling), ("rope_parameters", self.extra.get("rope_parameters"))):
+            if entry is not None and (not isinstance(entry, Mapping) or rope_type(entry) != "default"):
+                raise LoopLMError(f"config.json: {key}={entry!r} is not supported: use the default RoPE (null)")
+        theta = (self.extra.get("rope_parameters") or {}).get("rope_theta", self.rope_theta)
+        if theta != self.rope_theta:
+            raise LoopLMError(
+                f"config.json: rope_parameters.rope_theta={theta!r} differs from rope_theta={self.rope_theta!r} "
+                "(the default when absent); set rope_theta to the model's value"
+            )
+
     @property
     def dh(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+def rope_type(entry: Mapping[str, Any]) -> str:
+    """The RoPE variant a ``rope_scaling`` / ``rope_parameters`` entry names: its ``rope_type``, else the legacy
+    ``type`` (as ``transformers`` and upstream's ``OuroRotaryEmbedding`` read it), else ``default``."""
+    return str(entry.get("rope_type", entry.get("type")) or "default")
 
 
 class OuroAttention(nn.Module):

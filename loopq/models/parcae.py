@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, attention
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, RMSNorm, attention, same_values
 from loopq.models.kv_cache import DecodeStep
 
 #: upstream ``CausalSelfAttention.ve_gate_channels``: the gate reads the first 32 channels of the block input
@@ -549,7 +549,7 @@ class ParcaeLM(LoopLM):
         table = state.pop(self.rope_key, None)
         if table is not None:
             want = self.rope_table()
-            if tuple(table.shape) != tuple(want.shape) or not torch.allclose(table.float(), want, rtol=0, atol=1e-5):
+            if not same_values(table, want, atol=1e-5):  # to the stored dtype's rounding: a bf16 table too
                 raise LoopLMError(
                     f"{source}: {self.rope_key!r} (shape {tuple(table.shape)}) is not the RoPE table that config.json "
                     f"implies (shape {tuple(want.shape)}, rope_settings={self.config.rope_settings}, block_size="

@@ -28,7 +28,7 @@ from loopq.artifacts.seal import seal
 from loopq.calib.checkpoint_io import CheckpointError, checkpoint_problem, newest_intact, write_sidecar
 from loopq.calib.stop_on_signal import StopOnSignal, exit_status
 from loopq.commands import evaluate, export, fit, pretrain, run, testbed
-from loopq.errors import GuardError, LoopQError
+from loopq.errors import GuardError, LoopQError, UsageError
 from loopq.paths import REPO_ROOT
 from loopq.planning import guards
 from tests.helpers import FIT_CONFIGS, assert_same_tensors, read_student, run_fit
@@ -119,6 +119,18 @@ def test_testbed_outliers_out_replaces_only_an_earlier_stress_variant(teacher, t
     assert snapshot(other) == before
     stress = shutil.copytree(STRESS, tmp_path / "stress")  # the README's rebuild writes over its own output
     assert layout.check_output_dir(stress, [teacher], "--outliers_out", replaces=("stress variant",)) == stress
+
+
+def test_testbed_outliers_out_on_loopformer_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    """LoopFormer has no RMSNorm weight to scale (``norm_feeds`` is empty): refused with the CLI's usage error before
+    the model is measured, its testbed.json / TESTBED.md rewritten or ``--outliers_out`` made (review finding: a
+    ValueError traceback after both records were overwritten)."""
+    model = Path(shutil.copytree(REPO_ROOT / "loopq" / "assets" / "tiny-loopformer", tmp_path / "loopformer"))
+    before = snapshot(model)
+    with pytest.raises(UsageError) as err:
+        testbed.main(["--model", str(model), "--outliers_out", str(tmp_path / "stress"), "--windows", "1"])
+    assert re.match(r"--outliers_out: .*loopformer \(loopformer\) has no RMSNorm", one_line(err.value))
+    assert snapshot(model) == before and not (tmp_path / "stress").exists()
 
 
 # ---------------------------------------------------------------------------------------------------- fit / run

@@ -4,8 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loopq.models import load_looplm
-from loopq.models.ouro import exit_distribution, threshold_exit_steps
+from loopq.models import LoopLMError, load_looplm
+from loopq.models.loading import read_config
+from loopq.models.ouro import OuroLM, exit_distribution, threshold_exit_steps
 
 ATOL = RTOL = 1e-4
 
@@ -106,3 +107,31 @@ def test_last_loop_equals_the_hf_default_call_only_while_no_token_exits_early(ou
         finally:
             bias.copy_(kept)
     assert (threshold.extras["exit_steps"] == 0).all() and not torch.allclose(last, threshold.logits)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"rope_scaling": {"type": "linear", "factor": 4.0}},  # the legacy spelling upstream still reads
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},  # transformers 5's spelling
+        {"rope_parameters": {"type": "dynamic", "factor": 2.0}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},  # a theta the loader would not use
+    ],
+)
+def test_a_rope_other_than_the_default_is_refused_however_config_json_spells_it(fixtures, entry):
+    """A scaled RoPE used to load as plain RoPE when spelled ``type`` or ``rope_parameters`` (review finding)."""
+    config = {**read_config(fixtures / "ouro-tiny"), **entry}
+    with pytest.raises(LoopLMError, match=next(iter(entry))) as refused:
+        OuroLM.config_from_dict(config)
+    assert "\n" not in str(refused.value) and str(refused.value).startswith("config.json: ")
+
+
+def test_the_default_rope_loads_however_config_json_spells_it(fixtures):
+    native = read_config(fixtures / "ouro-tiny")
+    for entry in (
+        {"rope_scaling": {"type": "default"}},
+        {"rope_scaling": {}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": native["rope_theta"]}},
+    ):
+        assert OuroLM.config_from_dict({**native, **entry}).rope_theta == native["rope_theta"]

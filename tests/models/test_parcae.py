@@ -245,3 +245,19 @@ def test_seeded_state_does_not_depend_on_batch_composition(fixtures):
         prefix = model(ids[1:2, :12], seed=3).logits
     torch.testing.assert_close(batched[1:2], alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(alone[:, :12], prefix, atol=1e-5, rtol=1e-5)  # causal: a prefix scores the same
+
+
+def test_a_checkpoint_stored_all_in_bf16_loads_its_rope_table(fixtures, tmp_path):
+    """Upstream's ``model.to(torch.bfloat16)`` stores ``freqs_cis`` in bf16 too (~2e-3 off the fp32 table): it is
+    checked to bf16's rounding, not refused with a message that blames a correct config.json (review finding); a
+    wrong table in bf16 is still refused."""
+    from safetensors.torch import save_file
+
+    path = fixtures / "parcae-tiny"
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    weights = {k: v.to(torch.bfloat16) for k, v in read_weights(path).items()}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    model = load_looplm(tmp_path, dtype=torch.bfloat16)
+    assert model.arch == "parcae"
+    with pytest.raises(LoopLMError, match="freqs_cis"):
+        model.load_native_state_dict({**weights, "freqs_cis": weights["freqs_cis"] * 1.1})
