@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loopq.calib.module import LoopQCalibration, load_teacher
 from loopq.calib.targets import compute_targets
 from loopq.data.calibration import CalibrationDataModule
-from loopq.models.loading import read_config, save_native
+from loopq.models.loading import read_config
 from loopq.models.ouro import OuroLM
 from loopq.paths import ASSETS
 from loopq.quant import QuantConfig, init_clipping_from_data, looped_quant_groups
@@ -89,7 +89,7 @@ def synthetic_teacher(width: int, layers: int, directory: Path) -> str:
         "num_hidden_layers": layers,
     }
     model = OuroLM.from_config(config, seed=0)
-    save_native(model, directory)
+    model.save_pretrained(directory)
     return str(directory)
 
 
@@ -112,8 +112,8 @@ def build(
     )
     module.to(device)
     init_clipping_from_data(module.student, samples.to(device))
-    for name in list(looped_quant_groups(module.student))[: module.quant_config.slt_budget]:
-        module.promote(name)  # which groups does not matter for cost: promoted groups differ only in values
+    for group in list(looped_quant_groups(module.student).values())[: module.quant_config.slt_budget]:
+        group.promote()  # which groups does not matter for cost: promoted groups differ only in values
     module.targets = compute_targets(module.teacher, samples.to(device), 1000, loops)
     module.mu.fill_(0.5)
     return module
