@@ -12,6 +12,12 @@
 # .gpu-carry/MANIFEST.json: the commit, sizes and SHA-256 of the files.
 # It ends with the size of the tree plus the carry, and fails beyond 60 MiB (a device call takes 64 MiB in all).
 set -euo pipefail
+usage() { sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; }  # the comment block above
+case "${1:-}" in
+  "") ;;
+  -h|--help) usage; exit 0 ;;
+  *) echo "error: scripts/gpu_carry.sh takes no arguments, got $1 (-h for help)" >&2; exit 2 ;;
+esac
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 python="${PYTHON:-}"

@@ -6,6 +6,13 @@
 # skipped, a stopped one resumes from its last checkpoint.
 #   OMP_NUM_THREADS=1 bash scripts/weighting_sweep.sh [teacher ...]
 set -euo pipefail
+usage() { sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; }  # the comment block above
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+    -*) echo "error: unknown option $arg (arguments are teacher names under loopq/assets; -h for help)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 teachers=("${@:-small-ouro-sensitive small-ouro}")
 declare -A SETTINGS=(
