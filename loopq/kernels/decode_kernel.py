@@ -304,9 +304,23 @@ def _weight_operand(w_step, i, g, G, MASKED: tl.constexpr, HALVES: tl.constexpr,
 
 
 @triton.jit
+def _weight_step(w_rows, c, js, HALVES: tl.constexpr):
+    """The code addresses of chunk ``c``'s first group for lane ``js`` (``[S, 1, 1]``) of each row in ``w_rows``, in
+    the shape :func:`_weight_operand` loads: ``[2, S, ROWS, 8]`` (two lanes per row, 8 bytes each) with ``HALVES``,
+    else ``[S, 16, ROWS]``; group ``i`` of the step is ``i * ROWS * LANES * 16`` bytes further."""
+    if HALVES:
+        half = tl.arange(0, 2)[:, None, None, None]
+        b8 = tl.arange(0, 8)[None, None, None, :]
+        w_off = c * (_RUN * _ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
+        w_step = w_rows[None, None, :, None] + w_off
+    else:
+        w_step = w_rows[None, None, :] + (c * (_RUN * _ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None])
+    return w_step
+
+
+@triton.jit
 def _mma_lanes(
-    acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8,
-    MASKED: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
+    acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Groups ``g = 64 c + 8 i + j[s]`` (i = 0..7) of the program's rows for all 16 tokens, one lane ``j[s]`` per
     warp ``s``: per group one int8 tensor-core dot of depth 32 per warp and one rescale of its ``[16, ROWS]``
@@ -317,24 +331,14 @@ def _mma_lanes(
     g0 = c * _CHUNK + j  # [S]: the step's group at i = 0
     a_step = a_rows + (g0 * 32)[:, None, None]  # [S, 16, 32]
     sa_step = sa_rows + g0[:, None]  # [S, 16]
-    if HALVES:
-        half = tl.arange(0, 2)[:, None, None, None]
-        b8 = tl.arange(0, 8)[None, None, None, :]
-        w_off = c * (_RUN * _ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
-        w_step = w_rows[None, None, :, None] + w_off
-    else:
-        w_step = w_rows[None, None, :] + (c * (_RUN * _ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None])
+    w_step = _weight_step(w_rows, c, js, HALVES)
     for i in tl.static_range(_RUN):
         g2 = g0[:, None] + i * _LANES  # [S, 1]
         g = g2[:, :, None]
-        if MASKED:
-            a = tl.load(a_step + i * (_LANES * 32), mask=g < G, other=0)
-            sa = tl.load(sa_step + i * _LANES, mask=g2 < G, other=0.0)
-        else:
-            a = tl.load(a_step + i * (_LANES * 32))
-            sa = tl.load(sa_step + i * _LANES)
+        a = tl.load(a_step + i * (_LANES * 32))
+        sa = tl.load(sa_step + i * _LANES)
         # the activation holds per group its 16 even-k codes, then its 16 odd-k codes: the low nibbles, then the high
-        wk = _weight_operand(w_step, i, g, G, MASKED, HALVES, ASM)  # [S, K, ROWS]
+        wk = _weight_operand(w_step, i, g, G, False, HALVES, ASM)  # [S, K, ROWS]
         dot = tl.dot(a, wk, out_dtype=tl.int32)  # [S, 16, ROWS]
         acc += (dot.to(tl.float32) * sa[:, :, None]) * _pick4(sw, i)
     return acc
@@ -347,13 +351,7 @@ def _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, HALVES: tl.constex
     registers than the unrolled steps (unrolled, it made ptxas spill under Triton 3.6)."""
     js = j[:, None, None]  # [S, 1, 1]
     g0 = c * _CHUNK + j
-    if HALVES:
-        half = tl.arange(0, 2)[:, None, None, None]
-        b8 = tl.arange(0, 8)[None, None, None, :]
-        w_off = c * (_RUN * _ROWS * _LANES * 16) + js[None, :, :, :] * 16 + half * 8 + b8  # [2, S, ROWS, 8]
-        w_step = w_rows[None, None, :, None] + w_off
-    else:
-        w_step = w_rows[None, None, :] + (c * (_RUN * _ROWS * _LANES * 16) + js * 16 + tl.arange(0, 16)[None, :, None])
+    w_step = _weight_step(w_rows, c, js, HALVES)
     for i in range(tl.cdiv(G - c * _CHUNK, _LANES)):
         g2 = g0[:, None] + i * _LANES  # [S, 1]
         g = g2[:, :, None]
@@ -402,7 +400,7 @@ def _decode_mma_kernel(
     for step in range(full * (_LANES // SPLIT)):  # one loop over (chunk, lane run): no loop nest to keep registers for
         c = step // (_LANES // SPLIT)
         j = (step - c * (_LANES // SPLIT)) * SPLIT + s
-        acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, False, HALVES, ASM)
+        acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, HALVES, ASM)
     if full < chunks:
         for jj in range(_LANES // SPLIT):
             j = jj * SPLIT + s
