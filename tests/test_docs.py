@@ -38,7 +38,8 @@ def test_the_readme_starts_short_with_the_two_commands():
     assert len(lines) <= 120
     commands = [line for line in lines[:10] if line.startswith("python3 -m venv")]
     main, tests = [c.rsplit("&& ", 1)[1] for c in commands]
-    assert main == "OMP_NUM_THREADS=1 python -m loopq.run --config configs/tiny.yaml" and tests.startswith("python -m pytest")
+    assert main == "OMP_NUM_THREADS=1 python -m loopq.run --config configs/tiny.yaml"
+    assert tests.startswith("python -m pytest")
     assert "minutes" in "\n".join(lines[:20])
     ci = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci and ci[-1] == tests  # CI ends with the README's test command, as written there
