@@ -35,7 +35,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from loopq.kernels import decode_kernel, gemm_kernel, ptx, quantize_kernel
-from tests.kernels.gpu_compile import compile_decode, compile_fast_quantizer, compile_gemm, ptxas_usage, sass_of
+from tests.kernels.gpu_compile import compile_decode, compile_gemm, compile_quantizer, ptxas_usage, sass_of
 
 DECODE_M = (1, 2, 4, 8, 16)
 #: the weight codes are loaded with the evict-first hint, their scales with ``ld.global.cg`` (``decode_kernel``)
@@ -103,7 +103,7 @@ OURO_FACTORS = ((2048, 32, 64), (5632, 64, 88))
 
 def quantizer_row(arch: int, k: int, n1: int, n2: int, m: int) -> dict:
     start = time.perf_counter()
-    code = compile_fast_quantizer(GPUTarget("cuda", arch, 32), k, n1, n2, 4, m).asm["ptx"]
+    code = compile_quantizer(GPUTarget("cuda", arch, 32), m, k, (n1, n2), 4, fast=True).asm["ptx"]
     seconds = time.perf_counter() - start
     regs, spills = ptxas_usage(code, arch)
     launch = quantize_kernel.quantize_launch(m, k, (n1, n2), 4, True, False, True, True)

@@ -13,6 +13,7 @@ import tarfile
 from importlib.metadata import distributions
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 
 from loopq.commands.gpu_check import carry
@@ -105,9 +106,11 @@ def test_head_keeps_whole_lines():
 
 
 def test_carried_data_is_enough_for_the_stages(tmp_path, monkeypatch):
-    """The slices hold what the stages read: the tiny config's 256 + 4 windows of 128 tokens (its tokenizer), the
-    paper-shape stage's 64 + 8 windows of 256 SmolLM2 tokens, and the pipeline's WikiText-2 windows."""
-    from loopq.data.calibration import calibration_stream, check_enough_tokens
+    """The slices hold what the stages read: ``configs/tiny.yaml``'s whole ``data`` section as the calibration stage
+    runs it (read from the config, so a source the config gains is checked: the first GPU run of this check failed
+    on the validation set's WikiText-2 valid text, which the carry lacked), the paper-shape stage's 64 + 8 windows
+    of 256 SmolLM2 tokens, and the pipeline's WikiText-2 windows."""
+    from loopq.data.calibration import CalibrationDataModule, calibration_stream, check_enough_tokens
     from loopq.data.tokenizer import load_tokenizer
     from loopq.metrics.perplexity import wikitext2_stream
 
@@ -115,8 +118,11 @@ def test_carried_data_is_enough_for_the_stages(tmp_path, monkeypatch):
         tar.extractall(tmp_path, filter="data")
     root = tmp_path / "data"
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == sorted(r for r, _ in carry.DATA)
-    tiny = calibration_stream(str(ASSETS / "tiny-ouro"), None, str(root))
-    check_enough_tokens(tiny.numel(), 256, 4, 128)  # configs/tiny.yaml's data
+    config = yaml.safe_load((REPO_ROOT / "configs" / "tiny.yaml").read_text())
+    teacher = str(REPO_ROOT / config["model"]["teacher"])
+    tiny = CalibrationDataModule(tokenizer=teacher, root=str(root), **config["data"])
+    tiny.setup("fit")  # every source and validation source read, enough tokens for every window
+    assert len(tiny.samples) == config["data"]["num_samples"] and set(tiny.val_sets) == {"heldout", "extra"}
     smollm2 = root / "tokenizers" / "smollm2" / "SmolLM2-135M-Instruct-Tokenizer.json"
     check_enough_tokens(calibration_stream(str(smollm2), None, str(root)).numel(), 64, 8, 256)  # paper-shape
     monkeypatch.setenv("LOOPQ_DATA", str(root))

@@ -414,3 +414,30 @@ def test_e2e_verdict_reads_the_fastest_mode_and_the_goals():
     assert checks.e2e_result(payload).status == OK
     payload["prefill"]["W4A4"]["prefill tok/s"] = 900.0
     assert checks.e2e_result(payload).status == BELOW_GOAL
+
+
+def test_kernel_tests_stage_names_failures_as_they_happen(tmp_path):
+    """The plugin the ``kernel-tests`` stage loads writes each failure when it happens (a cut stage still names what
+    failed): one failing assertion and one erroring fixture among passing tests, read back with their messages."""
+    from loopq.commands.gpu_check import pytest_failures
+    from loopq.commands.gpu_check.checks import name_of
+
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    assert True\n"
+        "def test_wrong():\n    assert 1 + 1 == 3, 'arithmetic'\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('no device')\n"
+        "def test_error(broken):\n    pass\n"
+    )
+    out = tmp_path / "failures.jsonl"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", pytest_failures.__name__]
+    env = {**os.environ, pytest_failures.ENV: str(out), "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run([*cmd, str(tmp_path / "test_sample.py")], cwd=tmp_path, env=env, capture_output=True)
+    assert run.returncode == 1
+    rows = pytest_failures.read_failures(out)
+    assert [(name_of(r["test"]), r["when"]) for r in rows] == [
+        ("test_sample::test_wrong", "call"),
+        ("test_sample::test_error", "setup"),
+    ]
+    assert "arithmetic" in rows[0]["error"] and "no device" in rows[1]["error"]
+    assert pytest_failures.read_failures(tmp_path / "absent.jsonl") == []

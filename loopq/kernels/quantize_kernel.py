@@ -505,11 +505,14 @@ class QuantizeLaunch(NamedTuple):
         clip32: float,
     ) -> None:
         """Launch on contiguous ``x`` (``M * K`` elements), fp32 contiguous factors (None without a transform),
-        ``clip32`` already an fp32 value (:func:`fp32_value`); an absent tensor's pointer is ``x``'s (unread)."""
+        ``clip32`` already an fp32 value (:func:`fp32_value`). An absent operand's pointer is ``scales``' (fp32,
+        unread): Triton types code a constexpr rules out, and ``x``'s pointer (bf16 on a GPU) as the scratch made
+        ``_span_groups`` return bf16 on one path and fp32 on the other, which Triton 3.6 refuses to compile."""
         kernel = _quantize_dot_kernel if self.fast else _quantize_kernel
+        none = scales  # the fp32 stand-in for an absent operand
         kernel[self.grid](
-            x, x if inv_d is None else inv_d, x if left is None else left, x if right is None else right,
-            x if scratch is None else scratch, codes, scales, self.m, clip32, **self.constexprs,
+            x, none if inv_d is None else inv_d, none if left is None else left, none if right is None else right,
+            none if scratch is None else scratch, codes, scales, self.m, clip32, **self.constexprs,
         )  # fmt: skip
 
 

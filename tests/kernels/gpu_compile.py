@@ -15,8 +15,11 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -25,37 +28,71 @@ from loopq.commands.gpu_check.kernel_bench import SHAPES
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
 from loopq.kernels.packing import TILE_ROWS
 
-QUANT_CONFIGS = ((5632, 64, 88, True, 4, 1), (2048, 32, 64, True, 8, 2), (2048, 1, 1, False, 4, 2))
+#: (tokens, K, Kronecker factors or None, bits) of the exact quantizer: its prefill split at 5632 = 64 x 88 (through
+#: the scratch rows), its decode split at 2048 = 32 x 64, and no transform (all 2048 channels of a row per program)
+QUANT_CONFIGS = ((4096, 5632, (64, 88), 4), (16, 2048, (32, 64), 8), (4096, 2048, None, 4))
 #: the fast quantizer at Ouro-1.4B's input widths (``kron_factors``: 2048 = 32 x 64, 5632 = 64 x 88), int4 and int8
 FAST_QUANT_CONFIGS = tuple((k, n1, n2, bits) for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)) for bits in (4, 8))
 #: tokens per launch whose dp4a decode kernels are checked here: one of each compiled variant (BLOCK_M 1, 2, 4, 8;
 #: 9..16 tokens run the tensor-core kernel, checked by ``scripts/ptx_stats.py``)
 DECODE_M = (1, 2, 4, 8)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+#: Triton's pointer type of each torch dtype a launch passes
+POINTER = {
+    torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+    torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32",
+}  # fmt: skip
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
-def compile_quantizer(target: GPUTarget, k: int, n1: int, n2: int, transform: bool, bits: int, block_m: int):
-    np2 = triton.next_power_of_2
-    sig = {"x_ptr": "*bf16", "d_ptr": "*fp32", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
-    sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
-    const = dict(K=k, KP=np2(k), N1=n1, N2=n2, N1P=np2(n1), N2P=np2(n2), HAS_TRANSFORM=transform, BITS=bits)
-    const |= dict(QMIN=float(-(2 ** (bits - 1))), QMAX=float(2 ** (bits - 1) - 1), BLOCK_M=block_m)
-    const |= dict(HAS_D=True, DECODE=False)  # the exported model multiplies by 1/d in the quantizer
-    src = ASTSource(quantize_kernel._quantize_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
-    return triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False})
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call, launches nothing."""
+
+    def __init__(self, kernel: triton.runtime.JITFunction) -> None:
+        self.kernel, self.call = kernel, None
+
+    def __getitem__(self, grid: object):
+        return lambda *args, **kwargs: setattr(self, "call", (args, kwargs))
 
 
-def compile_fast_quantizer(target: GPUTarget, k: int, n1: int, n2: int, bits: int, m: int = 1):
-    """The tensor-core path (``exact=False``) as :func:`quantize_kernel.quantize_launch` launches it for ``m``
-    tokens (its :func:`~quantize_kernel.dot_config`: the decode split up to 16 tokens, whole tokens above), bf16
-    input, the diagonal folded in, packed int4 or int8 codes."""
-    sig = {"x_ptr": "*bf16", "d_ptr": "*fp32", "left_ptr": "*fp32", "right_ptr": "*fp32", "scratch_ptr": "*fp32"}
-    sig |= {"codes_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32", "M": "i32", "clip": "fp32"}
-    launch = quantize_kernel.quantize_launch(m, k, (n1, n2), bits, True, False, True, True)
-    const = {key: v for key, v in launch.constexprs.items() if key not in ("num_warps", "enable_fp_fusion")}
-    src = ASTSource(quantize_kernel._quantize_dot_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
-    options = {"num_warps": launch.constexprs["num_warps"], "enable_fp_fusion": False}
-    return triton.compile(src, target=target, options=options)
+def as_launched(module: ModuleType, names: tuple[str, ...], launch: Callable[[], None]) -> tuple:
+    """(kernel, signature, constexprs, options) of the call ``launch()`` makes to one of ``module``'s kernels
+    ``names``, with each pointer typed by the tensor the host code really passes: a signature written here by hand
+    once typed an unread stand-in pointer fp32 where the launcher passed the bf16 input, and the GPU compiler
+    rejected what this file compiled."""
+    saved = {name: getattr(module, name) for name in names}
+    recorders = {name: _Recorder(kernel) for name, kernel in saved.items()}
+    try:
+        for name, recorder in recorders.items():
+            setattr(module, name, recorder)
+        launch()
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
+    (recorder,) = [r for r in recorders.values() if r.call is not None]
+    args, kwargs = recorder.call
+    options = {key: kwargs.pop(key) for key in OPTIONS if key in kwargs}
+    sig = {}
+    for name, arg in zip(recorder.kernel.arg_names, args, strict=False):
+        sig[name] = POINTER[arg.dtype] if isinstance(arg, torch.Tensor) else "i32" if isinstance(arg, int) else "fp32"
+    return recorder.kernel, sig | dict.fromkeys(kwargs, "constexpr"), kwargs, options
+
+
+def compile_quantizer(target: GPUTarget, m: int, k: int, factors: tuple[int, int] | None, bits: int, fast: bool):
+    """The quantizer as :meth:`quantize_kernel.QuantizeLaunch.run` launches it on a GPU for ``m`` bf16 tokens: the
+    diagonal folded in (the exported model multiplies by 1/d in the quantizer), packed int4 or int8 codes; ``fast``:
+    the tensor-core path (:func:`~quantize_kernel.dot_config`: the decode split up to 16 tokens, whole tokens above)."""
+    launch = quantize_kernel.quantize_launch(m, k, factors, bits, True, False, fast, True)
+    x, inv_d = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k)
+    left, right = (torch.empty(f, f) for f in factors) if factors else (None, None)
+    scratch = torch.empty(launch.scratch_rows(), k) if launch.needs_scratch else None
+    codes, scales = quantize_kernel._outputs(x, bits)
+
+    def run() -> None:
+        launch.run(x, inv_d, left, right, scratch, codes, scales, 1.0)
+
+    kernel, sig, const, options = as_launched(quantize_kernel, ("_quantize_kernel", "_quantize_dot_kernel"), run)
+    return triton.compile(ASTSource(kernel, sig, constexprs=const), target=target, options=options)
 
 
 def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig):
@@ -128,7 +165,7 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 def main(arch: int) -> None:
     target = GPUTarget("cuda", arch, 32)
     for cfg in QUANT_CONFIGS:
-        ptx = compile_quantizer(target, *cfg).asm["ptx"]
+        ptx = compile_quantizer(target, *cfg, fast=False).asm["ptx"]
         print(
             "quantize",
             cfg,
@@ -141,7 +178,7 @@ def main(arch: int) -> None:
         )
     for k, n1, n2, bits in FAST_QUANT_CONFIGS:
         for m in (1, 4096):  # the decode split and the prefill one
-            ptx = compile_fast_quantizer(target, k, n1, n2, bits, m).asm["ptx"]
+            ptx = compile_quantizer(target, m, k, (n1, n2), bits, fast=True).asm["ptx"]
             regs, spills = ptxas_usage(ptx, arch)
             mma, split = ptx.count("mma.sync.aligned") + ptx.count("wgmma.mma_async"), ptx.count("cvt.rna.tf32")
             print(f"fastquant K={k} {n1}x{n2} a{bits} M={m} mma", mma, "cvt.rna.tf32", split, end=" ")

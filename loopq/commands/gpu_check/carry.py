@@ -11,7 +11,8 @@ need beyond the machine's image (:data:`IMAGE_LIST`, recorded there):
   --target``), as wheels, since Lightning reads DeepSpeed's and jsonargparse's installed metadata.
 * ``data.tar.xz``: the slices of the shared data the stages read (:data:`DATA`): the start of each calibration text
   (``calibration``, ``paper-shape``), the start of WikiText-2's test text (``pipeline`` reads its first
-  ``PIPELINE_WINDOWS`` windows) and the SmolLM2 tokenizer (``paper-shape``), unpacked there into the folder
+  ``PIPELINE_WINDOWS`` windows) and of its valid text (``configs/tiny.yaml``'s validation set, ``calibration``) and
+  the SmolLM2 tokenizer (``paper-shape``), unpacked there into the folder
   ``LOOPQ_SHARED`` points at.
 * ``MANIFEST.json``: the commit it was built from, each file's size and SHA-256.
 
@@ -59,6 +60,7 @@ DATA: tuple[tuple[str, int | None], ...] = (
     ("calibration/simplebooks-92-valid.txt", 64 * 1024),
     ("calibration/tinyshakespeare_input.txt", 64 * 1024),
     ("wikitext2/wiki.test.raw", 64 * 1024),
+    ("wikitext2/wiki.valid.tokens", 64 * 1024),  # configs/tiny.yaml's data.val_sources (the calibration stage)
     ("tokenizers/smollm2/SmolLM2-135M-Instruct-Tokenizer.json", None),
 )
 

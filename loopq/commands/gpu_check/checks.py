@@ -43,9 +43,9 @@ import torch.nn.functional as F
 import triton
 
 from loopq.artifacts.student import check_student_dir, read_student_meta
-from loopq.commands.gpu_check import flow, kernel_bench
+from loopq.commands.gpu_check import flow, kernel_bench, pytest_failures
 from loopq.commands.gpu_check.peaks import peaks_for
-from loopq.commands.gpu_check.proc import failure, run_watched
+from loopq.commands.gpu_check.proc import failure, run_watched, tail
 from loopq.commands.gpu_check.stage import Context
 from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, StageResult
 from loopq.models.ouro import OuroConfig, OuroLM
@@ -128,23 +128,35 @@ def pytest_progress(output: str) -> dict[str, int]:
 def kernel_tests(ctx: Context) -> StageResult:
     if not KERNEL_TESTS.is_dir():
         return StageResult("kernel-tests", FAIL, f"{KERNEL_TESTS} not found: run the check from a LoopQ checkout")
-    report = ctx.workdir / "kernel-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(KERNEL_TESTS), f"--junitxml={report}"]
+    report, failures = ctx.workdir / "kernel-tests.xml", ctx.workdir / "kernel-tests-failures.jsonl"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", pytest_failures.__name__]
+    cmd += [str(KERNEL_TESTS), f"--junitxml={report}"]
     if ctx.quick:
         cmd += ["-m", "not slow"]  # the ahead-of-time PTX compile test; the compiled kernels run anyway
-    env = {"TRITON_INTERPRET": "0", "LOOPQ_KERNEL_DEVICE": "cuda"}
+    env = {"TRITON_INTERPRET": "0", "LOOPQ_KERNEL_DEVICE": "cuda", pytest_failures.ENV: str(failures)}
 
-    def poll(out: str) -> None:
-        counts = pytest_progress(out)
+    def poll(out: str, err: str) -> None:
+        counts, failed = pytest_progress(out), pytest_failures.read_failures(failures)
         line = f"so far {counts['passed']} passed, {counts['failures']} failed, {counts['errors']} errors"
-        ctx.record(line, progress=counts, output_tail=tail(out, 20))
+        line += f" ({', '.join(name_of(f['test']) for f in failed)})" if failed else ""
+        ctx.record(line, progress=counts, failed_tests=failed, output_tail=tail(out, 20))
 
     proc = run_watched(cmd, ctx.remaining(), env, poll)
     counts = junit_counts(report) if report.is_file() else None
     result = kernel_tests_result(proc.returncode, counts, f"{proc.stderr}\n{proc.stdout}")
+    failed = pytest_failures.read_failures(failures)
+    if failed:
+        result.summary += ": " + "; ".join(f"{name_of(f['test'])}: {f['error']}" for f in failed[:5])
+        result.details["failed_tests"] = failed
     if result.status == FAIL:
         print(tail(proc.stdout + proc.stderr, 60))
     return result
+
+
+def name_of(nodeid: str) -> str:
+    """A test's short name: ``tests/kernels/test_x.py::test_y[case]`` -> ``test_x::test_y[case]``."""
+    path, _, rest = nodeid.partition("::")
+    return f"{Path(path).stem}::{rest}" if rest else nodeid
 
 
 # ----------------------------------------------------------------------------------------------- 3 kernel bench
@@ -220,7 +232,7 @@ def calibration(ctx: Context, compare_cpu: bool = True) -> StageResult:
     root, cpu_root = ctx.workdir / "calibration", ctx.workdir / "calibration-cpu"
     steps = QUICK_CALIBRATION_STEPS if ctx.quick else CALIBRATION_STEPS
 
-    def poll(out: str) -> None:
+    def poll(out: str, err: str) -> None:
         ctx.record(losses=read_losses(root))
 
     with ThreadPoolExecutor(2) as pool:
@@ -356,10 +368,6 @@ def step_result(times: dict[str, float], details: dict[str, object], layers: int
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
-def tail(text: str, lines: int) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
 # ------------------------------------------------------------------------------------ 6-7 the user's flow
 def pipeline_stage(ctx: Context) -> StageResult:
     """:func:`loopq.commands.gpu_check.flow.pipeline` on the student the ``calibration`` stage wrote (calibrated now if
@@ -392,7 +400,7 @@ def e2e_stage(ctx: Context) -> StageResult:
     out = ctx.workdir / "e2e.json"
     shape = ["--layers", "1", "--prompt_len", "256", "--steps", "8"] if ctx.quick else ["--layers", "4"]
     cmd = [sys.executable, str(REPO_ROOT / "bench" / "e2e.py"), "--device", "cuda", *shape, "--json", str(out)]
-    proc = run_watched(cmd, ctx.remaining(), poll=lambda out: ctx.record(output_tail=tail(out, 30)))
+    proc = run_watched(cmd, ctx.remaining(), poll=lambda out, err: ctx.record(output_tail=tail(out + err, 30)))
     print(tail(proc.stdout, 30))
     if proc.returncode != 0 or not out.is_file():
         return StageResult("e2e", FAIL, f"bench/e2e.py exit status {proc.returncode}: {tail(proc.stderr, 3)}")

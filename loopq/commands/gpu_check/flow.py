@@ -33,7 +33,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from loopq.commands.gpu_check.proc import failure, run_watched
+from loopq.commands.gpu_check.proc import failure, run_watched, tail
 from loopq.commands.gpu_check.table import FAIL, OK, StageResult
 from loopq.files import atomic_write
 from loopq.paths import data_dir
@@ -264,7 +264,8 @@ def paper_shape(
     callback = {"class_path": "loopq.commands.gpu_check.flow.PeakMemory", "init_args": {"path": str(peaks)}}
     cmd = [sys.executable, "-m", *args, "--trainer.callbacks+", json.dumps(callback)]
 
-    def poll(out: str) -> None:
+    def poll(out: str, err: str) -> None:
+        record(output_tail=tail(out + err, 30))  # where a slow or cut run was (Lightning logs to stderr)
         if peaks.is_file():
             with contextlib.suppress(ValueError, OSError):
                 record(measured_bytes=json.loads(peaks.read_text()))

@@ -18,17 +18,22 @@ def pythonpath() -> str:
     return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def tail(text: str, lines: int) -> str:
+    """The last ``lines`` lines of ``text``."""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
 def run_watched(
     cmd: list[str],
     timeout: float,
     env: dict[str, str] | None = None,
-    poll: Callable[[str], None] | None = None,
+    poll: Callable[[str, str], None] | None = None,
     every: float = 2.0,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` from the repository root (``env`` added to this environment, ``PYTHONPATH`` as
-    :func:`pythonpath`), calling ``poll`` with its standard output so far every ``every`` seconds while it runs and
-    once at its end; its output captured. Beyond ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired``
-    raised."""
+    :func:`pythonpath`), calling ``poll`` with its standard output and error so far every ``every`` seconds while it
+    runs and once at its end; its output captured. Beyond ``timeout`` seconds it is killed and
+    ``subprocess.TimeoutExpired`` raised."""
     full_env = {**os.environ, "PYTHONPATH": pythonpath(), **(env or {})}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=out, stderr=err, text=True)
@@ -39,15 +44,15 @@ def run_watched(
                 break
             except subprocess.TimeoutExpired:
                 if poll is not None:
-                    poll(_written(out))
+                    poll(_written(out), _written(err))
                 if time.monotonic() >= deadline:
                     proc.kill()
                     proc.wait()
                     raise subprocess.TimeoutExpired(cmd, timeout) from None
-        stdout = _written(out)
+        stdout, stderr = _written(out), _written(err)
         if poll is not None:
-            poll(stdout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, _written(err))
+            poll(stdout, stderr)
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _written(file: IO[str]) -> str:
