@@ -237,13 +237,13 @@ def _check_gemm(
     devices = {t.device for t in (a, a_scales, w_packed, w_scales)}
     if len(devices) > 1:
         raise ValueError(f"GEMM operands are on several devices {sorted(map(str, devices))}; move them to one")
-    backend = _resolve_backend(backend, w_packed, "group_size (K / scale columns)", k // groups, out_dtype)
-    if backend == "triton" and w_scales.dtype != torch.float16:
+    # before the device check, so that a call with both wrong names its operand first (as the other checks do)
+    if (backend == "triton" or (backend is None and w_packed.is_cuda)) and w_scales.dtype != torch.float16:
         raise ValueError(
             f"w_scales is {w_scales.dtype}, but the Triton kernels read float16 weight scales (quantize_weight's and "
             "the export's format); pass w_scales.half() or backend='torch'"
         )
-    return backend
+    return _resolve_backend(backend, w_packed, "group_size (K / scale columns)", k // groups, out_dtype)
 
 
 def _resolve_backend(

@@ -176,13 +176,15 @@ def test_grid_fills_the_gpu(n, k):
     assert wt.shape[0] == n // TILE_ROWS >= 132 and wt.numel() == n * k // 2
 
 
-def test_ops_dispatch_decode_up_to_16_rows(monkeypatch):
+def test_ops_dispatch_decode_up_to_16_rows(monkeypatch, device):
     seen = []
     monkeypatch.setattr(decode_kernel, "gemm_tiled", lambda a, *args: seen.append(("decode", a.shape[0])))
     monkeypatch.setattr(ops.gemm_kernel, "gemm", lambda a, *args: seen.append(("tile", a.shape[0])))
-    w, sw = torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1, dtype=torch.float16)
+    w = torch.zeros(8, 16, dtype=torch.uint8, device=device)  # on the device: the triton backend refuses CPU tensors
+    sw = torch.ones(8, 1, dtype=torch.float16, device=device)  # on a GPU (the first GPU run of this test failed so)
     for m in (1, 16, 17):
-        gemm_w4a4(torch.zeros(m, 16, dtype=torch.uint8), torch.ones(m, 1), w, sw, backend="triton")
+        a = torch.zeros(m, 16, dtype=torch.uint8, device=device)
+        gemm_w4a4(a, torch.ones(m, 1, device=device), w, sw, backend="triton")
     assert seen == [("decode", 1), ("decode", 16), ("tile", 17)]
 
 

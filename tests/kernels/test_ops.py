@@ -70,15 +70,15 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_an_empty_batch_gives_an_empty_output(backend, bits):
+def test_an_empty_batch_gives_an_empty_output(backend, bits, device):
     """Zero tokens (an empty batch) is a legitimate call: every backend returns ``[0, N]`` (the torch reference's
-    reshape could not infer its group size from zero rows)."""
-    w, sw = quantize_weight(torch.randn(40, 128))
-    a, sa = quantize_activation(torch.randn(0, 128), bits=bits)
+    reshape could not infer its group size from zero rows), on the kernels' device."""
+    w, sw = quantize_weight(torch.randn(40, 128, device=device))
+    a, sa = quantize_activation(torch.randn(0, 128, device=device), bits=bits)
     out = (gemm_w4a4 if bits == 4 else gemm_w4a8)(a, sa, w, sw, backend=backend)
-    assert out.shape == (0, 40)
+    assert out.shape == (0, 40) and out.device == w.device
     codes, scales = tile_weight(w, sw)
-    y = ops.quantized_linear(torch.randn(0, 128), codes, scales, 40, a_bits=bits, backend=backend)
+    y = ops.quantized_linear(torch.randn(0, 128, device=device), codes, scales, 40, a_bits=bits, backend=backend)
     assert y.shape == (0, 40)
 
 

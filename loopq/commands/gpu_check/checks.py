@@ -60,10 +60,13 @@ STEP_LAYERS, QUICK_STEP_LAYERS = 4, 2
 STEP_BATCH, STEP_SEQ = 4, 256
 STUDENT = QuantConfig(w_bits=4, a_bits=4, group_size=32, las=True, slt_budget=4, cta=True, cta_rank=8)
 #: relative difference allowed between the first step's loss on cuda and on the CPU: both fp32 from the same data,
-#: seed and teacher; what differs is summation order (cuBLAS against the CPU's BLAS, ~1e-6 relative per logit) and a
-#: 4-bit code flipped where a value lies on a rounding tie - far below this, while a wrong device path (a tensor
-#: left on the CPU, a dtype, a kernel) moves the loss by whole percents. To be confirmed on the first GPU run.
-FIRST_LOSS_TOLERANCE = 0.005
+#: seed and teacher; what differs is summation order, and through it the 4-bit codes of values near a rounding
+#: boundary, which move this small loss more than its fp32 sums suggest. Measured (configs/tiny.yaml, step 1):
+#: H100 0.027110 against the GPU machine's CPU 0.027316 (0.76 %: the first GPU run failed the former 0.5 %), and
+#: on a 2-core Xeon 0.027152 with one thread, 0.027243 with two (0.33 %): the CPU alone spreads 0.6 %. 2 % is
+#: 2.6 x the widest measured gap; a step that ran a wrong device path (a dtype, a tensor left behind, a kernel)
+#: is expected to move it by more - an assumption no run has tested yet.
+FIRST_LOSS_TOLERANCE = 0.02
 
 
 # ------------------------------------------------------------------------------------------------- 1 environment
@@ -135,19 +138,23 @@ def kernel_tests(ctx: Context) -> StageResult:
         cmd += ["-m", "not slow"]  # the ahead-of-time PTX compile test; the compiled kernels run anyway
     env = {"TRITON_INTERPRET": "0", "LOOPQ_KERNEL_DEVICE": "cuda", pytest_failures.ENV: str(failures)}
 
+    def failed_now() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        rows = pytest_failures.read_failures(failures)
+        return [r for r in rows if r["when"] != "xfail"], [r for r in rows if r["when"] == "xfail"]
+
     def poll(out: str, err: str) -> None:
-        counts, failed = pytest_progress(out), pytest_failures.read_failures(failures)
+        counts, (failed, xfailed) = pytest_progress(out), failed_now()
         line = f"so far {counts['passed']} passed, {counts['failures']} failed, {counts['errors']} errors"
         line += f" ({', '.join(name_of(f['test']) for f in failed)})" if failed else ""
-        ctx.record(line, progress=counts, failed_tests=failed, output_tail=tail(out, 20))
+        ctx.record(line, progress=counts, failed_tests=failed, xfailed_tests=xfailed, output_tail=tail(out, 20))
 
     proc = run_watched(cmd, ctx.remaining(), env, poll)
     counts = junit_counts(report) if report.is_file() else None
     result = kernel_tests_result(proc.returncode, counts, f"{proc.stderr}\n{proc.stdout}")
-    failed = pytest_failures.read_failures(failures)
+    failed, xfailed = failed_now()
+    result.details |= {"failed_tests": failed, "xfailed_tests": xfailed}
     if failed:
         result.summary += ": " + "; ".join(f"{name_of(f['test'])}: {f['error']}" for f in failed[:5])
-        result.details["failed_tests"] = failed
     if result.status == FAIL:
         print(tail(proc.stdout + proc.stderr, 60))
     return result

@@ -125,7 +125,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], str]] = {}
 
 def render_markdown(payload: dict[str, Any], results: Sequence[StageResult]) -> str:
     """The results file in Markdown: a line of what ran where, the stage table, then per-stage sections."""
-    keys = ("device", "commit", "mode", "budget_s", "elapsed_s")
+    keys = ("device", "commit", "git_there", "mode", "budget_s", "elapsed_s")
     header = ", ".join(f"{k} {payload[k]}" for k in keys if payload.get(k) is not None)
     parts = ["# LoopQ GPU check", "", header, "", markdown_table(results)]
     for result in results:

@@ -1,8 +1,8 @@
 """A pytest plugin the ``kernel-tests`` stage loads (``-p loopq.commands.gpu_check.pytest_failures``): each failed
-or erroring test is appended, as it happens, to the JSON-lines file ``LOOPQ_PYTEST_FAILURES`` names (its id, the
-phase, the first line of its error), so that a stage cut at its time limit still says what failed: pytest's own
-summary and ``--junitxml`` report come only at the end of the session (the first GPU run of this check was cut
-with "5 failed" and no names)."""
+or erroring test, and each expected failure with its reason, is appended as it happens to the JSON-lines file
+``LOOPQ_PYTEST_FAILURES`` names (its id, the phase, the first line of its error), so that a stage cut at its time
+limit still says what failed: pytest's own summary and ``--junitxml`` report come only at the end of the session
+(the first GPU run of this check was cut with "5 failed" and no names)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ def failure_line(report: pytest.TestReport, limit: int = 300) -> str:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get(ENV)
-    if path and report.failed:
+    xfail = hasattr(report, "wasxfail")  # an expected failure: kept as ``when: "xfail"`` with its reason
+    if path and (report.failed or (xfail and report.skipped)):
+        when, error = ("xfail", report.wasxfail) if xfail else (report.when, failure_line(report))
         with open(path, "a", encoding="utf-8") as out:
-            out.write(json.dumps({"test": report.nodeid, "when": report.when, "error": failure_line(report)}) + "\n")
+            out.write(json.dumps({"test": report.nodeid, "when": when, "error": error}) + "\n")
 
 
 def read_failures(path: str | os.PathLike[str]) -> list[dict[str, str]]:

@@ -99,7 +99,7 @@ def gpu_check(
                 "TRITON_INTERPRET=0 (scripts/gpu_check.sh sets it)"
             )
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    meta = {"device": device, "commit": commit() or _carried_commit()}
+    meta = {"device": device, **commits(commit(), _carried_commit())}
     with tempfile.TemporaryDirectory(prefix="loopq-gpu-check-") as scratch:
         results = driver.run_check(
             module.LIMITS,
@@ -122,7 +122,16 @@ COMMAND = Command(gpu_check, "loopq.gpu_check", __doc__)
 build_parser, main = COMMAND.parser, COMMAND.run
 
 
+def commits(here: str | None, carried: str | None) -> dict[str, str | None]:
+    """The run's ``commit``: the carry's first, since a device machine's copy of the tree came with a stale git
+    history (the first GPU run recorded "d5eb442+dirty" for a tree at 854d779); what git says there is kept beside
+    it, as ``git_there``, when it differs."""
+    if carried and here and here != carried:
+        return {"commit": carried, "git_there": here}
+    return {"commit": carried or here}
+
+
 def _carried_commit() -> str | None:
-    """The commit the carry was built from (``LOOPQ_CARRY_COMMIT``, set by ``scripts/gpu_check.sh --carry``) when
-    the tree has no git history (a device machine's copy)."""
+    """The commit the carry was built from (``LOOPQ_CARRY_COMMIT``, set by ``scripts/gpu_check.sh --carry`` from the
+    carry's manifest)."""
     return os.environ.get("LOOPQ_CARRY_COMMIT") or None
