@@ -76,6 +76,7 @@ from loopq.quant import (
 )
 from loopq.quant.accounting import parameter_report
 from loopq.quant.config import METHODS, QuantConfigError
+from loopq.quant.prepare import apply_tied
 
 OBJECTIVES = ("trajectory", "layerwise")
 #: ``model.teacher_dtype`` -> the dtype of the frozen teacher (and of the student's frozen weights, which it shares)
@@ -178,6 +179,16 @@ class LoopQCalibration(L.LightningModule):
     def train(self, mode: bool = True) -> LoopQCalibration:
         super().train(mode)
         self.teacher.eval()
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LoopQCalibration:
+        """Every conversion (``.to(device)`` by Lightning, DDP or DeepSpeed, a dtype cast) keeps the student's frozen
+        weights the teacher's storage (:func:`loopq.quant.prepare.apply_tied`), as the memory plan counts them."""
+        convert = lambda: super(LoopQCalibration, self)._apply(fn, recurse)  # noqa: E731
+        if "student" in self._modules and "teacher" in self._modules:
+            apply_tied(self.teacher, self.student, convert)
+        else:
+            convert()
         return self
 
     # ------------------------------------------------------------------ setup
