@@ -8,7 +8,7 @@
 #   DS_CONFIG=my_zero.json launch/deepspeed.sh configs/ouro2.6b.yaml 4      # a full DeepSpeed JSON config
 #
 # ZERO_STAGE: 2 (default: optimizer state and gradients sharded) or 3 (parameters too, gathered per module).
-# SLT selection runs up front under DeepSpeed (it cannot add optimizer parameters mid-run). Checkpoints are
+# SLT promotes progressively, as under DDP (the parameter layout is fixed from the start). Checkpoints are
 # directories (<default_root_dir>/checkpoints/last.ckpt/, one shard per rank under ZeRO-3, plus loopq.json);
 # --ckpt_path last resumes from them. Rank 0 writes the gathered student at the end. Batch: as torchrun.sh.
 # CPU test runs: LOOPQ_DEEPSPEED_SHM=0 skips DeepSpeed's 40-60 s JIT build of its shared-memory CPU op.

@@ -34,11 +34,15 @@ class PerLoopDiagnostics(L.Callback):
         if every_n_steps < 1:
             raise ValueError(f"PerLoopDiagnostics.every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps, self.filename = every_n_steps, filename
+        #: the step last measured: the end of training measures once more only if the last step was not measured
+        #: (a run ending on a scheduled step wrote it twice, duplicating the report's last point)
+        self._measured_step: int | None = None
 
     def _run(self, trainer: L.Trainer, pl_module: Any) -> None:
         holdout = getattr(trainer.datamodule, "holdout", None)
-        if holdout is None or len(holdout) == 0:
+        if holdout is None or len(holdout) == 0 or trainer.global_step == self._measured_step:
             return
+        self._measured_step = trainer.global_step
         # Every rank runs this: trainer.log_dir broadcasts from rank 0 under DDP, and under DeepSpeed ZeRO-3 the
         # forward passes gather partitioned parameters - collectives that rank 0 alone would wait on forever.
         log_dir = trainer.log_dir or trainer.default_root_dir
