@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -240,12 +241,24 @@ class CalibrationDataModule(L.LightningDataModule):
                 return 0
 
         sampler = CalibrationSampler(len(self.samples), bs, total, self.hparams.seed, rank, world, start)
-        return DataLoader(
+        return StepResumedLoader(
             TensorDataset(torch.arange(len(self.samples), device="cpu"), self.samples),
             batch_size=bs,
             sampler=sampler,
             num_workers=self.hparams.num_workers,
         )
+
+
+class StepResumedLoader(DataLoader):
+    """The calibration loader: its sampler starts at the trainer's ``global_step``, so a resumed fit continues the
+    exact sample order with nothing to store. It says so to Lightning (its stateful-loader protocol, with an empty
+    state), which otherwise warned at every mid-epoch resume that the data loader was not resumable."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the position is the trainer's step."""
 
 
 #: the validation windows' seed is the data seed plus this (any fixed offset: another draw)

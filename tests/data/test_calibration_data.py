@@ -149,6 +149,20 @@ def test_sampler_is_world_size_invariant_and_resumable():
     assert list(resumed) == one[20:]
 
 
+def test_the_loader_tells_lightning_it_is_resumable(data):
+    """Lightning warned at every mid-epoch resume that the data loader was not resumable (it tests its stateful
+    protocol); the loader's position is the trainer's step, so it is, with an empty state."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    dm = CalibrationDataModule(str(data / SMOL), num_samples=8, seq_len=16, holdout_samples=0, seed=0)
+    dm.setup()
+    loader = dm.train_dataloader()
+    assert isinstance(loader, _Stateful) and loader.state_dict() == {}
+    first = [ids.tolist() for ids, _ in loader]
+    loader.load_state_dict({})
+    assert [ids.tolist() for ids, _ in loader] == first  # nothing restored, nothing moved
+
+
 def test_diagnostic_holdout_windows_overlap_no_calibration_window(data):
     """The diagnostics' held-out windows are held out: none shares a token with a calibration window (a review found
     2 of 8 overlapping, by 37 and 230 of 256 tokens, at the paper's 1024 x 256 with seed 0), and the calibration
