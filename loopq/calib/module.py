@@ -76,7 +76,7 @@ from loopq.quant import (
 )
 from loopq.quant.accounting import parameter_report
 from loopq.quant.config import METHODS, QuantConfigError
-from loopq.quant.prepare import apply_tied
+from loopq.quant.prepare import apply_tied, frozen_names
 
 OBJECTIVES = ("trajectory", "layerwise")
 #: ``model.teacher_dtype`` -> the dtype of the frozen teacher (and of the student's frozen weights, which it shares)
@@ -166,6 +166,10 @@ class LoopQCalibration(L.LightningModule):
         options = GroupOptions(compiled=compile_quantizers)
         self.student = prepare(self.teacher, quant, options=options)
         self.student.checkpoint_loops = checkpoint_loops
+        # DDP broadcasts every buffer from rank 0 before each forward (broadcast_buffers) and every tensor when it
+        # wraps the module; the frozen teacher and the student's views of it are read from the same files on every
+        # rank and never change, so it leaves them out (the whole model's weights per step otherwise)
+        self._ddp_params_and_buffers_to_ignore = frozen_names(self, self.teacher, self.student)
         self.num_loops = self.student.calibrated_loops
         self.register_buffer("mu", torch.zeros(self.num_loops), persistent=False)
         self.targets: TeacherTargets | None = None

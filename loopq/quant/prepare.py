@@ -160,6 +160,20 @@ def frozen_ties(teacher: nn.Module, student: nn.Module) -> list[Tie]:
     return ties
 
 
+def frozen_names(root: nn.Module, teacher: nn.Module, student: nn.Module) -> list[str]:
+    """Names, as ``root.named_parameters()`` / ``named_buffers()`` give them, of the frozen teacher's tensors and of
+    the student's buffers that are views of them (:func:`frozen_ties`): what is the same on every process (read from
+    the same files) and never changes during a calibration."""
+    tied = {(id(module), name) for module, name, _, _ in frozen_ties(teacher, student)}
+    owner = {id(m): prefix for prefix, m in root.named_modules()}
+    teacher_prefix = owner[id(teacher)]
+    names = [n for n, _ in root.named_parameters() if n.startswith(teacher_prefix + ".")]
+    names += [n for n, _ in root.named_buffers() if n.startswith(teacher_prefix + ".")]
+    for module in student.modules():
+        names += [f"{owner[id(module)]}.{name}" for name in module._buffers if (id(module), name) in tied]
+    return names
+
+
 def apply_tied(teacher: nn.Module, student: nn.Module, apply: Callable[[], object]) -> None:
     """Run ``apply`` (an ``nn.Module._apply`` over both: ``.to(device)``, ``.cuda()``, ``.bfloat16()``, DeepSpeed's
     casts) with the student's frozen tensors converted once, as the teacher's. ``_apply`` converts every module's

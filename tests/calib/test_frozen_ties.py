@@ -85,3 +85,28 @@ def test_the_student_computes_on_the_converted_teacher_weights():
             for linear in group.children():
                 linear.weight.mul_(2)  # the teacher's parameters, in place: the student reads the same storage
         assert not torch.equal(module.student(ids).logits, out)
+
+
+def test_ddp_leaves_the_frozen_tensors_out(tmp_path):
+    """DDP broadcasts every buffer from rank 0 before each forward and every tensor when it wraps: the frozen teacher
+    and the student's views of it (the same files on every rank, never changed) are left out, nothing trainable is,
+    and the small state that does change (mu, the SLT promotions and anchors) is still synchronised."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = LoopQCalibration(str(ASSETS / "tiny-ouro"), CONFIG)
+    ignored = set(module._ddp_params_and_buffers_to_ignore)
+    params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+    teacher = {f"teacher.{n}" for n, _ in module.teacher.named_parameters()}
+    weights = {f"student.{n}" for n, b in module.student.named_buffers() if n.endswith("_weight")}
+    assert teacher <= ignored and weights <= ignored and weights
+    assert not any(params[n].requires_grad for n in ignored if n in params)
+    assert all(n in params or n in buffers for n in ignored)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(module, find_unused_parameters=True)
+        synced = {id(b) for b in ddp.modules_buffers}
+        assert not any(id(buffers[n]) in synced for n in weights)  # not broadcast before each forward
+        assert id(module.mu) in synced and any(n.endswith("slt_promoted") for n in ddp.named_module_buffers)
+    finally:
+        dist.destroy_process_group()
