@@ -17,9 +17,11 @@ What is specific to LoopQ:
 * **Resume.** Every checkpoint directory also gets a small ``loopq.json`` (mu_t, provenance) that ``loopq.fit``
   reads to check a resume. DeepSpeed checkpoints are directories (``checkpoints/last.ckpt/``); ``--ckpt_path last``
   finds them like files.
-* **Sealed checkpoints.** DeepSpeed loads its checkpoint files with a full unpickle. ``loopq.json`` is removed before
-  DeepSpeed writes and written last with the sha256 of every other file, sealed; :meth:`LoopQDeepSpeedStrategy.
-  load_checkpoint` verifies the whole directory before DeepSpeed opens anything (:mod:`loopq.calib.checkpoint_io`).
+* **Sealed, weights-only checkpoints.** DeepSpeed loads its checkpoint files with a full unpickle; here it reads
+  them weights-only (:func:`weights_only_deepspeed_loads`, its own few classes allowed). ``loopq.json`` is removed
+  before DeepSpeed writes and written last with the sha256 of every other file; :meth:`LoopQDeepSpeedStrategy.
+  load_checkpoint` verifies the whole directory before DeepSpeed opens anything (:mod:`loopq.calib.checkpoint_io`):
+  a checksum catches a damaged or mixed directory, the weights-only read a crafted one.
 * **ZeRO-3** partitions parameters: :func:`gathered` collects the student's for writing it at the end.
 * **bf16-mixed** runs DeepSpeed's fp32 engine under torch autocast (its ``torch_autocast`` section) instead of its
   ``bf16`` mode, which would cast every parameter to bf16: the quantization parameters and their optimizer states
@@ -34,7 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterable
+import pickle
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +142,47 @@ class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
                 f"--ckpt_path {checkpoint_path}: not a DeepSpeed checkpoint directory; a run under "
                 "LoopQDeepSpeedStrategy resumes from the directories it wrote (checkpoints/*.ckpt/)"
             )
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        with weights_only_deepspeed_loads():
+            return super().load_checkpoint(checkpoint_path, weights_only)
+
+
+def deepspeed_checkpoint_classes() -> list[type]:
+    """The classes DeepSpeed's ZeRO-2/3 checkpoints hold beyond tensors and plain containers (DeepSpeed 0.19: the
+    optimizer states' loss scaler, ZeRO stage and fragment addresses): what a weights-only read may rebuild."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def weights_only_deepspeed_loads() -> Iterator[None]:
+    """Inside the block DeepSpeed's checkpoint engine reads its files weights-only (it calls ``torch.load`` with
+    ``weights_only=False``), with :func:`deepspeed_checkpoint_classes` allowed: the seal of a checkpoint directory
+    is a checksum anyone can recompute, not a signature, and a bad-input review ran code from a re-sealed file
+    through DeepSpeed's loader. A file holding anything else is refused in one line."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    original, allowed = TorchCheckpointEngine.load, deepspeed_checkpoint_classes()
+
+    def load(engine: TorchCheckpointEngine, path: str, map_location: Any = None) -> Any:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:  # torch's message names what it refused, past its general advice
+            said = [ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
+            reason = said[0][:160] if said else "a weights-only read refused it"
+            raise CheckpointError(
+                f"{path}: not readable weights-only ({reason}); LoopQ never unpickles a checkpoint fully - resume "
+                "from a checkpoint directory a LoopQ run wrote"
+            ) from None
+
+    TorchCheckpointEngine.load = load
+    try:
+        yield
+    finally:
+        TorchCheckpointEngine.load = original
 
 
 def read_sidecar(ckpt_path: str | os.PathLike | None) -> dict[str, Any] | None:

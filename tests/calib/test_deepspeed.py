@@ -2,8 +2,8 @@
 
 DeepSpeed JIT-compiles a shared-memory CPU all-reduce op on first use (40-66 s); every run here sets
 ``LOOPQ_DEEPSPEED_SHM=0`` (read by ``loopq.calib.deepspeed``), which skips it: start-up ~2 s, plain gloo
-collectives. SLT selection runs up front (``tests/configs/fit-deepspeed.yaml``; a progressive config is switched to
-up-front rounds with a warning).
+collectives. SLT promotes progressively, as under DDP (``tests/configs/fit-deepspeed.yaml``: the parameter layout is
+fixed from the start). DeepSpeed's loader reads its files weights-only here (a crafted file runs no code).
 
 * ZeRO-2 in one process computes exactly what the plain trainer computes (bit-identical student after 8 steps:
   same AdamW, clipping, schedule, progressive selection).
@@ -19,7 +19,8 @@ from functools import partial
 import pytest
 
 from loopq.artifacts import load_student
-from loopq.calib.deepspeed import SHM_ENV, SIDECAR
+from loopq.calib.checkpoint_io import CheckpointError
+from loopq.calib.deepspeed import SHM_ENV, SIDECAR, weights_only_deepspeed_loads
 from tests.helpers import FIT_CONFIGS, assert_same_tensors, read_student, run_fit
 
 pytest.importorskip("deepspeed")
@@ -41,6 +42,39 @@ def test_zero2_single_process_matches_plain_trainer(tmp_path):
     last = tmp_path / "zero2" / "checkpoints" / "last.ckpt"
     assert last.is_dir() and (last / "checkpoint").is_dir()
     assert json.loads((last / SIDECAR).read_text())["promoted"] == meta_b["promoted"]
+    # what DeepSpeed wrote reads weights-only, as a resume reads it (its few classes allowed)
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    files = sorted((last / "checkpoint").glob("*.pt"))
+    with weights_only_deepspeed_loads():
+        states = [TorchCheckpointEngine().load(str(f)) for f in files]
+    assert len(files) == 2 and "module" in states[0] and "optimizer_state_dict" in states[1]
+
+
+class RunsCode:
+    """Unpickling it fully runs code: it writes the file it is given."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_deepspeed_file_is_refused_without_running_code(tmp_path):
+    """DeepSpeed's own loader unpickles fully; a checkpoint directory's seal is a checksum anyone can recompute, and
+    a bad-input review ran code from a re-sealed file through it. Read weights-only, the file is refused in one line
+    and nothing runs; outside the block DeepSpeed's loader is its own again."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    marker, crafted = tmp_path / "ran", tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "payload": RunsCode(str(marker))}, crafted, _use_new_zipfile_serialization=False)
+    original = TorchCheckpointEngine.load
+    refused = pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt: not readable weights-only \(.*GLOBAL")
+    with refused, weights_only_deepspeed_loads():
+        TorchCheckpointEngine().load(str(crafted))
+    assert not marker.exists() and TorchCheckpointEngine.load is original
 
 
 @pytest.mark.slow
