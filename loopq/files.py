@@ -4,10 +4,12 @@ reads goes through :func:`read_json` / :func:`read_safetensors`, whose errors na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,41 @@ def read_safetensors(
                 "and write it with safetensors.torch.save_file)"
             ) from None
         raise error(f"{path}: not a readable safetensors file, truncated or corrupt ({err}); {fix}") from None
+
+
+class StagedFiles:
+    """Several files of one directory written as one change (:func:`staged_files`): :meth:`write` writes a file
+    under ``atomic_write``'s temporary name (``.<name>.<random>.tmp``, which the output journals recognise as a
+    leftover) and returns that path; the block's end renames them all into place, in the order written."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.pending = Path(directory), []
+
+    def write(self, name: str, write: Any) -> Path:
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
+        os.close(fd)
+        self.pending.append((Path(tmp), self.directory / name))
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)
+        return Path(tmp)
+
+
+@contextlib.contextmanager
+def staged_files(directory: Path) -> Iterator[StagedFiles]:
+    """Write every file first, then rename them into place: a failure while writing (a full disk, an error in the
+    middle) leaves every earlier file as it was, where file-by-file ``atomic_write`` had replaced the first files of
+    an earlier output before the error, leaving it neither old nor new (a re-export that failed on its tokenizer
+    copy destroyed the previous export). Only the renames, microseconds, stay between two consistent states."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    files = StagedFiles(directory)
+    try:
+        yield files
+    except BaseException:
+        for tmp, _ in files.pending:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, final in files.pending:
+        os.replace(tmp, final)
 
 
 def atomic_write(path: Path, write: Any) -> None:

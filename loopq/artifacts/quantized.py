@@ -52,7 +52,7 @@ from loopq.artifacts.layout import (
 from loopq.artifacts.ownership import begin, finish, journal_files, listed_files
 from loopq.artifacts.seal import FILES, check_quant_agrees, manifest, seal, unseal, verify_file
 from loopq.artifacts.student import check_exportable
-from loopq.files import atomic_write, read_json, read_safetensors
+from loopq.files import StagedFiles, read_json, read_safetensors, staged_files
 from loopq.kernels import GROUP_SIZE
 from loopq.models.base import LoopLM
 from loopq.models.loading import architecture_for, read_config, resolve_model_dir
@@ -94,10 +94,11 @@ def export_student(student: LoopLM, meta: dict[str, Any], out_dir: str | Path) -
     model = convert(student)
     state = _unaliased_state(model)
     begin(out, "export", export_names(meta.get("teacher")))
-    atomic_write(out / EXPORT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": EXPORT_FORMAT}))
-    written = [EXPORT_WEIGHTS, *_copy_teacher_files(student, meta.get("teacher"), out)]
-    description = export_meta(model, meta.get("teacher"), meta.get("provenance"), manifest(out, written))
-    atomic_write(out / EXPORT_META, lambda p: p.write_text(json.dumps(description, indent=2) + "\n"))
+    with staged_files(out) as files:  # an earlier export stays whole until every new file is written
+        weights = files.write(EXPORT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": EXPORT_FORMAT}))
+        written = {EXPORT_WEIGHTS: weights, **_copy_teacher_files(student, meta.get("teacher"), files)}
+        description = export_meta(model, meta.get("teacher"), meta.get("provenance"), manifest(out, written))
+        files.write(EXPORT_META, lambda p: p.write_text(json.dumps(description, indent=2) + "\n"))
     finish(out)
     return out
 
@@ -182,17 +183,14 @@ def export_files(teacher: str | None) -> list[str]:
     return [name for name in (MODEL_CONFIG, *TOKENIZER_FILES) if (source / name).is_file()]
 
 
-def _copy_teacher_files(student: LoopLM, teacher: str | None, out: Path) -> list[str]:
-    """The teacher's own config.json and tokenizer files (or the model's config when there is no teacher dir);
-    returns the names written."""
+def _copy_teacher_files(student: LoopLM, teacher: str | None, files: StagedFiles) -> dict[str, Path]:
+    """The teacher's own config.json and tokenizer files (or the model's config when there is no teacher dir),
+    staged; returns each name written with its staged file."""
     names = export_files(teacher)
     source = resolve_model_dir(teacher) if teacher else None
     if source is None or not (source / MODEL_CONFIG).is_file():
-        atomic_write(out / MODEL_CONFIG, lambda p: p.write_text(student.config_json() + "\n"))
-        return names
-    for name in names:
-        atomic_write(out / name, lambda p, name=name: shutil.copyfile(source / name, p))
-    return names
+        return {MODEL_CONFIG: files.write(MODEL_CONFIG, lambda p: p.write_text(student.config_json() + "\n"))}
+    return {name: files.write(name, lambda p, name=name: shutil.copyfile(source / name, p)) for name in names}
 
 
 # ---------------------------------------------------------------------------------------------------- load

@@ -36,13 +36,14 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def manifest(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``{name: {"size", "sha256"}}`` of the named files of ``directory`` (those that exist)."""
+def manifest(directory: Path, names: Iterable[str] | dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "sha256"}}`` of the named files of ``directory`` (those that exist); ``names`` may map each
+    name to the file to read for it (a staged file, :func:`loopq.files.staged_files`, before its rename)."""
+    paths = names if isinstance(names, dict) else {name: Path(directory) / name for name in names}
     entries = {}
-    for name in names:
-        path = Path(directory) / name
-        if path.is_file():
-            entries[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    for name, path in paths.items():
+        if Path(path).is_file():
+            entries[name] = {"size": Path(path).stat().st_size, "sha256": sha256_file(Path(path))}
     return entries
 
 

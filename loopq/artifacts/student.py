@@ -30,7 +30,7 @@ from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_LEGACY_FORMATS, STUDE
 from loopq.artifacts.ownership import begin, finish
 from loopq.artifacts.seal import FILES, SEAL, check_quant_agrees, manifest, seal, unseal, verify_file
 from loopq.errors import LoopQError
-from loopq.files import atomic_write, read_json, read_safetensors
+from loopq.files import read_json, read_safetensors, staged_files
 from loopq.models import LoopLM, load_looplm
 from loopq.models.base import dtype_problem
 from loopq.provenance import ProvenanceError, flat_record, teacher_fingerprint
@@ -91,14 +91,16 @@ def student_meta(
 
 
 def write_student(student: torch.nn.Module, meta: dict[str, Any], directory: str | Path) -> Path:
-    """Write ``student``'s quantization parameters and ``meta`` (:func:`student_meta`), atomically file by file; the
-    description is written last, in the current format, with the weights' size and sha256, sealed."""
+    """Write ``student``'s quantization parameters and ``meta`` (:func:`student_meta`), both files renamed into place
+    only once both are written (an earlier student stays whole if writing fails); the description, in the current
+    format, holds the weights' size and sha256, sealed."""
     directory = Path(directory)
     state = quant_state(student)
     begin(directory, "student", [STUDENT_WEIGHTS, STUDENT_META])
-    atomic_write(directory / STUDENT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": STUDENT_FORMAT}))
-    sealed = seal({**meta, "format": STUDENT_FORMAT, FILES: manifest(directory, [STUDENT_WEIGHTS])})
-    atomic_write(directory / STUDENT_META, lambda p: p.write_text(json.dumps(sealed, indent=2) + "\n"))
+    with staged_files(directory) as files:
+        weights = files.write(STUDENT_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": STUDENT_FORMAT}))
+        sealed = seal({**meta, "format": STUDENT_FORMAT, FILES: manifest(directory, {STUDENT_WEIGHTS: weights})})
+        files.write(STUDENT_META, lambda p: p.write_text(json.dumps(sealed, indent=2) + "\n"))
     finish(directory)
     return directory
 

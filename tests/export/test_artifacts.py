@@ -15,6 +15,7 @@ from loopq.artifacts import (
     artifact_kind,
     layout,
     load_artifact,
+    load_quantized,
     load_student,
     read_artifact_meta,
     student_meta,
@@ -134,3 +135,39 @@ def test_file_names_are_spelled_only_in_the_layout_module():
         if re.search(rf"[\"']{re.escape(name)}[\"']", path.read_text())
     }
     assert not spelled
+
+
+def _digests(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_a_failed_rewrite_leaves_the_earlier_export_and_student_whole(exported, tmp_path, monkeypatch):
+    """A re-export that fails in the middle (here: the disk fills while the tokenizer is copied) left the earlier
+    export neither old nor new - new weights next to the old description, refused on load. Every file is now written
+    before any is renamed into place: the earlier export is byte for byte what it was and loads; the same for a
+    student directory whose description fails to write."""
+    from loopq.artifacts import export_student
+    from loopq.artifacts import quantized as quantized_module
+    from loopq.artifacts import student as student_module
+
+    out, student_dir = tmp_path / "export", tmp_path / "student"
+    shutil.copytree(exported.out, out)
+    shutil.copytree(exported.student_dir, student_dir)
+    before, student_before = _digests(out), _digests(student_dir)
+    other, _ = make_student(load_looplm(exported.teacher_dir), exported.a_bits, seed=7)  # other parameters
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(quantized_module.shutil, "copyfile", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_student(other, exported.meta, out)
+    after = {k: v for k, v in _digests(out).items() if not k.startswith(".")}  # the journal says one was begun
+    assert after == before and not list(out.glob(".*.tmp"))
+    load_quantized(out)  # still the earlier, consistent export
+
+    monkeypatch.setattr(student_module, "seal", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_student(other, exported.meta, student_dir)
+    assert {k: v for k, v in _digests(student_dir).items() if not k.startswith(".")} == student_before
+    load_student(student_dir)
