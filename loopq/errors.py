@@ -166,7 +166,9 @@ def check_config_files(argv: list[str]) -> None:
             data = yaml.safe_load(text)
         except ConfigYAMLError as err:
             raise UsageError(str(err)) from None
-        except (yaml.YAMLError, UnicodeDecodeError):
+        except UnicodeDecodeError:  # jsonargparse's own message named neither the file nor the fix
+            raise UsageError(f"{CONFIG_FLAG} {path}: not UTF-8 text; save it as UTF-8 (a YAML file)") from None
+        except yaml.YAMLError:
             continue
         if data is None:
             raise UsageError(

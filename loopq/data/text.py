@@ -131,9 +131,13 @@ def read_document(path: Path, text_key: str = "text", label: str | None = None) 
     for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold raw U+2028, U+0085
         if line.strip():
             try:
-                docs.append(json.loads(line)[text_key])
+                doc = json.loads(line)[text_key]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 raise DataError(f"{label}:{n}: expected a JSON object with a {text_key!r} field") from err
+            if not isinstance(doc, str):  # {"text": 12345} or null: a traceback in the tokenizer before
+                kind = type(doc).__name__
+                raise DataError(f"{label}:{n}: the {text_key!r} field is {kind}, not text; make it a string")
+            docs.append(doc)
     return docs
 
 

@@ -191,6 +191,10 @@ def test_config_files_that_hold_no_settings(tmp_path: Path):
     with pytest.raises(UsageError, match=r"list\.yaml: holds a list, not settings"):
         check_config_files([f"--config={listed}"])
     check_config_files(["--config", "configs/tiny.yaml", "--config", str(tmp_path / "missing.yaml")])
+    binary = tmp_path / "bin.yaml"  # jsonargparse said only "'utf-8' codec can't decode byte 0xff ..."
+    binary.write_bytes(b"\xff\xfe\x00trainer: {}")
+    with pytest.raises(UsageError, match=r"bin\.yaml: not UTF-8 text; save it as UTF-8"):
+        check_config_files(["--config", str(binary)])
 
 
 # ---------------------------------------------------------------------------------------------------- model_args

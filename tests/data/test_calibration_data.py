@@ -107,6 +107,10 @@ def test_jsonl_source_and_bad_jsonl(data, tmp_path):
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:1: expected a JSON object with a 'text' field"):
         read_training_text([bad])
+    for value, kind in (("12345", "int"), ("null", "NoneType"), ('["a"]', "list")):  # a tokenizer traceback before
+        bad.write_text('{"text": "fine"}\n{"text": ' + value + "}\n")
+        with pytest.raises(DataError, match=rf"bad\.jsonl:2: the 'text' field is {kind}, not text; make it a string"):
+            read_training_text([bad])
 
 
 def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
