@@ -19,6 +19,7 @@ what to do. :func:`one_line` only folds multi-line messages (jsonargparse's nest
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -126,6 +127,11 @@ def _argument_error(text: str) -> str:
     return f"--{'.'.join(keys)}: {detail}"
 
 
+#: errors of the machine, not of LoopQ: a full disk or quota, a read-only file system - one line, not a traceback
+#: (a forbidden path is a PermissionError, in USER_ERRORS)
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
 def user_error(err: BaseException) -> BaseException | None:
     """``err`` if it is a user error, else the first user error it was raised from (jsonargparse wraps the errors
     of the classes it instantiates, e.g. a ``QuantConfigError``, in a plain ``ValueError``), else None."""
@@ -134,6 +140,9 @@ def user_error(err: BaseException) -> BaseException | None:
     while found is not None and id(found) not in seen:
         if isinstance(found, USER_ERRORS):
             return found
+        if isinstance(found, OSError) and found.errno in ENVIRONMENT_ERRNOS:
+            where = f"{found.filename}: " if found.filename else ""
+            return OSError(f"{where}{found.strerror}; free space (or make it writable) and run the command again")
         seen.add(id(found))
         found = found.__cause__
     return None

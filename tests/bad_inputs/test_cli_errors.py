@@ -289,3 +289,17 @@ def test_failure_with_a_process_group_exits_instead_of_hanging(error, status):
         assert out.stderr.strip().splitlines()[-1] == "error: --x: bad"
     else:
         assert "RuntimeError: a bug" in out.stderr  # a bug keeps its traceback
+
+
+def test_a_full_disk_or_a_forbidden_path_is_one_line():
+    """A bad-input review filled the disk during an export: a traceback. The machine's errors (no space, quota, a
+    read-only file system) are one line naming the file; other OS errors stay tracebacks (they may be bugs)."""
+    import errno
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/export/model.safetensors")
+    wrapped = RuntimeError("saving failed")
+    wrapped.__cause__ = full
+    line = one_line(user_error(wrapped))
+    assert line.startswith("/runs/export/model.safetensors: No space left on device; free space (or make it")
+    assert "Read-only file system" in one_line(user_error(OSError(errno.EROFS, "Read-only file system", "/mnt/x")))
+    assert user_error(OSError(errno.EIO, "Input/output error", "/x")) is None
