@@ -78,6 +78,12 @@ class StopOnSignal(L.Callback):
         if not isinstance(exception, SIGTERMException):
             return  # a failure (e.g. a non-finite loss) must not overwrite the last good checkpoint
         path = checkpoint_dir(trainer) / "last.ckpt"
+        for callback in trainer.checkpoint_callbacks:  # the file is that callback's "last" (in the saved state too):
+            # a resumed run overwrites it; before, a stop ahead of the first periodic save left the callback's
+            # last_model_path empty, and the resumed run wrote last-v1.ckpt beside a stale last.ckpt
+            ours = isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath
+            if ours and Path(callback.dirpath).resolve() == path.parent.resolve():
+                callback.last_model_path = str(path)
         trainer.save_checkpoint(path, weights_only=False)
         self.saved = path
         name = signal.Signals(self.signum or signal.SIGTERM).name

@@ -463,3 +463,25 @@ def test_sigint_takes_the_same_clean_route_and_restores_the_handlers(tmp_path):
         trainer.fit(TinyRegression(), data)
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3  # step 3 finished
     assert exit_status(trainer) == 130 and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_resume_after_a_signal_before_any_periodic_save_keeps_writing_last_ckpt(tmp_path):
+    """A stop before the first periodic save left ModelCheckpoint's ``last_model_path`` empty in the saved state, so
+    the resumed run wrote ``last-v1.ckpt`` beside the stale ``last.ckpt`` (found resuming a calibration stopped at
+    step 9: ``student_at_checkpoint(..., last.ckpt)`` gave the step-9 student). Now the resumed run overwrites it."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1)))
+
+    def trainer(max_steps: int, *extra: L.Callback) -> L.Trainer:
+        save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_last=True)
+        return L.Trainer(
+            default_root_dir=tmp_path, max_steps=max_steps, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[save, StopOnSignal(), *extra],
+        )  # fmt: skip
+
+    with pytest.raises(SIGTERMException):
+        trainer(10, SignalAtStep(1, signal.SIGINT)).fit(TinyRegression(), data)  # stopped after step 2, unsaved before
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    trainer(10).fit(TinyRegression(), data, ckpt_path=str(last))
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("last*")) == ["last.ckpt"]
+    assert torch.load(last, weights_only=True)["global_step"] == 8  # its last periodic save
