@@ -230,6 +230,7 @@ def load_quantized(
     model = _skeleton(directory, meta)
     aliases = tied_aliases(model)
     state = _read_state(directory, meta, aliases, dtype)
+    _check_packed_dtypes(directory, model, state, meta)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
@@ -259,8 +260,22 @@ def _skeleton(directory: Path, meta: dict[str, Any]) -> LoopLM:
             model.set_submodule(name, PackedLinearGroup(PackedGroupSpec.from_dict(spec)))
         if meta["transition"] is not None:
             t = meta["transition"]
-            model.transition = TransitionAdapters(model.state_dim, t["num_loops"], t["rank"], t["eps"])
+            try:
+                model.transition = TransitionAdapters(model.state_dim, t["num_loops"], t["rank"], t["eps"])
+            except (ValueError, TypeError, KeyError) as err:  # an edited, re-sealed description: a traceback before
+                raise ExportError(f"{directory / EXPORT_META}: transition {t}: {err}; {REEXPORT}") from None
     return model
+
+
+def _check_packed_dtypes(directory: Path, model: LoopLM, state: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """Each packed tensor has the dtype its group's format gives it (``load_state_dict(assign=True)`` takes any):
+    a re-sealed export with, say, int32 codes failed deep in a kernel with a traceback."""
+    expected = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    for key, value in state.items():
+        packed = key.startswith("transition.") or any(key.startswith(g + ".") for g in meta["groups"])
+        want = expected.get(key)
+        if packed and want is not None and value.dtype != want.dtype:
+            raise ExportError(f"{directory / EXPORT_WEIGHTS}: {key} is {value.dtype}, not {want.dtype}; {REEXPORT}")
 
 
 def _read_state(

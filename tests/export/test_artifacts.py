@@ -171,3 +171,32 @@ def test_a_failed_rewrite_leaves_the_earlier_export_and_student_whole(exported, 
         write_student(other, exported.meta, student_dir)
     assert {k: v for k, v in _digests(student_dir).items() if not k.startswith(".")} == student_before
     load_student(student_dir)
+
+
+def test_an_edited_and_resealed_export_is_one_line(exported, tmp_path):
+    """The seal is a checksum: an export edited and re-sealed by hand reached a kernel or the adapters' constructor
+    and failed with a traceback. Packed tensors of another dtype and an impossible transition are named instead."""
+    from loopq.artifacts import ExportError, layout
+
+    def resealed(edit_state=None, edit_meta=None):
+        out = tmp_path / f"export-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(exported.out, out)
+        if edit_state is not None:
+            state = load_file(out / layout.EXPORT_WEIGHTS)
+            edit_state(state)
+            save_file(state, out / layout.EXPORT_WEIGHTS, metadata={"format": layout.EXPORT_FORMAT})
+        meta = json.loads((out / layout.EXPORT_META).read_text())
+        if edit_meta is not None:
+            edit_meta(meta)
+        meta[FILES] = manifest(out, list(meta[FILES]))
+        (out / layout.EXPORT_META).write_text(json.dumps(seal(meta)))
+        return out
+
+    group = next(iter(json.loads((exported.out / layout.EXPORT_META).read_text())["groups"]))
+    key = f"{group}.weight"
+    int32 = resealed(edit_state=lambda s: s.__setitem__(key, s[key].to(torch.int32)))
+    with pytest.raises(ExportError, match=rf"{re.escape(key)} is torch.int32, not torch.uint8; "):
+        load_quantized(int32)
+    loops = resealed(edit_meta=lambda m: m["transition"].__setitem__("num_loops", -1))
+    with pytest.raises(ExportError, match=r"transition .*num_loops >= 2"):
+        load_quantized(loops)
