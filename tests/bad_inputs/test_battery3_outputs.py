@@ -187,17 +187,17 @@ def test_report_recognises_its_own_interrupted_leftovers(results, tmp_path):
 # ---------------------------------------------------------------------------------------------------- SIGKILL
 KILL_AT_WRITE = """
 import os, signal, sys
-from loopq.artifacts import quantized
+from loopq import files
 from loopq.commands import export
-real, calls = quantized.atomic_write, []
+real, calls = files.StagedFiles.write, []
 
-def atomic_write(path, write):
-    calls.append(path)
-    if len(calls) == int(sys.argv[1]):  # this file's bytes are in its temporary file, not yet renamed
-        real(path, lambda tmp: (write(tmp), os.kill(os.getpid(), signal.SIGKILL)))
-    real(path, write)
+def write(self, name, fill):
+    calls.append(name)
+    if len(calls) == int(sys.argv[1]):  # this file's bytes are in its temporary file; no file renamed yet
+        return real(self, name, lambda tmp: (fill(tmp), os.kill(os.getpid(), signal.SIGKILL)))
+    return real(self, name, fill)
 
-quantized.atomic_write = atomic_write
+files.StagedFiles.write = write
 export.main(sys.argv[2:])
 """
 
@@ -208,9 +208,10 @@ export.main(sys.argv[2:])
     ids=["weights-new", "config-new", "description-over-earlier-export"],
 )
 def test_export_killed_mid_write_is_rerun_over_its_own_leftovers(copies, where, at):
-    """SIGKILL of loopq.export while writing its weights, config.json or description (a stale lock, a ``.tmp``
-    leftover and, past the first, some of its files are left): the rerun recognises them as its own, succeeds, and
-    writes the same bytes as an export that was never interrupted."""
+    """SIGKILL of loopq.export while writing its weights, config.json or description (a stale lock, its journal and
+    ``.tmp`` leftovers are left; the files are staged, so none is renamed into place and an earlier export is still
+    whole): the rerun recognises the leftovers as its own, succeeds, and writes the same bytes as an export that was
+    never interrupted."""
     out = copies / "out"
     if where == "earlier-export":
         shutil.copytree(copies / "exported", out)
@@ -223,6 +224,9 @@ def test_export_killed_mid_write_is_rerun_over_its_own_leftovers(copies, where, 
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     left = sorted(p.name for p in out.iterdir())
     assert RUN_LOCK in left and JOURNAL in left and any(name.endswith(".tmp") for name in left), left
+    if where == "earlier-export":  # killed before any rename: the earlier export is what it was
+        assert (out / EXPORT_META).read_bytes() == (copies / "exported" / EXPORT_META).read_bytes()
+        assert load_quantized(out) is not None
     export.main(argv)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (copies / "exported").iterdir())
     for name in (EXPORT_WEIGHTS, EXPORT_META):
