@@ -11,9 +11,11 @@ older one; when none is whole, one error line names them all). :func:`check_ckpt
 ``--ckpt_path`` the user names, before the teacher loads. A file that is whole but holds objects a weights-only load
 refuses (a pickle payload) is refused with one line by :func:`load_weights_only`, never unpickled.
 
-**DeepSpeed checkpoints are sealed.** A DeepSpeed checkpoint is a directory, and DeepSpeed opens its ``.pt`` files
-with a full unpickle (``torch.load(weights_only=False)``, in its checkpoint engine): a planted file would run code.
-So LoopQ seals the directory when it writes it, as students and exports are sealed (:mod:`loopq.artifacts.seal`):
+**DeepSpeed checkpoints are sealed.** A DeepSpeed checkpoint is a directory, and DeepSpeed's own checkpoint engine
+opens its ``.pt`` files with a full unpickle: a planted file would run code. LoopQ's strategy makes that engine read
+weights-only (``loopq.calib.deepspeed.weights_only_deepspeed_loads``), since the seal below is a checksum anyone can
+recompute, not a signature. And LoopQ seals the directory when it writes it, as students and exports are sealed
+(:mod:`loopq.artifacts.seal`):
 the sidecar ``loopq.json`` is removed before DeepSpeed writes, and written last with the size and sha256 of every
 other file of the directory and a seal over itself (:func:`write_sidecar`). :func:`sealed_problem` accepts the
 directory only when the sidecar is there and sealed, no file is missing or added, and every file has its recorded
