@@ -4,7 +4,8 @@
 
 Triton compiles each kernel ahead of time (``triton.compile`` for ``sm_<arch>``, its bundled ``ptxas -v`` for
 registers and spills; no GPU needed) and :mod:`loopq.kernels.ptx` reads the PTX. Per decode GEMM launch shape
-(M = 1, 2, 4, 8 tokens: the ``dp4a`` kernel's variants; 16: the tensor-core kernel that serves 9..16): the seconds
+(M = 1, 2, 4, 8 tokens: the ``dp4a`` kernel's variants, each unsplit and with K split across programs; 16: the
+tensor-core kernel that serves 9..16): the seconds
 ``triton.compile`` took, the main K loop's PTX instructions per thread, the weight
 code bytes that thread loads per iteration and their ratio (instructions per weight byte), ``shfl`` / ``bar.sync``
 inside the loop, the widths of the weight-code and weight-scale loads, registers and spill bytes. Per prefill tile
@@ -38,13 +39,16 @@ from loopq.kernels import decode_kernel, gemm_kernel, ptx, quantize_kernel
 from tests.kernels.gpu_compile import compile_decode, compile_gemm, compile_quantizer, ptxas_usage, sass_of
 
 DECODE_M = (1, 2, 4, 8, 16)
+#: the K splits compiled per ``dp4a`` token count (``decode_kernel.k_split``: Ouro's shapes take 1, 2 and 8 on an
+#: H100, 4 on an A100): all four at M = 1, where the per-byte limit applies, the extremes above
+DECODE_SPLITS = {1: (1, 2, 4, 8), 2: (1, 8), 4: (1, 8), 8: (1, 8)}
 #: the weight codes are loaded with the evict-first hint, their scales with ``ld.global.cg`` (``decode_kernel``)
 CODE_MARK, SCALE_MARK = "evict_first", ".cg."
 
 
-def decode_row(arch: int, m: int) -> dict:
+def decode_row(arch: int, m: int, split: int = 1) -> dict:
     start = time.perf_counter()
-    code = compile_decode(GPUTarget("cuda", arch, 32), m).asm["ptx"]
+    code = compile_decode(GPUTarget("cuda", arch, 32), m, split).asm["ptx"]
     seconds = time.perf_counter() - start
     loop = ptx.main_loop(code, CODE_MARK)
     code_bytes = loop.load_bytes(CODE_MARK)
@@ -53,7 +57,8 @@ def decode_row(arch: int, m: int) -> dict:
         "kernel": "decode",
         "arch": arch,
         "M": m,
-        "variant": _variant(decode_kernel.specialization(m)),
+        "split": split,
+        "variant": _variant(decode_kernel.specialization(m)) + (f", K split {split}" if split > 1 else ""),
         "compile_s": round(seconds, 1),
         "loop_instructions": len(loop.body),
         "code_bytes": sum(code_bytes),
@@ -128,7 +133,7 @@ def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tupl
     rows = []
     for arch in archs:
         if "decode" in kernels:
-            rows += [decode_row(arch, m) for m in decode_m]
+            rows += [decode_row(arch, m, s) for m in decode_m for s in DECODE_SPLITS.get(m, (1,))]
         if "prefill" in kernels:
             rows += [prefill_row(arch, cfg, bits) for cfg in gemm_kernel.CANDIDATES for bits in (4, 8)]
         if "quantize" in kernels:

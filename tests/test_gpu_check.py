@@ -186,6 +186,20 @@ def test_kernel_table_format():
     assert "n/a" in format_rows(ROWS[:1], None).splitlines()[2].split()  # unknown device: no fractions
 
 
+def test_split_sweep_table_and_its_json_round_trip():
+    """The K-split sweep: microseconds per split, the chosen split and the fastest (by hand: 4 us at split 4); a
+    row without a sweep (M > 8, or untimed) is left out; the recorded JSON row (string keys) parses back into the
+    same table, as the Markdown report reads it."""
+    swept = KernelRow(2048, 2048, 1, split=8, split_ms={"1": 0.0097, "2": 0.006, "4": 0.004, "8": 0.0045})
+    headers, cells = kernel_bench.split_table([swept, ROWS[1]])
+    assert headers[-2:] == ("auto", "fastest") and cells == [
+        ["2048", "2048", "1", "9.7", "6.0", "4.0", "4.5", "8", "4"]
+    ]
+    recorded = json.loads(json.dumps({"rows": [kernel_bench.as_dict(swept)]}))
+    assert run_checks.kernel_section(recorded).endswith("| 2048 | 2048 | 1 | 9.7 | 6.0 | 4.0 | 4.5 | 8 | 4 |")
+    assert kernel_bench.format_splits(ROWS) == ""
+
+
 # ---------------------------------------------------------------------------------------- verdicts, exit status
 def test_exit_status_is_1_only_when_a_stage_failed():
     assert exit_status(RESULTS) == 1

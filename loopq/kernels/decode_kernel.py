@@ -22,9 +22,15 @@ weight byte per thread at M = 1):
   the program's tokens;
 * **no reduction across threads inside the K loop**: every thread accumulates its own groups in fp32 registers; the
   8 lanes of a row are added once, after the loop;
-* **one launch, no split-K**: the K dimension is spread over the 8 lanes of a program instead, and the grid is
-  ``N / 8`` programs (256 to 1408 on Ouro-1.4B's shapes, all issued in one wave of loads); the program writes the
-  output dtype and adds the bias itself;
+* **one launch, K split across programs where the grid is narrow** (:func:`k_split`): ``N / 8`` programs per
+  8 tokens is 256 on Ouro-1.4B's ``o_proj`` and ``down_proj``, too few to keep an H100's memory busy (the GPU run
+  of 2026-11-27 timed M = 1 by K per program); so each tile's chunk blocks are split over ``S`` = 1, 2, 4 or 8
+  neighbouring programs (split ``s`` reads blocks ``[s 8/S, (s + 1) 8/S)`` of every chunk), until the grid has
+  :data:`PROGRAMS_PER_SM` programs per SM. The reduction stays in the launch and is deterministic: every split
+  stores its ``[BLOCK_M, 8]`` partial sums, and the one that arrives last at the block's counter (an ``acq_rel``
+  atomic after a barrier) adds the ``S`` partials in split order, adds the bias, writes the output dtype and resets
+  the counter (:func:`arrival_counters`: filled once per device and stream, never per call). Unsplit, the program
+  writes the output itself;
 * **every load's register layout follows from its shape alone, under any Triton version**: Triton's coalescing
   pass orders a load's dimensions by address contiguity and breaks ties by dimension index - lowest first in 3.6,
   highest first in 3.9. Loads shaped ``[R, J, 4]`` tied R and J, so 3.6 put the rows across a warp's lanes while
@@ -60,9 +66,9 @@ weight byte per thread at M = 1):
 
 Rounding contract (not bit-exact with :mod:`loopq.kernels.reference`, which adds the groups left to right): every
 group's integer dot is exact; each term ``t_g = dot_g * (s_a s_w)`` is rounded twice and the G terms are summed in
-fp32 in some bracketing (along a lane, then across the 8 lanes or 4 warps), each term passing through at most G - 1
-additions (the tensor-core kernel contracts a term's second rounding into its addition: ``fma``, within the same
-bound).
+fp32 in some bracketing (along a lane, then across the 8 lanes or 4 warps, then across the K splits), each term
+passing through at most G - 1 additions (the tensor-core kernel contracts a term's second rounding into its
+addition: ``fma``, within the same bound).
 Hence, with ``u = 2^-24`` and ``gamma_n = n u / (1 - n u)``::
 
     |out - ref64| <= gamma_{G+1} * sum_k |a_k w_k s_a s_w|                      (fp32 output, no bias)
@@ -78,6 +84,8 @@ shifts and :func:`_nibbles16` the same int8 values with integer arithmetic.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -133,25 +141,33 @@ def _pick(tile, i: tl.constexpr):
 
 @triton.jit
 def _chunk(
-    acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8,
-    MASKED: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
+    acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8, split,
+    MASKED: tl.constexpr, UNROLL: tl.constexpr, KSPLIT: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc[m, t] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the 8 groups
-    ``g = 64 c + 8 i + j`` of chunk ``c`` of thread ``t = 8 j + r``, for all BLOCK_M tokens at once (held in each
+    """``acc[m, t] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the groups
+    ``g = 64 c + 8 i + j`` of chunk ``c`` of thread ``t = 8 j + r`` whose ``i`` is this program's share of the
+    chunk (``i`` in ``[split P, split P + P)``, ``P = 8 / KSPLIT``), for all BLOCK_M tokens at once (held in each
     thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
-    only): the 8 groups as straight-line code (all 8 weight loads in flight, each scale picked by register
-    renaming), else a loop (one group's registers live at a time, the scale picked with 8 selects; in the last
-    chunk only over the 16-byte blocks that exist, so a K of a few groups costs a few steps)."""
+    only): the P groups as straight-line code (all P weight loads in flight, each scale picked by register
+    renaming and, under a split, ``KSPLIT - 1`` selects on the program's split), else a loop (one group's registers
+    live at a time, the scale picked with 8 selects; in the last chunk only over the 16-byte blocks that exist, so
+    a K of a few groups costs a few steps)."""
     sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8  # [T, 8]
     sw = tl.load(sw_tile + sw_off, cache_modifier=".cg").to(tl.float32)  # 16 B, L2 only (read once)
+    PER: tl.constexpr = _RUN // KSPLIT
     if UNROLL and not MASKED:
-        for i in tl.static_range(_RUN):
-            acc = _group(acc, a_ptr, sa_ptr, w_tile, _pick(sw, i), c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
+        for ii in tl.static_range(PER):
+            sw_i = _pick(sw, ii)
+            for q in tl.static_range(1, KSPLIT):
+                sw_i = tl.where(split == q, _pick(sw, q * PER + ii), sw_i)
+            i = ii if KSPLIT == 1 else split * PER + ii
+            acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     else:
-        steps = _RUN
+        start = split * PER
+        stop = start + PER
         if MASKED:
-            steps = tl.cdiv(G - c * _CHUNK, _LANES)  # the last chunk's groups that exist
-        for i in range(steps):
+            stop = tl.minimum(stop, tl.cdiv(G - c * _CHUNK, _LANES))  # the last chunk's groups that exist
+        for i in range(start, stop):
             sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=1)
             acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     return acc
@@ -190,14 +206,17 @@ def _group(
 
 @triton.jit
 def _decode_kernel(
-    a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, M, N, G,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
+    a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, G,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, UNROLL: tl.constexpr, KSPLIT: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Program ``p``: output rows ``8 t .. 8 t + 7`` of tile ``t = p // B`` for tokens ``BLOCK_M b ..`` of token
-    block ``b = p % B``, ``B = cdiv(M, BLOCK_M)`` (see the module docstring)."""
+    """Program ``p``: output rows ``8 t .. 8 t + 7`` of tile ``t = q // B`` for tokens ``BLOCK_M b ..`` of token
+    block ``b = q % B``, ``B = cdiv(M, BLOCK_M)``, ``q = p // KSPLIT``, over K split ``p % KSPLIT`` of ``KSPLIT`` (see
+    the module docstring; the splits of one output block are neighbours in the grid)."""
+    split = tl.program_id(0) % KSPLIT
+    block = tl.program_id(0) // KSPLIT
     token_blocks = tl.cdiv(M, BLOCK_M)
-    tile = (tl.program_id(0) // token_blocks).to(tl.int64)
-    first = (tl.program_id(0) % token_blocks) * BLOCK_M
+    tile = (block // token_blocks).to(tl.int64)
+    first = (block % token_blocks) * BLOCK_M
     t = tl.arange(0, _THREADS)
     r = (t % _ROWS)[:, None]  # [T, 1]: thread t = 8 j + r owns tile row r and K lane j
     j = (t // _ROWS)[:, None]
@@ -213,15 +232,39 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, _THREADS], dtype=tl.float32)
     full = G // _CHUNK
     for c in range(full):
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8, False, UNROLL, ASM)
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8, split,
+                     False, UNROLL, KSPLIT, ASM)  # fmt: skip
     if full < chunks:
-        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, G, r, j, jx, rowx, w4, s8, True, UNROLL, ASM)
+        acc = _chunk(acc, a_ptr, sa_ptr, w_tile, sw_tile, full, G, r, j, jx, rowx, w4, s8, split,
+                     True, UNROLL, KSPLIT, ASM)  # fmt: skip
     out = tl.sum(tl.reshape(acc, [BLOCK_M, _LANES, _ROWS]), axis=1)  # [BLOCK_M, R]: the lanes of a row, once
     rn = tile * _ROWS + tl.arange(0, _ROWS)
     om = first + tl.arange(0, BLOCK_M)
+    mask = (om < M)[:, None] & (rn < N)[None, :]
+    if KSPLIT == 1:
+        _epilogue(out, bias_ptr, out_ptr, rn, om, N, mask, HAS_BIAS)
+    else:
+        # the split's partial sums go to the workspace; the program that arrives last at the block's counter adds
+        # all KSPLIT of them in split order (the same sum whichever program is last), writes the output and resets
+        # the counter for the next launch. The barrier orders the block's stores before its arrival (release), and
+        # the partials are read past L1 (``.cg``) after the arrival that saw all the others (acquire)
+        part = part_ptr + (om[:, None] * N + rn[None, :])
+        tl.store(part + split * M * N, out, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if arrived == KSPLIT - 1:
+            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for q in tl.static_range(1, KSPLIT):
+                total += tl.load(part + q * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(total, bias_ptr, out_ptr, rn, om, N, mask, HAS_BIAS)
+            tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _epilogue(out, bias_ptr, out_ptr, rn, om, N, mask, HAS_BIAS: tl.constexpr):
+    """The bias (fp32, added before the cast, as the torch path does) and the store in the output dtype."""
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    mask = (om < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + om[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -380,11 +423,12 @@ def _pick4(tile, i: tl.constexpr):
 
 @triton.jit
 def _decode_mma_kernel(
-    a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, M, N, G,
+    a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, G,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """9..16 tokens: program ``p`` computes output rows ``ROWS p ..`` for all tokens with int8 tensor-core dots,
-    its ``SPLIT`` warps taking every ``SPLIT``-th K lane; their sums are added once, after the loop."""
+    its ``SPLIT`` warps taking every ``SPLIT``-th K lane; their sums are added once, after the loop. No split of K
+    across programs (``part_ptr`` and ``count_ptr`` are unused: the launch is :func:`_decode_kernel`'s)."""
     rn = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rc = tl.minimum(rn, N - 1)  # rows past N read the last one; their outputs are not stored
     tile, r = (rc // _ROWS).to(tl.int64), rc % _ROWS
@@ -407,10 +451,7 @@ def _decode_mma_kernel(
             acc = _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, full, j, G, HALVES, ASM)
     om = tl.arange(0, 16)
     out = tl.sum(acc, axis=0) * 0.0625  # the dots were of 16 x the codes: exact
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    mask = (om < M)[:, None] & (rn < N)[None, :]
-    tl.store(out_ptr + om[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    _epilogue(out, bias_ptr, out_ptr, rn, om, N, (om < M)[:, None] & (rn < N)[None, :], HAS_BIAS)
 
 
 #: 9..16 tokens run :func:`_decode_mma_kernel`: output rows per program and warps (each warp every 4th K lane)
@@ -448,24 +489,83 @@ def compile_options(m: int) -> dict[str, int | bool]:
     return {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
 
+#: a ``dp4a`` launch splits K across programs until it has this many programs per SM (:func:`k_split`): the GPU run
+#: of 2026-11-27 timed M = 1 by K per program, not by bytes (256 programs of 2 warps on 132 SMs read 240-400 GB/s,
+#: 1408 read 1.1 TB/s), so a narrow shape needs more, shorter programs to keep enough loads in flight
+PROGRAMS_PER_SM = 8
+#: the SM count a launch plans for where the device has none to report (the Triton interpreter): an H100 SXM's, so
+#: that the CPU runs the splits an H100 would
+PLAN_SMS = 132
+
+
+def k_split(programs: int, groups: int, sms: int) -> int:
+    """The K split of a ``dp4a`` launch of ``programs`` output blocks over ``groups`` 32-groups: the least power of
+    two ``S <= 8`` with ``S * programs >= PROGRAMS_PER_SM * sms``, at most the 16-byte blocks a tile row has per
+    chunk (``cdiv(groups, 8)``, so that every split has groups to read). Split ``s`` reads blocks
+    ``[s 8/S, (s + 1) 8/S)`` of every chunk."""
+    blocks = min(CHUNK_GROUPS // TILE_LANES, cdiv(groups, TILE_LANES))
+    split = 1
+    while split * 2 <= blocks and split * programs < PROGRAMS_PER_SM * sms:
+        split *= 2
+    return split
+
+
+@functools.cache
+def device_sms(device: torch.device) -> int:
+    """The SM count of a CUDA ``device``, else :data:`PLAN_SMS`."""
+    if device.type != "cuda":
+        return PLAN_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class GemmLaunch(NamedTuple):
     """How :func:`gemm_tiled` launches for a shape: the kernel, its grid, whether the codes are read as int32 words
-    (the ``dp4a`` kernel) and its constexprs and compile options (also :mod:`loopq.kernels.decode_plan`'s)."""
+    (the ``dp4a`` kernel), its constexprs and compile options (also :mod:`loopq.kernels.decode_plan`'s), and its
+    K split with the workspace that needs: ``split`` fp32 partial outputs ``[M, N]`` and one arrival counter per
+    output block (``blocks``), zero before the launch and left zero by it."""
 
     kernel: Any
     grid: tuple[int]
     words: bool
     constexprs: dict[str, int | bool]
+    split: int
+    blocks: int
 
 
-def gemm_launch(m: int, n: int, tiles: int, has_bias: bool, cuda: bool) -> GemmLaunch:
-    """The launch of ``m`` tokens (1..:data:`MAX_M`) against ``n`` weight rows stored as ``tiles`` 8-row tiles: one
-    program per tile for the ``dp4a`` kernel, one per :data:`MMA_ROWS` rows for the tensor-core one."""
-    mma = uses_mma(m)
-    kernel, grid = (_decode_mma_kernel, cdiv(n, MMA_ROWS)) if mma else (_decode_kernel, tiles)
+def gemm_launch(m: int, n: int, tiles: int, groups: int, has_bias: bool, device: torch.device) -> GemmLaunch:
+    """The launch of ``m`` tokens (1..:data:`MAX_M`) against ``n`` weight rows of ``groups`` 32-groups stored as
+    ``tiles`` 8-row tiles: :func:`k_split` programs per tile for the ``dp4a`` kernel, one per :data:`MMA_ROWS` rows
+    for the tensor-core one (no split)."""
+    cuda = device.type == "cuda"
     asm = cuda and isinstance(_decode_kernel, triton.runtime.JITFunction)
-    constexprs = dict(HAS_BIAS=has_bias, **specialization(m), ASM=asm, **compile_options(m))
-    return GemmLaunch(kernel, (grid,), not mma, constexprs)
+    if uses_mma(m):
+        constexprs = dict(HAS_BIAS=has_bias, **specialization(m), ASM=asm, **compile_options(m))
+        return GemmLaunch(_decode_mma_kernel, (cdiv(n, MMA_ROWS),), False, constexprs, 1, 0)
+    split = k_split(tiles, groups, device_sms(device))
+    constexprs = dict(HAS_BIAS=has_bias, **specialization(m), KSPLIT=split, ASM=asm, **compile_options(m))
+    return GemmLaunch(_decode_kernel, (tiles * split,), True, constexprs, split, tiles if split > 1 else 0)
+
+
+_COUNTERS: dict[tuple[str, int], Tensor] = {}
+_COUNTERS_LOCK = threading.Lock()
+_RETIRED: list[Tensor] = []
+
+
+def arrival_counters(device: torch.device, blocks: int) -> Tensor:
+    """Zeroed int32 arrival counters for a split launch of ``blocks`` output blocks: one buffer per device and CUDA
+    stream (per thread where there is no stream: the interpreter runs a launch in its caller's thread), kept zero
+    by the kernels (the last arrival resets its counter), so a call fills nothing; grown when a launch needs
+    more (the old buffer is kept: a CUDA graph captured on it still launches on it). Launches in one stream are
+    ordered, so they take turns with it; another stream or thread gets its own."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else threading.get_ident()
+    key = (str(device), stream)
+    with _COUNTERS_LOCK:
+        counters = _COUNTERS.get(key)
+        if counters is None or counters.numel() < blocks:
+            if counters is not None:  # a captured CUDA graph may still launch on it: never freed
+                _RETIRED.append(counters)
+            counters = _COUNTERS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 def gemm_tiled(
@@ -476,23 +576,49 @@ def gemm_tiled(
     n: int,
     out_dtype: torch.dtype,
     bias: Tensor | None = None,
+    split: int | None = None,
 ) -> Tensor:
-    """One launch: of :func:`_decode_kernel` for 1..8 tokens (``N / 8`` programs), of :func:`_decode_mma_kernel` for
-    9..16 (``N / 32`` programs of 4 warps). ``a_codes``: int8 ``[M, K]``
+    """One launch: of :func:`_decode_kernel` for 1..8 tokens (``N / 8`` programs times the K split), of
+    :func:`_decode_mma_kernel` for 9..16 (``N / 32`` programs of 4 warps). ``a_codes``: int8 ``[M, K]``
     in the decode order (:func:`loopq.kernels.packing.deinterleave_groups`), ``a_scales`` fp32 ``[M, K/32]``; the
     weight in the kernel layout (:func:`loopq.kernels.packing.tile_weight`) of ``n`` rows; ``bias`` fp32 ``[n]`` or
-    None."""
+    None. ``split`` overrides :func:`k_split` (1, 2, 4 or 8; tests and benchmarks)."""
     m, k = a_codes.shape
     if not 0 < m <= MAX_M:
         raise ValueError(f"the decode GEMM takes 1..{MAX_M} rows (got M={m}); use loopq.kernels.gemm_kernel")
     out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
     if n == 0:
         return out
-    launch = gemm_launch(m, n, w_codes.shape[0], bias is not None, a_codes.is_cuda)
+    launch = gemm_launch(m, n, w_codes.shape[0], k // GROUP_SIZE, bias is not None, a_codes.device)
+    if split is not None and launch.words:
+        if split not in (1, 2, 4, 8):
+            raise ValueError(f"gemm_tiled: split must be 1, 2, 4 or 8 (got {split})")
+        tiles = w_codes.shape[0]
+        launch = launch._replace(
+            grid=(tiles * split,), constexprs={**launch.constexprs, "KSPLIT": split}, split=split,
+            blocks=tiles if split > 1 else 0,
+        )  # fmt: skip
     a_codes = a_codes.contiguous()
     a_codes, w_codes = (a_codes.view(torch.int32), w_codes.view(torch.int32)) if launch.words else (a_codes, w_codes)
-    launch.kernel[launch.grid](
-        a_codes, a_scales.contiguous(), w_codes, w_scales, out if bias is None else bias, out, m, n, k // GROUP_SIZE,
-        **launch.constexprs,
-    )  # fmt: skip
+    part, counters = (a_scales, w_codes) if launch.split == 1 else split_workspace(launch, m, n, a_codes.device, False)
+    try:
+        launch.kernel[launch.grid](
+            a_codes, a_scales.contiguous(), w_codes, w_scales, out if bias is None else bias, out, part, counters,
+            m, n, k // GROUP_SIZE, **launch.constexprs,
+        )  # fmt: skip
+    except BaseException:  # an interrupted interpreter launch (Ctrl-C) must not leave counts for the next call
+        if launch.split > 1 and not a_codes.is_cuda:
+            counters.zero_()
+        raise
     return out
+
+
+def split_workspace(launch: GemmLaunch, m: int, n: int, device: torch.device, own: bool) -> tuple[Tensor, Tensor]:
+    """The partial outputs and zeroed arrival counters of a split ``launch``; the counters are the shared
+    :func:`arrival_counters` unless ``own`` (a decode plan's scratch: zeroed once, then kept zero by its launches).
+    Without a split the kernel reads neither: the callers pass stand-ins of the pointer types (an fp32 and an
+    int32 tensor of the call), so that no call allocates them."""
+    part = torch.empty(launch.split, m, n, dtype=torch.float32, device=device)
+    if own:
+        return part, torch.zeros(launch.blocks, dtype=torch.int32, device=device)
+    return part, arrival_counters(device, launch.blocks)

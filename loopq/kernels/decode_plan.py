@@ -57,27 +57,38 @@ class DecodePlan:
         # thread, so two groups of one shape, or two threads decoding with one model, never share it
         s = self.scratches.get(threading.get_ident())
         if s is None:
-            m, _, groups = self.sizes
+            m, n, groups = self.sizes
             fresh = scratch(m, groups * GROUP_SIZE, self.quantize.needs_scratch, x.device)
+            if self.gemm.split > 1:
+                fresh = fresh._replace(split=decode_kernel.split_workspace(self.gemm, m, n, x.device, True))
             s = self.scratches.setdefault(threading.get_ident(), fresh)
         self.quantize.run(x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip)
         out = x.new_empty(self.out_shape, dtype=self.out_dtype)  # x is on the planned device
         g = self.gemm
-        g.kernel[g.grid](
-            s.words if g.words else s.codes, s.scales, self.w_codes, self.w_scales,
-            out if self.bias is None else self.bias, out, *self.sizes, **g.constexprs,
-        )  # fmt: skip
+        part, counters = (s.scales, self.w_codes) if s.split is None else s.split
+        try:
+            g.kernel[g.grid](
+                s.words if g.words else s.codes, s.scales, self.w_codes, self.w_scales,
+                out if self.bias is None else self.bias, out, part, counters, *self.sizes, **g.constexprs,
+            )  # fmt: skip
+        except BaseException:  # as gemm_tiled: an interrupted interpreter launch leaves no counts behind
+            if s.split is not None and not x.is_cuda:
+                counters.zero_()
+            raise
         return out
 
 
 class Scratch(NamedTuple):
     """The quantizer's outputs, consumed by the GEMM of the same call: int8 codes ``[M, K]`` (and as int32 words),
-    fp32 scales ``[M, K / 32]``, and the transform's fp32 row buffer where it needs one."""
+    fp32 scales ``[M, K / 32]``, the transform's fp32 row buffer where it needs one, and a split GEMM's partial
+    outputs and arrival counters (:func:`~loopq.kernels.decode_kernel.split_workspace`: the counters zeroed once,
+    then kept zero by the launches, which run in order on the plan's thread)."""
 
     codes: Tensor
     words: Tensor
     scales: Tensor
     transform: Tensor | None
+    split: tuple[Tensor, Tensor] | None = None
 
 
 def scratch(m: int, k: int, transform: bool, device: torch.device) -> Scratch:
@@ -118,7 +129,7 @@ def plan_decode(
     fast = left is not None and quantize_kernel.uses_fast_path(None, x.device)
     factors = None if left is None else (left.shape[0], right.shape[0])
     launch = quantize_kernel.quantize_launch(m, k, factors, a_bits, inv_d is not None, True, fast, x.is_cuda)
-    gemm = decode_kernel.gemm_launch(m, n, w_codes.shape[0], bias is not None, x.is_cuda)
+    gemm = decode_kernel.gemm_launch(m, n, w_codes.shape[0], k // GROUP_SIZE, bias is not None, x.device)
     return DecodePlan(
         launch, inv_d, left, right, quantize_kernel.fp32_value(clip), {},
         gemm, w_codes.view(torch.int32) if gemm.words else w_codes, w_scales, bias, (m, n, k // GROUP_SIZE),

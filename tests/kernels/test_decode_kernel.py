@@ -42,12 +42,17 @@ def operands(m, n, k, bits, device, seed=0):
     return codes.to(device), sa.to(device), w, sw, wt.to(device), swt.to(device)
 
 
+@pytest.mark.parametrize("split", [None, 2, 8], ids=["auto", "split2", "split8"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("case", CASES)
-def test_within_the_fp32_bound(case, bits, device):
+def test_within_the_fp32_bound(case, bits, split, device):
+    """Also with K split across 2 and 8 programs (``dp4a`` kernel only; the automatic split of these small grids
+    is the largest their K allows), including splits left without groups (a K of one 16-byte block)."""
     m, n, k = CASES[case]
+    if split is not None and decode_kernel.uses_mma(m):
+        pytest.skip("the tensor-core kernel does not split K")
     codes, sa, w, sw, wt, swt = operands(m, n, k, bits, device)
-    out = decode_kernel.gemm_tiled(deinterleave_groups(codes), sa, wt, swt, n, torch.float32)
+    out = decode_kernel.gemm_tiled(deinterleave_groups(codes), sa, wt, swt, n, torch.float32, split=split)
     assert out.shape == (m, n) and out.dtype == torch.float32
     ref, bound = gemm_fp64(codes.cpu(), sa.cpu(), unpack_int4(w), sw)
     err = (out.cpu().double() - ref).abs()
@@ -140,13 +145,16 @@ class _TorchKernels(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("k", [128, 2048], ids=["no-split", "k-split"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "tensor-core"])
 @pytest.mark.parametrize("m", [1, 16, 17])
-def test_a_quantized_linear_is_two_launches(m, fast, monkeypatch):
+def test_a_quantized_linear_is_two_launches(m, fast, k, monkeypatch):
     """``ops.quantized_linear`` with a transform, the diagonal, a bias and a bf16 output: at decode (M <= 16) the
     quantizer and the decode GEMM and no torch kernel; prefill adds only the weight's layout conversion and the
     epilogue in torch (documented as open). Either quantizer: the exact one or the tensor-core one (CUDA's default),
-    whose cast, diagonal and split across programs stay inside its one launch."""
+    whose cast, diagonal and split across programs stay inside its one launch. A K split (K = 2048: 8 programs per
+    tile) reduces inside the GEMM's launch; its arrival counters are filled once per device and stream, by the
+    first call (made here before the count)."""
     monkeypatch.setattr(qk, "uses_fast_path", lambda exact, device: exact is not True and fast)
     quantizer = "_quantize_dot_kernel" if fast else "_quantize_kernel"
     launches = _Launches()
@@ -155,17 +163,61 @@ def test_a_quantized_linear_is_two_launches(m, fast, monkeypatch):
         monkeypatch.setattr(mod, name, launches.kernel(name))
     monkeypatch.setattr(ops.gemm_kernel, "_gemm_kernel", launches.kernel("_gemm_kernel"))
     monkeypatch.setattr(ops, "triton_interpreted", lambda: True)
-    k, n = 128, 24
+    n = 24
     wt, swt = tile_weight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // 32).half())
-    x, bias, left, right, inv_d = torch.randn(m, k), torch.randn(n), torch.eye(8), torch.eye(16), torch.ones(k)
+    x, bias, left, right, inv_d = torch.randn(m, k), torch.randn(n), torch.eye(8), torch.eye(k // 8), torch.ones(k)
+    args = (x, wt, swt, n, left, right, inv_d, 0.9, 4, bias, torch.float16)
+    ops.quantized_linear(*args, backend="triton")
+    launches.names.clear()
     with _TorchKernels() as torch_ops:
-        y = ops.quantized_linear(x, wt, swt, n, left, right, inv_d, 0.9, 4, bias, torch.float16, backend="triton")
+        y = ops.quantized_linear(*args, backend="triton")
     assert y.shape == (m, n) and y.dtype == torch.float16
     if m <= decode_kernel.MAX_M:
         gemm = "_decode_mma_kernel" if decode_kernel.uses_mma(m) else "_decode_kernel"
         assert launches.names == [quantizer, gemm] and torch_ops.ops == []
     else:
         assert launches.names == [quantizer, "_gemm_kernel"]
+
+
+@pytest.mark.parametrize(
+    ("sms", "want"),
+    [(132, {"6144x2048": 2, "2048x2048": 8, "11264x2048": 1, "2048x5632": 8}),  # H100 SXM: 1056 programs wanted
+     (108, {"6144x2048": 2, "2048x2048": 4, "11264x2048": 1, "2048x5632": 4})],  # A100: 864
+)  # fmt: skip
+def test_k_split_at_the_ouro_shapes(sms, want):
+    """By hand: N / 8 tiles (768, 256, 1408, 256) times the least power of two reaching 8 programs per SM, at
+    most 8 (the 16-byte blocks of a chunk); a K of few groups splits no further than its blocks."""
+    got = {f"{n}x{k}": decode_kernel.k_split(n // TILE_ROWS, k // 32, sms) for n, k in SHAPES}
+    assert got == want
+    assert [decode_kernel.k_split(1, g, 132) for g in (1, 8, 9, 16, 17, 24, 64, 176)] == [1, 1, 2, 2, 2, 2, 8, 8]
+
+
+def test_a_split_launch_leaves_its_counters_zero_and_repeats_its_bits(device, monkeypatch):
+    """The last of a block's programs resets its arrival counter, so the next call (which fills nothing) finds
+    zeros; a launch interrupted in the interpreter (Ctrl-C) zeroes what it counted."""
+    m, n, k = 2, 24, 2048
+    codes, sa, _, _, wt, swt = operands(m, n, k, 4, device)
+    a = deinterleave_groups(codes)
+    first = decode_kernel.gemm_tiled(a, sa, wt, swt, n, torch.float32, split=8)
+    again = decode_kernel.gemm_tiled(a, sa, wt, swt, n, torch.float32, split=8)
+    assert torch.equal(first, again)
+    counters = decode_kernel.arrival_counters(torch.device(device), 3)
+    assert int(counters.abs().sum()) == 0
+    if device.type == "cuda":
+        return
+
+    class Interrupted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                args[7][:3] += 1  # three programs arrived, then Ctrl-C
+                raise KeyboardInterrupt
+
+            return launch
+
+    monkeypatch.setattr(decode_kernel, "_decode_kernel", Interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        decode_kernel.gemm_tiled(a, sa, wt, swt, n, torch.float32, split=8)
+    assert int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)

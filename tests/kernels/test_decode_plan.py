@@ -200,3 +200,24 @@ def test_scratch_is_never_shared_by_two_groups_of_one_shape_nor_by_two_threads(d
     assert len(plan_a.scratches) == 2 and len(plan_b.scratches) == 1
     scratch = [*plan_a.scratches.values(), *plan_b.scratches.values()]
     assert len({s.codes.data_ptr() for s in scratch}) == len({s.scales.data_ptr() for s in scratch}) == 3
+
+
+def test_a_split_plan_repeats_the_checked_bits_and_keeps_its_counters_zero(device):
+    """A K split (K = 2048 over 3 tiles: 8 programs per tile) in a plan: its own counters, zeroed once, are zero
+    again after every call, and every call gives the checked call's bits."""
+    from loopq.kernels.decode_plan import plan_decode
+    from loopq.kernels.packing import tile_weight
+
+    m, n, k = 2, 24, 2048
+    gen = torch.Generator().manual_seed(3)
+    wt, swt = tile_weight(torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
+                          (0.01 * torch.rand(n, k // 32, generator=gen)).half())  # fmt: skip
+    wt, swt, x = wt.to(device), swt.to(device), torch.randn(m, k, generator=gen).to(device)
+    args = (x, wt, swt, n, None, None, None, 0.9, 4, None, torch.float32)
+    want = ops.quantized_linear(*args, backend="triton")
+    plan = plan_decode(*args, "triton", (m, n))
+    assert plan is not None and plan.gemm.split == 8
+    for _ in range(3):
+        assert torch.equal(plan(x), want)
+        ((_, counters),) = (s.split for s in plan.scratches.values())
+        assert counters.shape == (3,) and int(counters.abs().sum()) == 0

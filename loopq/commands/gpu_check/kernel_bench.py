@@ -38,7 +38,7 @@ from loopq.kernels import (
     quantize_weight,
     unpack_int4,
 )
-from loopq.kernels.packing import tile_weight
+from loopq.kernels.packing import TILE_ROWS, cdiv, tile_weight
 from loopq.quant.transforms import kron_factors
 
 #: (N, K) of Ouro-1.4B's linears: fused q/k/v, o_proj, fused gate/up, down_proj
@@ -70,6 +70,10 @@ class KernelRow:
     w4a4_gemm_ms: float | None = None
     w4a8_quant_ms: float | None = None
     w4a8_gemm_ms: float | None = None
+    #: the ``dp4a`` decode GEMM's K split (M <= 8): the one ``decode_kernel.k_split`` picks on this device, and the
+    #: W4A4 GEMM's time at each split it can take (keys "1", "2", "4", "8"), to tune ``PROGRAMS_PER_SM`` by
+    split: int | None = None
+    split_ms: dict[str, float] = field(default_factory=dict)
 
 
 def goal_for(m: int) -> float | None:
@@ -216,6 +220,33 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
         quant, gemm = timed_calls(x, left, right, w, sw, bits)
         setattr(row, f"w4a{bits}_quant_ms", bench(quant))
         setattr(row, f"w4a{bits}_gemm_ms", bench(gemm))
+    if row.m <= decode_kernel.MAX_BLOCK_M:
+        _, gemm = timed_calls(x, left, right, w, sw, 4)
+        sms = decode_kernel.device_sms(x.device)
+        row.split = decode_kernel.k_split(cdiv(row.n, TILE_ROWS), row.k // GROUP_SIZE, sms)
+        row.split_ms = {str(s): bench(partial(gemm, split=s)) for s in SPLITS}
+
+
+#: the K splits the sweep times (``decode_kernel.gemm_tiled(split=)``)
+SPLITS = (1, 2, 4, 8)
+
+
+def split_table(rows: list[KernelRow]) -> tuple[tuple[str, ...], list[list[str]]]:
+    """The K-split sweep of the timed decode rows (headers, cells): the W4A4 GEMM's microseconds at each split, the
+    split ``k_split`` chose on the device (``auto``) and the fastest."""
+    headers = ("N", "K", "M", *(f"split {s} us" for s in SPLITS), "auto", "fastest")
+    cells = [
+        [str(r.n), str(r.k), str(r.m), *(_us(r.split_ms.get(str(s))) for s in SPLITS), str(r.split),
+         min(r.split_ms, key=r.split_ms.__getitem__)]
+        for r in rows if r.split_ms
+    ]  # fmt: skip
+    return headers, cells
+
+
+def format_splits(rows: list[KernelRow]) -> str:
+    """:func:`split_table` as text (empty without a timed decode row)."""
+    headers, cells = split_table(rows)
+    return grid(headers, cells, right=range(len(headers))) if cells else ""
 
 
 def measure(
