@@ -39,9 +39,10 @@ from loopq.kernels import decode_kernel, gemm_kernel, ptx, quantize_kernel
 from tests.kernels.gpu_compile import compile_decode, compile_gemm, compile_quantizer, ptxas_usage, sass_of
 
 DECODE_M = (1, 2, 4, 8, 16)
-#: the K splits compiled per ``dp4a`` token count (``decode_kernel.k_split``: Ouro's shapes take 1, 2 and 8 on an
-#: H100, 4 on an A100): all four at M = 1, where the per-byte limit applies, the extremes above
-DECODE_SPLITS = {1: (1, 2, 4, 8), 2: (1, 8), 4: (1, 8), 8: (1, 8)}
+#: the K splits compiled per token count (``decode_kernel.k_split``: at M <= 8 Ouro's shapes take 1, 2 and 8 on an
+#: H100, 4 on an A100; at 9..16 tokens 1, 2 and 4): all of them where a per-byte limit applies (M = 1 and 16), the
+#: extremes between
+DECODE_SPLITS = {1: (1, 2, 4, 8), 2: (1, 8), 4: (1, 8), 8: (1, 8), 16: (1, 2, 4)}
 #: the weight codes are loaded with the evict-first hint, their scales with ``ld.global.cg`` (``decode_kernel``)
 CODE_MARK, SCALE_MARK = "evict_first", ".cg."
 
@@ -133,7 +134,7 @@ def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tupl
     rows = []
     for arch in archs:
         if "decode" in kernels:
-            rows += [decode_row(arch, m, s) for m in decode_m for s in DECODE_SPLITS.get(m, (1,))]
+            rows += [decode_row(arch, m, s) for m in decode_m for s in DECODE_SPLITS[m]]
         if "prefill" in kernels:
             rows += [prefill_row(arch, cfg, bits) for cfg in gemm_kernel.CANDIDATES for bits in (4, 8)]
         if "quantize" in kernels:

@@ -46,8 +46,8 @@ weight byte per thread at M = 1):
   token and are not stored). Up to 2 tokens a chunk's 8 groups are straight-line code (all 8 weight loads in
   flight); from 4 on they are a loop, so that one group's activations are live at a time (no spills) and each
   variant compiles in seconds instead of the minutes that unrolling 16 tokens x 8 groups took;
-* **9..16 tokens run on the int8 tensor cores** (:func:`_decode_mma_kernel`, one variant): with ``dp4a`` every
-  token costs half an instruction per weight byte, 8 at 16 tokens before any decoding or scaling. A program owns 32
+* **9..16 tokens run on the int8 tensor cores** (:func:`_decode_mma_kernel`, one variant per K split): with
+  ``dp4a`` every token costs half an instruction per weight byte, 8 at 16 tokens before any decoding or scaling. A program owns 32
   output rows (4 tiles) and 16 token slots (rows past M re-read the last token); its 4 warps split K by lane (warp
   ``s`` takes ``j = s, s + 4``), and a step is one lane per warp: the 8 groups ``g = 64 c + 8 i + j`` of the
   export layout's run (one 16-byte code load per group and row, the 8 weight scales of a row one 16-byte load),
@@ -62,7 +62,9 @@ weight byte per thread at M = 1):
   forms with the same integer dots (:func:`_weight_operand`, :data:`MMA_HALVES`): Triton 3.9 converts the raw codes
   to the operand's layout before decoding them (16-byte stores, ``ldmatrix``); Triton 3.6 cannot, and stores the
   decoded operand in an order of its own choosing, so before 3.9 two lanes split each row's 16 bytes so that the
-  decoded tile reaches shared memory K-major, 8 bytes per store.
+  decoded tile reaches shared memory K-major, 8 bytes per store. ``N / 32`` programs are 64 on ``o_proj`` and
+  ``down_proj``, so K is split here too (:func:`k_split` with ``mma``: up to :data:`MMA_PROGRAMS_PER_SM` per SM,
+  at most 4 and K's lane runs), the steps dealt round-robin to the splits, reduced as above.
 
 Rounding contract (not bit-exact with :mod:`loopq.kernels.reference`, which adds the groups left to right): every
 group's integer dot is exact; each term ``t_g = dot_g * (s_a s_w)`` is rounded twice and the G terms are summed in
@@ -241,13 +243,22 @@ def _decode_kernel(
     rn = tile * _ROWS + tl.arange(0, _ROWS)
     om = first + tl.arange(0, BLOCK_M)
     mask = (om < M)[:, None] & (rn < N)[None, :]
+    _split_epilogue(out, part_ptr, count_ptr, block, split, bias_ptr, out_ptr, rn, om, M, N, mask, HAS_BIAS, KSPLIT)
+
+
+@triton.jit
+def _split_epilogue(
+    out, part_ptr, count_ptr, block, split, bias_ptr, out_ptr, rn, om, M, N, mask,
+    HAS_BIAS: tl.constexpr, KSPLIT: tl.constexpr,
+):  # fmt: skip
+    """Unsplit, :func:`_epilogue`. Split, the program's partial sums go to the workspace, and the program that
+    arrives last at the block's counter adds all ``KSPLIT`` of them in split order (the same sum whichever program
+    is last), writes the output and resets the counter for the next launch. The barrier orders the block's stores
+    before its arrival (release), and the partials are read past L1 (``.cg``) after the arrival that saw all the
+    others (acquire)."""
     if KSPLIT == 1:
         _epilogue(out, bias_ptr, out_ptr, rn, om, N, mask, HAS_BIAS)
     else:
-        # the split's partial sums go to the workspace; the program that arrives last at the block's counter adds
-        # all KSPLIT of them in split order (the same sum whichever program is last), writes the output and resets
-        # the counter for the next launch. The barrier orders the block's stores before its arrival (release), and
-        # the partials are read past L1 (``.cg``) after the arrival that saw all the others (acquire)
         part = part_ptr + (om[:, None] * N + rn[None, :])
         tl.store(part + split * M * N, out, mask=mask)
         tl.debug_barrier()
@@ -424,12 +435,17 @@ def _pick4(tile, i: tl.constexpr):
 @triton.jit
 def _decode_mma_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, G,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, KSPLIT: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
-    """9..16 tokens: program ``p`` computes output rows ``ROWS p ..`` for all tokens with int8 tensor-core dots,
-    its ``SPLIT`` warps taking every ``SPLIT``-th K lane; their sums are added once, after the loop. No split of K
-    across programs (``part_ptr`` and ``count_ptr`` are unused: the launch is :func:`_decode_kernel`'s)."""
-    rn = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    """9..16 tokens: program ``p`` computes output rows ``ROWS b ..`` (``b = p // KSPLIT``) for all tokens with int8
+    tensor-core dots, its ``SPLIT`` warps taking every ``SPLIT``-th K lane; their sums are added once, after the
+    loop. The K steps (one lane run of a chunk each) are dealt to the ``KSPLIT`` programs of a block round-robin
+    (split ``p % KSPLIT`` takes steps ``split, split + KSPLIT, ...``, and likewise the last chunk's lane runs), whose
+    partial sums :func:`_split_epilogue` adds in the launch."""
+    split = tl.program_id(0) % KSPLIT
+    block = tl.program_id(0) // KSPLIT
+    rn = block * ROWS + tl.arange(0, ROWS)
     rc = tl.minimum(rn, N - 1)  # rows past N read the last one; their outputs are not stored
     tile, r = (rc // _ROWS).to(tl.int64), rc % _ROWS
     blocks, chunks = tl.cdiv(G, _LANES), tl.cdiv(G, _CHUNK)
@@ -441,17 +457,20 @@ def _decode_mma_kernel(
     sa_rows = sa_ptr + (row * G)[None, :]  # [1, 16]
     acc = tl.zeros([SPLIT, 16, ROWS], dtype=tl.float32)
     full = G // _CHUNK
-    for step in range(full * (_LANES // SPLIT)):  # one loop over (chunk, lane run): no loop nest to keep registers for
-        c = step // (_LANES // SPLIT)
-        j = (step - c * (_LANES // SPLIT)) * SPLIT + s
+    runs: tl.constexpr = _LANES // SPLIT
+    for it in range(tl.cdiv(full * runs - split, KSPLIT)):  # one loop over (chunk, lane run): no nest to keep
+        step = split + it * KSPLIT  # registers for
+        c = step // runs
+        j = (step - c * runs) * SPLIT + s
         acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, HALVES, ASM)
     if full < chunks:
-        for jj in range(_LANES // SPLIT):
+        for jj in range(split, runs, KSPLIT):
             j = jj * SPLIT + s
             acc = _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, full, j, G, HALVES, ASM)
     om = tl.arange(0, 16)
     out = tl.sum(acc, axis=0) * 0.0625  # the dots were of 16 x the codes: exact
-    _epilogue(out, bias_ptr, out_ptr, rn, om, N, (om < M)[:, None] & (rn < N)[None, :], HAS_BIAS)
+    mask = (om < M)[:, None] & (rn < N)[None, :]
+    _split_epilogue(out, part_ptr, count_ptr, block, split, bias_ptr, out_ptr, rn, om, M, N, mask, HAS_BIAS, KSPLIT)
 
 
 #: 9..16 tokens run :func:`_decode_mma_kernel`: output rows per program and warps (each warp every 4th K lane)
@@ -489,23 +508,31 @@ def compile_options(m: int) -> dict[str, int | bool]:
     return {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
 
-#: a ``dp4a`` launch splits K across programs until it has this many programs per SM (:func:`k_split`): the GPU run
+#: a decode launch splits K across programs until it has this many programs per SM (:func:`k_split`): the GPU run
 #: of 2026-11-27 timed M = 1 by K per program, not by bytes (256 programs of 2 warps on 132 SMs read 240-400 GB/s,
-#: 1408 read 1.1 TB/s), so a narrow shape needs more, shorter programs to keep enough loads in flight
-PROGRAMS_PER_SM = 8
+#: 1408 read 1.1 TB/s), so a narrow shape needs more, shorter programs to keep enough loads in flight. The
+#: ``dp4a`` kernel's programs are 2 warps, the tensor-core kernel's 4 warps (one 16-token x 32-row tile each)
+PROGRAMS_PER_SM, MMA_PROGRAMS_PER_SM = 8, 2
+#: the most programs one output block's K is split over: the 8 blocks of a chunk (``dp4a``), or 4 (tensor cores:
+#: each split keeps at least one lane run of 8 groups per warp at Ouro's K = 5632)
+MAX_SPLIT, MMA_MAX_SPLIT = 8, 4
 #: the SM count a launch plans for where the device has none to report (the Triton interpreter): an H100 SXM's, so
 #: that the CPU runs the splits an H100 would
 PLAN_SMS = 132
 
 
-def k_split(programs: int, groups: int, sms: int) -> int:
-    """The K split of a ``dp4a`` launch of ``programs`` output blocks over ``groups`` 32-groups: the least power of
-    two ``S <= 8`` with ``S * programs >= PROGRAMS_PER_SM * sms``, at most the 16-byte blocks a tile row has per
-    chunk (``cdiv(groups, 8)``, so that every split has groups to read). Split ``s`` reads blocks
-    ``[s 8/S, (s + 1) 8/S)`` of every chunk."""
-    blocks = min(CHUNK_GROUPS // TILE_LANES, cdiv(groups, TILE_LANES))
+def k_split(programs: int, groups: int, sms: int, mma: bool = False) -> int:
+    """The K split of a launch of ``programs`` output blocks over ``groups`` 32-groups: the least power of two
+    ``S`` with ``S * programs >= per_sm * sms`` (:data:`PROGRAMS_PER_SM`, :data:`MMA_PROGRAMS_PER_SM`), at most the
+    split's cap and the units K has, so that every split has groups to read: for ``dp4a`` the 16-byte blocks a tile
+    row has per chunk (``cdiv(groups, 8)``, at most 8: split ``s`` reads blocks ``[s 8/S, (s + 1) 8/S)`` of every
+    chunk), for the tensor-core kernel its steps (2 lane runs per chunk, dealt round-robin)."""
+    if mma:
+        units, cap, per_sm = cdiv(groups, CHUNK_GROUPS) * (TILE_LANES // MMA_WARPS), MMA_MAX_SPLIT, MMA_PROGRAMS_PER_SM
+    else:
+        units, cap, per_sm = cdiv(groups, TILE_LANES), MAX_SPLIT, PROGRAMS_PER_SM
     split = 1
-    while split * 2 <= blocks and split * programs < PROGRAMS_PER_SM * sms:
+    while split * 2 <= min(cap, units) and split * programs < per_sm * sms:
         split *= 2
     return split
 
@@ -532,18 +559,22 @@ class GemmLaunch(NamedTuple):
     blocks: int
 
 
-def gemm_launch(m: int, n: int, tiles: int, groups: int, has_bias: bool, device: torch.device) -> GemmLaunch:
+def gemm_launch(
+    m: int, n: int, tiles: int, groups: int, has_bias: bool, device: torch.device, split: int | None = None
+) -> GemmLaunch:
     """The launch of ``m`` tokens (1..:data:`MAX_M`) against ``n`` weight rows of ``groups`` 32-groups stored as
-    ``tiles`` 8-row tiles: :func:`k_split` programs per tile for the ``dp4a`` kernel, one per :data:`MMA_ROWS` rows
-    for the tensor-core one (no split)."""
-    cuda = device.type == "cuda"
-    asm = cuda and isinstance(_decode_kernel, triton.runtime.JITFunction)
-    if uses_mma(m):
-        constexprs = dict(HAS_BIAS=has_bias, **specialization(m), ASM=asm, **compile_options(m))
-        return GemmLaunch(_decode_mma_kernel, (cdiv(n, MMA_ROWS),), False, constexprs, 1, 0)
-    split = k_split(tiles, groups, device_sms(device))
+    ``tiles`` 8-row tiles: the ``dp4a`` kernel's block is a tile, the tensor-core kernel's :data:`MMA_ROWS` rows,
+    each block's K split over :func:`k_split` programs (``split`` overrides it)."""
+    mma = uses_mma(m)
+    blocks = cdiv(n, MMA_ROWS) if mma else tiles
+    if split is None:
+        split = k_split(blocks, groups, device_sms(device), mma)
+    elif split not in (1, 2, 4, 8)[: 3 if mma else 4]:
+        raise ValueError(f"gemm_tiled: split must be 1, 2, 4{'' if mma else ' or 8'} at M={m} (got {split})")
+    asm = device.type == "cuda" and isinstance(_decode_kernel, triton.runtime.JITFunction)
     constexprs = dict(HAS_BIAS=has_bias, **specialization(m), KSPLIT=split, ASM=asm, **compile_options(m))
-    return GemmLaunch(_decode_kernel, (tiles * split,), True, constexprs, split, tiles if split > 1 else 0)
+    kernel = _decode_mma_kernel if mma else _decode_kernel
+    return GemmLaunch(kernel, (blocks * split,), not mma, constexprs, split, blocks if split > 1 else 0)
 
 
 _COUNTERS: dict[tuple[str, int], Tensor] = {}
@@ -579,25 +610,18 @@ def gemm_tiled(
     split: int | None = None,
 ) -> Tensor:
     """One launch: of :func:`_decode_kernel` for 1..8 tokens (``N / 8`` programs times the K split), of
-    :func:`_decode_mma_kernel` for 9..16 (``N / 32`` programs of 4 warps). ``a_codes``: int8 ``[M, K]``
-    in the decode order (:func:`loopq.kernels.packing.deinterleave_groups`), ``a_scales`` fp32 ``[M, K/32]``; the
-    weight in the kernel layout (:func:`loopq.kernels.packing.tile_weight`) of ``n`` rows; ``bias`` fp32 ``[n]`` or
-    None. ``split`` overrides :func:`k_split` (1, 2, 4 or 8; tests and benchmarks)."""
+    :func:`_decode_mma_kernel` for 9..16 (``N / 32`` programs of 4 warps times the K split). ``a_codes``: int8
+    ``[M, K]`` in the decode order (:func:`loopq.kernels.packing.deinterleave_groups`), ``a_scales`` fp32
+    ``[M, K/32]``; the weight in the kernel layout (:func:`loopq.kernels.packing.tile_weight`) of ``n`` rows;
+    ``bias`` fp32 ``[n]`` or None. ``split`` overrides :func:`k_split` (1, 2, 4, or 8 up to 8 tokens; tests and
+    benchmarks)."""
     m, k = a_codes.shape
     if not 0 < m <= MAX_M:
         raise ValueError(f"the decode GEMM takes 1..{MAX_M} rows (got M={m}); use loopq.kernels.gemm_kernel")
     out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
     if n == 0:
         return out
-    launch = gemm_launch(m, n, w_codes.shape[0], k // GROUP_SIZE, bias is not None, a_codes.device)
-    if split is not None and launch.words:
-        if split not in (1, 2, 4, 8):
-            raise ValueError(f"gemm_tiled: split must be 1, 2, 4 or 8 (got {split})")
-        tiles = w_codes.shape[0]
-        launch = launch._replace(
-            grid=(tiles * split,), constexprs={**launch.constexprs, "KSPLIT": split}, split=split,
-            blocks=tiles if split > 1 else 0,
-        )  # fmt: skip
+    launch = gemm_launch(m, n, w_codes.shape[0], k // GROUP_SIZE, bias is not None, a_codes.device, split)
     a_codes = a_codes.contiguous()
     a_codes, w_codes = (a_codes.view(torch.int32), w_codes.view(torch.int32)) if launch.words else (a_codes, w_codes)
     part, counters = (a_scales, w_codes) if launch.split == 1 else split_workspace(launch, m, n, a_codes.device, False)

@@ -109,17 +109,15 @@ def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig
 
 def compile_decode(target: GPUTarget, m: int, split: int = 1):
     """The decode GEMM as ``gemm_tiled`` launches it for ``m`` tokens (:func:`decode_kernel._decode_kernel` up to 8,
-    with K split ``split`` ways; :func:`decode_kernel._decode_mma_kernel` from 9; its
+    :func:`decode_kernel._decode_mma_kernel` from 9), K split ``split`` ways; its
     :func:`~decode_kernel.specialization` and :func:`~decode_kernel.compile_options`, bf16 output, a bias, 16-byte
     aligned pointers as torch allocates them; the workspace pointers as ``gemm_tiled`` passes them: fp32 partials
     and int32 counters, or the fp32 activation scales and int32 weight words standing in for them)."""
     mma = decode_kernel.uses_mma(m)
     sig = {"a_ptr": "*i8" if mma else "*i32", "sa_ptr": "*fp32", "w_ptr": "*u8" if mma else "*i32"}
     sig |= {"sw_ptr": "*fp16", "bias_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32"}
-    sig |= {"count_ptr": "*u8" if mma else "*i32", "M": "i32", "N": "i32", "G": "i32"}
-    const = {"HAS_BIAS": True, **decode_kernel.specialization(m), "ASM": True}
-    if not mma:
-        const["KSPLIT"] = split
+    sig |= {"count_ptr": "*u8" if mma and split == 1 else "*i32", "M": "i32", "N": "i32", "G": "i32"}
+    const = {"HAS_BIAS": True, **decode_kernel.specialization(m), "KSPLIT": split, "ASM": True}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     kernel = decode_kernel._decode_mma_kernel if mma else decode_kernel._decode_kernel
     src = ASTSource(kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned)

@@ -42,15 +42,16 @@ def operands(m, n, k, bits, device, seed=0):
     return codes.to(device), sa.to(device), w, sw, wt.to(device), swt.to(device)
 
 
-@pytest.mark.parametrize("split", [None, 2, 8], ids=["auto", "split2", "split8"])
+@pytest.mark.parametrize("split", [None, 2, "max"], ids=["auto", "split2", "split-max"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("case", CASES)
 def test_within_the_fp32_bound(case, bits, split, device):
-    """Also with K split across 2 and 8 programs (``dp4a`` kernel only; the automatic split of these small grids
-    is the largest their K allows), including splits left without groups (a K of one 16-byte block)."""
+    """Also with K split across 2 programs and across the most a kernel takes (8 for ``dp4a``, 4 for the tensor
+    cores; the automatic split of these small grids is the largest their K allows), including splits left without
+    groups (a K of one 16-byte block, or fewer lane runs than splits)."""
     m, n, k = CASES[case]
-    if split is not None and decode_kernel.uses_mma(m):
-        pytest.skip("the tensor-core kernel does not split K")
+    if split == "max":
+        split = decode_kernel.MMA_MAX_SPLIT if decode_kernel.uses_mma(m) else decode_kernel.MAX_SPLIT
     codes, sa, w, sw, wt, swt = operands(m, n, k, bits, device)
     out = decode_kernel.gemm_tiled(deinterleave_groups(codes), sa, wt, swt, n, torch.float32, split=split)
     assert out.shape == (m, n) and out.dtype == torch.float32
@@ -180,16 +181,22 @@ def test_a_quantized_linear_is_two_launches(m, fast, k, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("sms", "want"),
-    [(132, {"6144x2048": 2, "2048x2048": 8, "11264x2048": 1, "2048x5632": 8}),  # H100 SXM: 1056 programs wanted
-     (108, {"6144x2048": 2, "2048x2048": 4, "11264x2048": 1, "2048x5632": 4})],  # A100: 864
+    ("sms", "want", "want_mma"),
+    [(132, {"6144x2048": 2, "2048x2048": 8, "11264x2048": 1, "2048x5632": 8},  # H100 SXM: 1056 programs wanted,
+      {"6144x2048": 2, "2048x2048": 2, "11264x2048": 1, "2048x5632": 4}),  # 264 of the tensor-core kernel
+     (108, {"6144x2048": 2, "2048x2048": 4, "11264x2048": 1, "2048x5632": 4},  # A100: 864,
+      {"6144x2048": 2, "2048x2048": 2, "11264x2048": 1, "2048x5632": 4})],  # 216
 )  # fmt: skip
-def test_k_split_at_the_ouro_shapes(sms, want):
-    """By hand: N / 8 tiles (768, 256, 1408, 256) times the least power of two reaching 8 programs per SM, at
-    most 8 (the 16-byte blocks of a chunk); a K of few groups splits no further than its blocks."""
+def test_k_split_at_the_ouro_shapes(sms, want, want_mma):
+    """By hand. ``dp4a`` (M <= 8): N / 8 tiles (768, 256, 1408, 256) times the least power of two reaching 8
+    programs per SM, at most 8 (the 16-byte blocks of a chunk). Tensor cores (9..16 tokens): N / 32 blocks (192,
+    64, 352, 64) reaching 2 per SM, at most 4 and at most K's lane runs (2 per chunk: 2 at K = 2048, 6 at 5632).
+    A K of few groups splits no further than its blocks or lane runs."""
     got = {f"{n}x{k}": decode_kernel.k_split(n // TILE_ROWS, k // 32, sms) for n, k in SHAPES}
-    assert got == want
+    got_mma = {f"{n}x{k}": decode_kernel.k_split(n // 32, k // 32, sms, mma=True) for n, k in SHAPES}
+    assert got == want and got_mma == want_mma
     assert [decode_kernel.k_split(1, g, 132) for g in (1, 8, 9, 16, 17, 24, 64, 176)] == [1, 1, 2, 2, 2, 2, 8, 8]
+    assert [decode_kernel.k_split(1, g, 132, mma=True) for g in (1, 64, 65, 128, 129)] == [2, 2, 4, 4, 4]
 
 
 def test_a_split_launch_leaves_its_counters_zero_and_repeats_its_bits(device, monkeypatch):
