@@ -47,8 +47,8 @@ weight byte per thread at M = 1):
   flight); from 4 on they are a loop, so that one group's activations are live at a time (no spills) and each
   variant compiles in seconds instead of the minutes that unrolling 16 tokens x 8 groups took;
 * **9..16 tokens run on the int8 tensor cores** (:func:`_decode_mma_kernel`, one variant per K split): with
-  ``dp4a`` every token costs half an instruction per weight byte, 8 at 16 tokens before any decoding or scaling. A program owns 32
-  output rows (4 tiles) and 16 token slots (rows past M re-read the last token); its 4 warps split K by lane (warp
+  ``dp4a`` every token costs half an instruction per weight byte, 8 at 16 tokens before any decoding or scaling.
+  A program owns 32 output rows (4 tiles) and 16 token slots (rows past M re-read the last token); its 4 warps split K by lane (warp
   ``s`` takes ``j = s, s + 4``), and a step is one lane per warp: the 8 groups ``g = 64 c + 8 i + j`` of the
   export layout's run (one 16-byte code load per group and row, the 8 weight scales of a row one 16-byte load),
   each one ``tl.dot`` of depth 32 (``mma.m16n8k32``: ``[16 tokens, 32] x [32, 32 rows]``) and one rescale. The
