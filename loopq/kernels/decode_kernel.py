@@ -46,25 +46,25 @@ weight byte per thread at M = 1):
   token and are not stored). Up to 2 tokens a chunk's 8 groups are straight-line code (all 8 weight loads in
   flight); from 4 on they are a loop, so that one group's activations are live at a time (no spills) and each
   variant compiles in seconds instead of the minutes that unrolling 16 tokens x 8 groups took;
-* **9..16 tokens run on the int8 tensor cores** (:func:`_decode_mma_kernel`, one variant per K split): with
-  ``dp4a`` every token costs half an instruction per weight byte, 8 at 16 tokens before any decoding or scaling.
-  A program owns 32 output rows (4 tiles) and 16 token slots (rows past M re-read the last token); its 4 warps split K by lane (warp
-  ``s`` takes ``j = s, s + 4``), and a step is one lane per warp: the 8 groups ``g = 64 c + 8 i + j`` of the
-  export layout's run (one 16-byte code load per group and row, the 8 weight scales of a row one 16-byte load),
-  each one ``tl.dot`` of depth 32 (``mma.m16n8k32``: ``[16 tokens, 32] x [32, 32 rows]``) and one rescale. The
-  weight operand is decoded in 3 instructions per 4-byte word for both nibbles: ``lop3`` keeps a byte's high
-  nibble and flips its top bit, which gives ``16 * code`` as an int8 for the offset-binary nibble, and a ``shl`` by
-  4 first does the same for the low one; so each dot is 16 times the group's (exact: ``|16 dot| <= 2^19``) and the
-  sum is multiplied by 1/16 (exact) after the loop, when the 4 warps' sums are added. The loop stages both dot
-  operands through shared memory (``bar.sync`` in it) and is not software-pipelined; a step's 8 weight scales per
-  row are widened to fp32 where they are loaded and then moved to the accumulator's layout (:func:`_widen`), and
-  each group's addresses are the step's plus a constant. The weight operand has two
-  forms with the same integer dots (:func:`_weight_operand`, :data:`MMA_HALVES`): Triton 3.9 converts the raw codes
-  to the operand's layout before decoding them (16-byte stores, ``ldmatrix``); Triton 3.6 cannot, and stores the
-  decoded operand in an order of its own choosing, so before 3.9 two lanes split each row's 16 bytes so that the
-  decoded tile reaches shared memory K-major, 8 bytes per store. ``N / 32`` programs are 64 on ``o_proj`` and
-  ``down_proj``, so K is split here too (:func:`k_split` with ``mma``: up to :data:`MMA_PROGRAMS_PER_SM` per SM,
-  at most 4 and K's lane runs), the steps dealt round-robin to the splits, reduced as above.
+* **9..16 tokens run on the int8 tensor cores** (:func:`_decode_mma_kernel`, one variant per K split): with ``dp4a``
+  every token costs half an instruction per weight byte, 8 at 16 tokens before any decoding or scaling. A program
+  owns 32 output rows (4 tiles) and 16 token slots (rows past M re-read the last token); its 4 warps split K by lane
+  (warp ``s`` takes ``j = s, s + 4``), and a step is one lane per warp: the 8 groups ``g = 64 c + 8 i + j`` of the
+  export layout's run (one 16-byte code load per group and row, the 8 weight scales of a row one 16-byte load), each
+  one ``tl.dot`` of depth 32 (``mma.m16n8k32``: ``[16 tokens, 32] x [32, 32 rows]``) and one rescale. The weight
+  operand is decoded in 3 instructions per 4-byte word for both nibbles: ``lop3`` keeps a byte's high nibble and
+  flips its top bit, which gives ``16 * code`` as an int8 for the offset-binary nibble, and a ``shl`` by 4 first
+  does the same for the low one; so each dot is 16 times the group's (exact: ``|16 dot| <= 2^19``) and the sum is
+  multiplied by 1/16 (exact) after the loop, when the 4 warps' sums are added. The loop stages both dot operands
+  through shared memory (``bar.sync`` in it) and is not software-pipelined; a step's 8 weight scales per row are
+  widened to fp32 where they are loaded and then moved to the accumulator's layout (:func:`_widen`), and each
+  group's addresses are the step's plus a constant. The weight operand has two forms with the same integer dots
+  (:func:`_weight_operand`, :data:`MMA_HALVES`): Triton 3.9 converts the raw codes to the operand's layout before
+  decoding them (16-byte stores, ``ldmatrix``); Triton 3.6 cannot, and stores the decoded operand in an order of its
+  own choosing, so before 3.9 two lanes split each row's 16 bytes so that the decoded tile reaches shared memory
+  K-major, 8 bytes per store. ``N / 32`` programs are 64 on ``o_proj`` and ``down_proj``, so K is split here too
+  (:func:`k_split` with ``mma``: up to :data:`MMA_PROGRAMS_PER_SM` per SM, at most 4 and K's lane runs), the steps
+  dealt round-robin to the splits, reduced as above.
 
 Rounding contract (not bit-exact with :mod:`loopq.kernels.reference`, which adds the groups left to right): every
 group's integer dot is exact; each term ``t_g = dot_g * (s_a s_w)`` is rounded twice and the G terms are summed in
