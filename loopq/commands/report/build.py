@@ -59,6 +59,7 @@ def build_report(
     out: Path,
     blocks: Sequence[str] = DEFAULT_BLOCKS,
     loops_override: int | None = None,
+    input_notes: Sequence[str] = (),
 ) -> Path:
     """Write ``out/report.md`` and the figures, then their sealed manifest; returns the markdown path. ``out`` is
     checked first (:func:`~loopq.commands.report.output.check_report_dir`): only an earlier report's files are
@@ -66,7 +67,7 @@ def build_report(
     check_report_dir(out, [run.name for run in runs])
     previous = owned_files(out)
     begin(out, KIND, report_files([run.name for run in runs]))
-    notes = [n for run in runs for n in run.notes]
+    notes = [*input_notes, *(n for run in runs for n in run.notes)]
     figures: list[tuple[str, Path]] = []
 
     loops = reference_loops(results, loops_override)
