@@ -16,7 +16,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from loopq.commands.report.inputs import Result, Run, last_loop_column, slug, val_sets
+from loopq.commands.report.seeds import per_seed
 from loopq.files import atomic_write
+from loopq.stats import summarize
 
 #: SLT candidate groups per shared layer, in model order (Ouro); other architectures use the names found
 OURO_KINDS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_gate", "mlp.down_proj")
@@ -157,13 +159,19 @@ def plot_validation(run: Run, out: Path) -> Path:
 def series_points(
     results: Sequence[Result], x: Callable[[Result], float | None], split: Callable[[Result], Any] = lambda r: None
 ) -> dict[tuple[Any, ...], list[tuple[float, float]]]:
-    """``{(model, method, bits, split): sorted [(x, ppl)]}`` for series with two or more distinct x."""
-    series: dict[tuple[Any, ...], dict[float, float]] = {}
+    """``{(model, method, bits, split): sorted [(x, ppl)]}`` for series with two or more distinct x; several results
+    at one x are combined as in Table 1 (:func:`~loopq.commands.report.seeds.per_seed`: the mean over seeds)."""
+    series: dict[tuple[Any, ...], dict[float, list[Result]]] = {}
     for r in results:
-        xv, ppl = x(r), r.data.get("wikitext2_ppl")
-        if xv is not None and ppl is not None:
-            series.setdefault((*r.series, split(r)), {})[xv] = ppl
-    return {k: sorted(v.items()) for k, v in series.items() if len(v) >= 2}
+        xv = x(r)
+        if xv is not None and r.data.get("wikitext2_ppl") is not None:
+            series.setdefault((*r.series, split(r)), {}).setdefault(xv, []).append(r)
+    return {k: sorted((xv, mean_ppl(found)) for xv, found in v.items()) for k, v in series.items() if len(v) >= 2}
+
+
+def mean_ppl(found: Sequence[Result]) -> float:
+    """The WikiText-2 perplexity of one figure point: the mean over the seeds of ``found``."""
+    return summarize([r.data["wikitext2_ppl"] for r in per_seed(found)]).mean
 
 
 def plot_series(

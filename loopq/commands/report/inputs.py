@@ -26,7 +26,10 @@ from loopq.errors import LoopQError
 from loopq.files import read_json as read_json_file
 from loopq.quant.config import Bits
 from loopq.stages import MANIFEST
+from loopq.stats import Summary
 
+#: fields of the results ``loopq.experiments loops`` writes: they never replace a result evaluated as such
+SWEEP_DERIVED = ("per_loop_of", "loop_sweep")
 #: the Table-1 column of the WikiText-2 perplexity under the PTQ protocol (``wikitext2_ppl`` of a result)
 PTQ_COLUMN = "WT2-PTQ"
 
@@ -47,6 +50,15 @@ class Result:
     bits: str
     num_loops: int | None
     calibrated_loops: int | None = None
+    #: the calibration seed (``seed``, else the recorded ``seed_everything``); None for an un-seeded row
+    seed: int | None = None
+    #: a result averaged over seeds (:mod:`~loopq.commands.report.seeds`): per column, the values' mean, std and n
+    spread: dict[str, Summary] = field(default_factory=dict)
+
+    @property
+    def sweep_derived(self) -> bool:
+        """Written by ``loopq.experiments loops`` (a loop sweep; per-loop rows read off a longer evaluation)."""
+        return any(key in self.data for key in SWEEP_DERIVED)
 
     @property
     def is_fp(self) -> bool:
@@ -134,7 +146,21 @@ def load_result(path: Path) -> Result:
         bits=bits,
         num_loops=data.get("num_loops"),
         calibrated_loops=int(calibrated) if isinstance(calibrated, int | float) else None,
+        seed=result_seed(path, data),
     )
+
+
+def result_seed(path: Path, data: dict[str, Any]) -> int | None:
+    """The seed a result's student was calibrated with: its ``seed`` tag (``loopq.experiments --seeds``), else the
+    ``seed_everything`` its provenance records (an un-seeded row and its ``-s<seed>`` twin are one calibration)."""
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ReportInputError(f"{path}: 'seed' is {seed!r}, not a whole number; correct or remove it")
+    config = (data.get("provenance") or {}).get("config") if isinstance(data.get("provenance"), dict) else None
+    recorded = config.get("seed_everything") if isinstance(config, dict) else None
+    if seed is None and isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    return seed
 
 
 def check_field_types(path: Path, data: dict[str, Any]) -> None:
