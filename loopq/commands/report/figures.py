@@ -17,7 +17,7 @@ from matplotlib.ticker import MaxNLocator
 
 from loopq.commands.report.inputs import Result, Run, last_loop_column, slug, val_sets
 from loopq.commands.report.seeds import per_seed
-from loopq.files import atomic_write
+from loopq.files import StagedFiles
 from loopq.stats import summarize
 
 #: SLT candidate groups per shared layer, in model order (Ouro); other architectures use the names found
@@ -47,10 +47,12 @@ def figure_files(run_names: Sequence[str]) -> list[str]:
     return fixed + [file for name in run_names for file in run_figures(name).values()]
 
 
-def save(fig: Figure, path: Path) -> Path:
+def save(fig: Figure, out: StagedFiles, name: str) -> Path:
+    """Stage ``fig`` as the PNG ``name`` of the report (renamed into place with the report itself); returns the path
+    it will have."""
     FigureCanvasAgg(fig)
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    return path
+    out.write(name, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    return out.directory / name
 
 
 def heatmap(
@@ -71,7 +73,7 @@ def heatmap(
                 ax.text(j, i, fmt_cell(v), ha="center", va="center", fontsize=7, color="w" if v < mid else "k")
 
 
-def plot_loop_errors(run: Run, out: Path) -> Path:
+def plot_loop_errors(run: Run, out: StagedFiles) -> Path:
     """Fig. 2: relative l2 error of every shared layer (x) at every loop (y)."""
     errors = np.array(run.errors, dtype=float)
     fig = Figure(figsize=(max(4.0, 0.6 * errors.shape[1] + 2.5), max(2.5, 0.45 * errors.shape[0] + 1.5)))
@@ -83,7 +85,7 @@ def plot_loop_errors(run: Run, out: Path) -> Path:
     ax.set_ylabel("loop")
     ax.set_title(f"{run.name}: layer x loop error (step {run.errors_step})", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["errors"])
+    return save(fig, out, run_figures(run.name)["errors"])
 
 
 def slt_matrix(run: Run) -> tuple[np.ndarray, list[str], list[str]]:
@@ -106,7 +108,7 @@ def slt_matrix(run: Run) -> tuple[np.ndarray, list[str], list[str]]:
     return matrix, kinds, unplaced
 
 
-def plot_slt(run: Run, out: Path) -> Path:
+def plot_slt(run: Run, out: StagedFiles) -> Path:
     """Fig. 3: which groups SLT promoted to loop-dependent transforms, and in which order."""
     matrix, kinds, _ = slt_matrix(run)
     fig = Figure(figsize=(max(4.0, 1.2 * len(kinds) + 2.0), max(2.5, 0.35 * matrix.shape[0] + 1.5)))
@@ -117,10 +119,10 @@ def plot_slt(run: Run, out: Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title(f"{run.name}: SLT selection ({len(run.promoted)} groups)", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["slt"])
+    return save(fig, out, run_figures(run.name)["slt"])
 
 
-def plot_mu(run: Run, out: Path) -> Path:
+def plot_mu(run: Run, out: StagedFiles) -> Path:
     """mu_t (pull of loop t toward the final teacher state) over calibration steps."""
     mu = np.array(run.mu, dtype=float)
     fig = Figure(figsize=(5.5, 3.2))
@@ -133,10 +135,10 @@ def plot_mu(run: Run, out: Path) -> Path:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["mu"])
+    return save(fig, out, run_figures(run.name)["mu"])
 
 
-def plot_validation(run: Run, out: Path) -> Path:
+def plot_validation(run: Run, out: StagedFiles) -> Path:
     """Held-out curves over calibration: the student's full-vocabulary KL to the teacher (left) and its last-loop
     perplexity against FP's (right), per held-out set. KL rising while the training loss falls is overfitting."""
     fig = Figure(figsize=(9.0, 3.2))
@@ -153,7 +155,7 @@ def plot_validation(run: Run, out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle(f"{run.name}: held-out validation", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["validation"])
+    return save(fig, out, run_figures(run.name)["validation"])
 
 
 def series_points(
@@ -194,7 +196,7 @@ def plot_series(
 
 
 def plot_loop_sweep(
-    series: dict[tuple[Any, ...], list[tuple[float, float]]], calibrated: dict[str, set[int]], out: Path
+    series: dict[tuple[Any, ...], list[tuple[float, float]]], calibrated: dict[str, set[int]], out: StagedFiles
 ) -> Path:
     """Fig. 5: perplexity vs loop count, one panel per model; the calibrated loop count dashed."""
     models = list(dict.fromkeys(k[0] for k in series))
@@ -209,10 +211,12 @@ def plot_loop_sweep(
         ax.set_xlabel("loops at inference")
         ax.set_title(model, fontsize=9)
     fig.tight_layout()
-    return save(fig, out / LOOP_SWEEP_FIGURE)
+    return save(fig, out, LOOP_SWEEP_FIGURE)
 
 
-def plot_sweep(series: dict[tuple[Any, ...], list[tuple[float, float]]], key: str, other: str, out: Path) -> Path:
+def plot_sweep(
+    series: dict[tuple[Any, ...], list[tuple[float, float]]], key: str, other: str, out: StagedFiles
+) -> Path:
     """Fig. 4 / Fig. 6: perplexity vs ``slt_budget`` / ``num_samples``."""
     fig = Figure(figsize=(5.5, 3.6))
     ax = fig.add_subplot()
@@ -225,4 +229,4 @@ def plot_sweep(series: dict[tuple[Any, ...], list[tuple[float, float]]], key: st
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"perplexity vs {key}", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / SWEEP_FIELDS[key][0])
+    return save(fig, out, SWEEP_FIELDS[key][0])
