@@ -45,6 +45,10 @@ class Stage:
     canonical: Canonical | None = None
 
 
+#: the manifest's file name in a ``loopq.run`` or ``loopq.experiments`` output folder
+MANIFEST = "pipeline.json"
+
+
 class Manifest:
     """``pipeline.json``: per stage, the inputs it ran with, its start and finish stamps (ns, finish None while
     running), the stamps of the outputs it wrote (:func:`output_stamps`), its summary.

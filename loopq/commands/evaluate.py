@@ -186,7 +186,7 @@ def evaluate(
             corpus no calibration reads; ``lambada_ppl`` in the JSON)
         batch_size: evaluation batch size
         out: the results JSON to write
-        variant: the model name the report groups by (default: the tokenizer directory's name)
+        variant: the model name the report groups by (default: the teacher directory's name)
         calib_samples: calibration windows of a training-free baseline
         calib_seq_len: tokens per calibration window of a training-free baseline
         teacher: teacher directory of a student whose recorded teacher path is gone (same content hash)
@@ -209,7 +209,7 @@ def evaluate(
             "method": method,
             "bits": bits,
             "model": model or student or exported,
-            "variant": variant or Path(tok_dir).name,
+            "variant": variant or model_name(tok_dir, exported),
             "num_loops": num_loops or net.default_num_loops,
             "wikitext2_ppl": ppl.ppl,
             "wikitext2_per_loop_ppl": list(ppl.per_loop or []),
@@ -228,6 +228,14 @@ def evaluate(
         if out:
             atomic_write(Path(out), lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     return result
+
+
+def model_name(tok_dir: str, exported: str | None) -> str:
+    """The teacher directory's name, which the report groups by: a teacher's or student's tokenizer directory is
+    the teacher's; an export carries its own tokenizer, so its recorded teacher is named (the export directory's
+    name made its results a model of their own in the report)."""
+    teacher = read_artifact_meta(exported, kind="export")[0].get("teacher") if exported else None
+    return Path(str(teacher or tok_dir).rstrip("/")).name
 
 
 def first_windows(

@@ -74,7 +74,7 @@ from loopq.quant import QuantConfig
 from loopq.quant.accounting import footprint
 from loopq.quant.config import Bits
 from loopq.quant.packed import check_kernel_support
-from loopq.stages import Manifest, Stage, StageRunner, clock, differing_keys, normalised, say
+from loopq.stages import MANIFEST, Manifest, Stage, StageRunner, clock, differing_keys, normalised, say
 
 DEFAULT_LIMIT = 10
 EXPORT_CHECK_WINDOWS = 8
@@ -82,7 +82,6 @@ EXPORT_CHECK_WINDOWS = 8
 DEFAULT_PPL_SEQ_LEN = 256
 #: a static baseline's calibration samples (loopq.evaluate's default), cut to a shorter model's context
 DEFAULT_CALIB_SEQ_LEN = 128
-MANIFEST = "pipeline.json"
 
 
 class PipelineError(LoopQError):

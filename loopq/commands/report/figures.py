@@ -16,7 +16,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from loopq.commands.report.inputs import Result, Run, last_loop_column, slug, val_sets
-from loopq.files import atomic_write
+from loopq.commands.report.seeds import per_seed
+from loopq.files import StagedFiles
+from loopq.stats import summarize
 
 #: SLT candidate groups per shared layer, in model order (Ouro); other architectures use the names found
 OURO_KINDS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_gate", "mlp.down_proj")
@@ -45,10 +47,12 @@ def figure_files(run_names: Sequence[str]) -> list[str]:
     return fixed + [file for name in run_names for file in run_figures(name).values()]
 
 
-def save(fig: Figure, path: Path) -> Path:
+def save(fig: Figure, out: StagedFiles, name: str) -> Path:
+    """Stage ``fig`` as the PNG ``name`` of the report (renamed into place with the report itself); returns the path
+    it will have."""
     FigureCanvasAgg(fig)
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    return path
+    out.write(name, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    return out.directory / name
 
 
 def heatmap(
@@ -69,7 +73,7 @@ def heatmap(
                 ax.text(j, i, fmt_cell(v), ha="center", va="center", fontsize=7, color="w" if v < mid else "k")
 
 
-def plot_loop_errors(run: Run, out: Path) -> Path:
+def plot_loop_errors(run: Run, out: StagedFiles) -> Path:
     """Fig. 2: relative l2 error of every shared layer (x) at every loop (y)."""
     errors = np.array(run.errors, dtype=float)
     fig = Figure(figsize=(max(4.0, 0.6 * errors.shape[1] + 2.5), max(2.5, 0.45 * errors.shape[0] + 1.5)))
@@ -81,7 +85,7 @@ def plot_loop_errors(run: Run, out: Path) -> Path:
     ax.set_ylabel("loop")
     ax.set_title(f"{run.name}: layer x loop error (step {run.errors_step})", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["errors"])
+    return save(fig, out, run_figures(run.name)["errors"])
 
 
 def slt_matrix(run: Run) -> tuple[np.ndarray, list[str], list[str]]:
@@ -104,7 +108,7 @@ def slt_matrix(run: Run) -> tuple[np.ndarray, list[str], list[str]]:
     return matrix, kinds, unplaced
 
 
-def plot_slt(run: Run, out: Path) -> Path:
+def plot_slt(run: Run, out: StagedFiles) -> Path:
     """Fig. 3: which groups SLT promoted to loop-dependent transforms, and in which order."""
     matrix, kinds, _ = slt_matrix(run)
     fig = Figure(figsize=(max(4.0, 1.2 * len(kinds) + 2.0), max(2.5, 0.35 * matrix.shape[0] + 1.5)))
@@ -115,10 +119,10 @@ def plot_slt(run: Run, out: Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title(f"{run.name}: SLT selection ({len(run.promoted)} groups)", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["slt"])
+    return save(fig, out, run_figures(run.name)["slt"])
 
 
-def plot_mu(run: Run, out: Path) -> Path:
+def plot_mu(run: Run, out: StagedFiles) -> Path:
     """mu_t (pull of loop t toward the final teacher state) over calibration steps."""
     mu = np.array(run.mu, dtype=float)
     fig = Figure(figsize=(5.5, 3.2))
@@ -131,10 +135,10 @@ def plot_mu(run: Run, out: Path) -> Path:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["mu"])
+    return save(fig, out, run_figures(run.name)["mu"])
 
 
-def plot_validation(run: Run, out: Path) -> Path:
+def plot_validation(run: Run, out: StagedFiles) -> Path:
     """Held-out curves over calibration: the student's full-vocabulary KL to the teacher (left) and its last-loop
     perplexity against FP's (right), per held-out set. KL rising while the training loss falls is overfitting."""
     fig = Figure(figsize=(9.0, 3.2))
@@ -151,19 +155,25 @@ def plot_validation(run: Run, out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle(f"{run.name}: held-out validation", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / run_figures(run.name)["validation"])
+    return save(fig, out, run_figures(run.name)["validation"])
 
 
 def series_points(
     results: Sequence[Result], x: Callable[[Result], float | None], split: Callable[[Result], Any] = lambda r: None
 ) -> dict[tuple[Any, ...], list[tuple[float, float]]]:
-    """``{(model, method, bits, split): sorted [(x, ppl)]}`` for series with two or more distinct x."""
-    series: dict[tuple[Any, ...], dict[float, float]] = {}
+    """``{(model, method, bits, split): sorted [(x, ppl)]}`` for series with two or more distinct x; several results
+    at one x are combined as in Table 1 (:func:`~loopq.commands.report.seeds.per_seed`: the mean over seeds)."""
+    series: dict[tuple[Any, ...], dict[float, list[Result]]] = {}
     for r in results:
-        xv, ppl = x(r), r.data.get("wikitext2_ppl")
-        if xv is not None and ppl is not None:
-            series.setdefault((*r.series, split(r)), {})[xv] = ppl
-    return {k: sorted(v.items()) for k, v in series.items() if len(v) >= 2}
+        xv = x(r)
+        if xv is not None and r.data.get("wikitext2_ppl") is not None:
+            series.setdefault((*r.series, split(r)), {}).setdefault(xv, []).append(r)
+    return {k: sorted((xv, mean_ppl(found)) for xv, found in v.items()) for k, v in series.items() if len(v) >= 2}
+
+
+def mean_ppl(found: Sequence[Result]) -> float:
+    """The WikiText-2 perplexity of one figure point: the mean over the seeds of ``found``."""
+    return summarize([r.data["wikitext2_ppl"] for r in per_seed(found)]).mean
 
 
 def plot_series(
@@ -186,7 +196,7 @@ def plot_series(
 
 
 def plot_loop_sweep(
-    series: dict[tuple[Any, ...], list[tuple[float, float]]], calibrated: dict[str, set[int]], out: Path
+    series: dict[tuple[Any, ...], list[tuple[float, float]]], calibrated: dict[str, set[int]], out: StagedFiles
 ) -> Path:
     """Fig. 5: perplexity vs loop count, one panel per model; the calibrated loop count dashed."""
     models = list(dict.fromkeys(k[0] for k in series))
@@ -201,10 +211,12 @@ def plot_loop_sweep(
         ax.set_xlabel("loops at inference")
         ax.set_title(model, fontsize=9)
     fig.tight_layout()
-    return save(fig, out / LOOP_SWEEP_FIGURE)
+    return save(fig, out, LOOP_SWEEP_FIGURE)
 
 
-def plot_sweep(series: dict[tuple[Any, ...], list[tuple[float, float]]], key: str, other: str, out: Path) -> Path:
+def plot_sweep(
+    series: dict[tuple[Any, ...], list[tuple[float, float]]], key: str, other: str, out: StagedFiles
+) -> Path:
     """Fig. 4 / Fig. 6: perplexity vs ``slt_budget`` / ``num_samples``."""
     fig = Figure(figsize=(5.5, 3.6))
     ax = fig.add_subplot()
@@ -217,4 +229,4 @@ def plot_sweep(series: dict[tuple[Any, ...], list[tuple[float, float]]], key: st
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"perplexity vs {key}", fontsize=9)
     fig.tight_layout()
-    return save(fig, out / SWEEP_FIELDS[key][0])
+    return save(fig, out, SWEEP_FIELDS[key][0])

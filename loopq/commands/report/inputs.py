@@ -1,7 +1,8 @@
 """The report's inputs: ``loopq.evaluate`` result JSONs (:class:`Result`) and ``loopq.fit`` calibration
 directories (:class:`Run`), read and checked; an unusable file is a :class:`ReportInputError` naming it.
 
-A result's *model* is its ``variant`` field if present, else the teacher of the student or export directory named in
+A result's *model* is its ``variant`` field if present (unless that is the student or export directory's own
+name, as evaluations of an export recorded before), else the teacher of the student or export directory named in
 ``model`` (read from its ``loopq_quant.json`` / ``loopq_export.json`` when that path exists here), else the last
 component of ``model``. A student's bit width is taken from its recorded quant config when available
 (``loopq.evaluate`` only records ``--bits`` as given).
@@ -24,7 +25,11 @@ from loopq.artifacts.layout import STUDENT_META
 from loopq.errors import LoopQError
 from loopq.files import read_json as read_json_file
 from loopq.quant.config import Bits
+from loopq.stages import MANIFEST
+from loopq.stats import Summary
 
+#: fields of the results ``loopq.experiments loops`` writes: they never replace a result evaluated as such
+SWEEP_DERIVED = ("per_loop_of", "loop_sweep")
 #: the Table-1 column of the WikiText-2 perplexity under the PTQ protocol (``wikitext2_ppl`` of a result)
 PTQ_COLUMN = "WT2-PTQ"
 
@@ -45,6 +50,15 @@ class Result:
     bits: str
     num_loops: int | None
     calibrated_loops: int | None = None
+    #: the calibration seed (``seed``, else the recorded ``seed_everything``); None for an un-seeded row
+    seed: int | None = None
+    #: a result averaged over seeds (:mod:`~loopq.commands.report.seeds`): per column, the values' mean, std and n
+    spread: dict[str, Summary] = field(default_factory=dict)
+
+    @property
+    def sweep_derived(self) -> bool:
+        """Written by ``loopq.experiments loops`` (a loop sweep; per-loop rows read off a longer evaluation)."""
+        return any(key in self.data for key in SWEEP_DERIVED)
 
     @property
     def is_fp(self) -> bool:
@@ -91,6 +105,17 @@ def model_label(model: str | None, meta: dict[str, Any] | None) -> str:
     return path.name
 
 
+def result_model(data: dict[str, Any], meta: dict[str, Any] | None) -> str:
+    """The model a result is grouped under: its ``variant``, unless that is merely the name of the student or
+    export directory itself (what ``loopq.evaluate`` recorded for an export before it named the teacher), where the
+    teacher recorded in the directory's description is the model."""
+    variant, model = data.get("variant"), data.get("model")
+    own_name = Path(model.rstrip("/")).name if model else None
+    if variant and not (variant == own_name and meta and meta.get("teacher")):
+        return variant
+    return model_label(model, meta)
+
+
 def load_result(path: Path) -> Result:
     """Read and check one result JSON (:class:`ReportInputError` naming the file if it is not one)."""
     data = read_json(path)
@@ -106,6 +131,7 @@ def load_result(path: Path) -> Result:
     per_loop = data.get("wikitext2_per_loop_ppl", [])
     if not isinstance(per_loop, list) or not all(isinstance(v, int | float) for v in per_loop):
         raise ReportInputError(f"{path}: 'wikitext2_per_loop_ppl' is not a list of numbers")
+    check_field_types(path, data)
     meta = model_meta(data.get("model"))
     bits = str(data.get("bits", "")).lower()
     quant = (meta or {}).get("quant") or {}
@@ -115,12 +141,58 @@ def load_result(path: Path) -> Result:
     return Result(
         path=path,
         data=data,
-        model=str(data.get("variant") or model_label(data.get("model"), meta)),
+        model=result_model(data, meta),
         method=data["method"],
         bits=bits,
-        num_loops=int(data["num_loops"]) if data.get("num_loops") is not None else None,
+        num_loops=data.get("num_loops"),
         calibrated_loops=int(calibrated) if isinstance(calibrated, int | float) else None,
+        seed=result_seed(path, data),
     )
+
+
+def result_seed(path: Path, data: dict[str, Any]) -> int | None:
+    """The seed a result's student was calibrated with: its ``seed`` tag (``loopq.experiments --seeds``), else the
+    ``seed_everything`` its provenance records (an un-seeded row and its ``-s<seed>`` twin are one calibration)."""
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ReportInputError(f"{path}: 'seed' is {seed!r}, not a whole number; correct or remove it")
+    config = (data.get("provenance") or {}).get("config") if isinstance(data.get("provenance"), dict) else None
+    recorded = config.get("seed_everything") if isinstance(config, dict) else None
+    if seed is None and isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    return seed
+
+
+def check_field_types(path: Path, data: dict[str, Any]) -> None:
+    """The labels the report groups by have the types ``loopq.evaluate`` writes (a wrong one would be grouped
+    under a made-up name or a truncated loop count, or fail later with a traceback)."""
+    fix = "re-run python -m loopq.evaluate or correct it"
+    for key in ("model", "variant", "bits"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ReportInputError(f"{path}: {key!r} is {data[key]!r}, not a string; {fix}")
+    loops = data.get("num_loops")
+    if loops is not None and (isinstance(loops, bool) or not isinstance(loops, int)):
+        raise ReportInputError(f"{path}: 'num_loops' is {loops!r}, not a whole number of loops; {fix}")
+    lm_eval = data.get("lm_eval")
+    sizes = lm_eval.get("n_samples") if isinstance(lm_eval, dict) else None
+    if sizes is not None and not isinstance(sizes, dict):
+        raise ReportInputError(f"{path}: 'lm_eval.n_samples' is {sizes!r}, not a mapping of task to examples; {fix}")
+
+
+def is_stage_manifest(path: Path) -> bool:
+    """Whether ``path`` is the ``pipeline.json`` of a ``loopq.run`` / ``loopq.experiments`` folder (which
+    ``--results <folder>/*.json`` takes in beside the results), not a result."""
+    if path.name != MANIFEST or not path.is_file():
+        return False
+    data = read_json(path)
+    return isinstance(data, dict) and isinstance(data.get("stages"), dict) and "method" not in data
+
+
+def load_results(paths: Iterable[Path], notes: list[str]) -> list[Result]:
+    """:func:`load_result` of each path but a stage manifest, which is skipped with a note."""
+    manifests = [p for p in paths if is_stage_manifest(p)]
+    notes += [f"`{p}`: skipped, the loopq.experiments / loopq.run manifest (not a result)" for p in manifests]
+    return [load_result(p) for p in paths if p not in manifests]
 
 
 def expand(patterns: Iterable[str]) -> list[Path]:
@@ -162,6 +234,10 @@ class Run:
         return int(loops) if isinstance(loops, int | float) else None
 
 
+#: what to do about a run file that cannot be read
+RUN_FIX = "restore it from the run's logs or leave the run out of --runs"
+
+
 def version_dirs(root: Path) -> list[Path]:
     """``root/version_*`` in numeric order."""
     found = [p for p in root.glob("version_*") if p.is_dir() and p.name.removeprefix("version_").isdigit()]
@@ -170,7 +246,10 @@ def version_dirs(root: Path) -> list[Path]:
 
 def read_loop_errors(path: Path) -> tuple[int | None, list[list[float]]] | None:
     """The last complete ``{"step", "errors"}`` entry of a ``loop_errors.jsonl`` (a torn last line is skipped)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as err:
+        raise ReportInputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {RUN_FIX}") from None
     for line in reversed(lines):
         try:
             entry = json.loads(line)
@@ -221,8 +300,19 @@ def read_series(
 
 
 def read_rows(path: Path, pattern: str, what: str) -> dict[int, dict[str, float]]:
-    """``{step: {column: value}}`` of one ``metrics.csv``: the rows where every column matching ``pattern`` is set."""
-    with path.open(newline="") as f:
+    """``{step: {column: value}}`` of one ``metrics.csv``: the rows where every column matching ``pattern`` is set
+    (a file that is not UTF-8 CSV text is a :class:`ReportInputError` naming it)."""
+    try:
+        return parse_rows(path, pattern, what)
+    except UnicodeDecodeError as err:
+        raise ReportInputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {RUN_FIX}") from None
+    except csv.Error as err:
+        raise ReportInputError(f"{path}: not readable CSV ({err}); {RUN_FIX}") from None
+
+
+def parse_rows(path: Path, pattern: str, what: str) -> dict[int, dict[str, float]]:
+    """:func:`read_rows` without the decoding errors."""
+    with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         cols = [c for c in reader.fieldnames or [] if re.fullmatch(pattern, c)]
         rows: dict[int, dict[str, float]] = {}

@@ -19,7 +19,7 @@ from loopq.artifacts.ownership import is_bookkeeping, journal_files, listed_file
 from loopq.artifacts.seal import FILES, manifest, seal
 from loopq.commands.report.figures import figure_files
 from loopq.errors import GuardError, article
-from loopq.files import atomic_write
+from loopq.files import StagedFiles
 
 REPORT = "report.md"
 REPORT_META = "loopq_report.json"
@@ -63,7 +63,10 @@ def remove_stale(out: Path, previous: Iterable[str], written: Iterable[str]) -> 
             (out / name).unlink(missing_ok=True)
 
 
-def write_manifest(out: Path, written: Iterable[str]) -> None:
-    """Seal the manifest of the files this report wrote (the proof that lets the next report replace them)."""
-    record = seal({"format": REPORT_FORMAT, FILES: manifest(out, written)})
-    atomic_write(out / REPORT_META, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
+def write_manifest(staged: StagedFiles) -> list[str]:
+    """Stage the sealed manifest of the files staged so far (the proof that lets the next report replace them), to be
+    renamed into place after them; returns their names."""
+    files = {final.name: tmp for tmp, final in staged.pending}
+    record = seal({"format": REPORT_FORMAT, FILES: manifest(staged.directory, files)})
+    staged.write(REPORT_META, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
+    return list(files)

@@ -1,6 +1,7 @@
 """The report's markdown tables: Table 1 (the paper's columns per W4A4/W4A8 block, best quantized value in bold),
 per-loop WikiText-2 perplexity, evaluation subset sizes and calibration runs. Table 1 uses, per model, the loop count
-that most (method, bits) pairs were evaluated at (``--loops`` overrides it). No plotting library is needed here.
+that most (method, bits) pairs were evaluated at (``--loops`` overrides it); results that differ only by seed are
+shown as ``mean ± std (n=k)`` (:mod:`~loopq.commands.report.seeds`). No plotting library is needed here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from loopq.commands.report.inputs import PTQ_COLUMN, Result, Run, last_loop_column, val_sets
+from loopq.commands.report.seeds import LOOP_KEY, combine
 from loopq.metrics.tasks import PAPER_METRICS
 
 COLUMNS: list[str] = [*PAPER_METRICS, PTQ_COLUMN]
@@ -58,16 +60,14 @@ def method_order(method: str) -> int:
 def table_results(
     results: Sequence[Result], loops: dict[str, int | None], notes: list[str]
 ) -> dict[str, dict[tuple[str, str], Result]]:
-    """``{model: {(method, bits): result}}`` at each model's reference loop count (later files win)."""
-    table: dict[str, dict[tuple[str, str], Result]] = {}
-    for r in results:
-        if r.num_loops != loops[r.model]:
-            continue
-        key = (r.method, "fp" if r.is_fp else r.bits)
-        cell = table.setdefault(r.model, {})
-        if key in cell:
-            notes.append(f"`{r.path}` replaces `{cell[key].path}` (same model, method, bits and loops)")
-        cell[key] = r
+    """``{model: {(method, bits): result}}`` at each model's reference loop count; several results of one cell are
+    combined by :func:`~loopq.commands.report.seeds.combine` (mean over seeds; a loop-sweep result never replaces an
+    evaluated one), whatever the order of the files."""
+    found: dict[str, dict[tuple[str, str], list[Result]]] = {}
+    for r in sorted(results, key=lambda r: r.sweep_derived):  # rows in order of appearance of the evaluated results
+        if r.num_loops == loops[r.model]:
+            found.setdefault(r.model, {}).setdefault((r.method, "fp" if r.is_fp else r.bits), []).append(r)
+    table = {model: {key: combine(rs, notes) for key, rs in cells.items()} for model, cells in found.items()}
     for model in dict.fromkeys(r.model for r in results):
         cell = table.get(model, {})
         shown = {(r.method, "fp" if r.is_fp else r.bits) for r in results if r.model == model}
@@ -78,16 +78,36 @@ def table_results(
     return table
 
 
+def cell(r: Result | None, column: str, key: str | None = None, value: float | None = None) -> str:
+    """:func:`fmt` of ``r``'s ``column`` (or ``value``), with ``± std (n=k)`` where ``r`` is a mean over seeds
+    (``key``: its :attr:`~loopq.commands.report.inputs.Result.spread` key, default ``column``)."""
+    if r is None:
+        return DASH
+    text = fmt(r.value(column) if value is None else value, column)
+    stat = r.spread.get(key or column)
+    if stat is None or text == DASH or not math.isfinite(stat.mean):
+        return text
+    if stat.n == 1:
+        return f"{text} (n=1)"
+    std = f"{stat.std:.2f}" if column in LOWER_IS_BETTER else f"{100 * stat.std:.1f}"
+    return f"{text} ± {std} (n={stat.n})"
+
+
+def number(shown: str) -> float:
+    """The value of a formatted cell (the mean of ``mean ± std (n=k)``)."""
+    return float(shown.split()[0])
+
+
 def best_values(rows: Sequence[dict[str, list[str]]], blocks: Sequence[str]) -> dict[tuple[str, str], str]:
     """Per (block, column), the best formatted value among the quantized rows (only where two or more have one).
     Values are compared as shown, so equal-looking cells are bolded alike."""
     best = {}
     for block in blocks:
         for i, column in enumerate(COLUMNS):
-            values = [row[block][i] for row in rows if row[block][i] != DASH and math.isfinite(float(row[block][i]))]
+            values = [row[block][i] for row in rows if row[block][i] != DASH and math.isfinite(number(row[block][i]))]
             if len(values) >= 2:
                 pick = min if column in LOWER_IS_BETTER else max
-                best[block, column] = pick(values, key=float)
+                best[block, column] = pick(values, key=number)
     return best
 
 
@@ -102,7 +122,7 @@ def table1(
         for method in dict.fromkeys(method for method, _ in cells):
             fp = cells.get((method, "fp"))  # full precision: the same numbers in every block
             picked = {block: fp or cells.get((method, block)) for block in blocks}
-            formatted = {block: [fmt(r.value(c), c) if r else DASH for c in COLUMNS] for block, r in picked.items()}
+            formatted = {block: [cell(r, c) for c in COLUMNS] for block, r in picked.items()}
             if any(v != DASH for values in formatted.values() for v in values):
                 rows.append((method, fp is not None, formatted))
         best = best_values([values for _, is_fp, values in rows if not is_fp], blocks)
@@ -131,7 +151,8 @@ def per_loop_table(table: dict[str, dict[tuple[str, str], Result]]) -> list[str]
         "|---|---|---|" + "---:|" * width,
     ]
     for r in entries:
-        values = [fmt(v, PTQ_COLUMN) for v in r.data["wikitext2_per_loop_ppl"]]
+        per_loop = enumerate(r.data["wikitext2_per_loop_ppl"], start=1)
+        values = [cell(r, PTQ_COLUMN, LOOP_KEY.format(t), v) for t, v in per_loop]
         values += [DASH] * (width - len(values))
         bits = "fp" if r.is_fp else r.bits
         lines.append(f"| {r.model} | {r.method} | {bits} | " + " | ".join(values) + " |")

@@ -35,7 +35,7 @@ from pathlib import Path
 from loopq.artifacts.layout import RUN_LOCK
 from loopq.commands.cli import Command
 from loopq.commands.report.build import build_report
-from loopq.commands.report.inputs import ReportInputError, expand, load_result, load_run, run_names
+from loopq.commands.report.inputs import ReportInputError, expand, load_results, load_run, run_names
 from loopq.commands.report.output import check_report_dir
 from loopq.commands.report.tables import DEFAULT_BLOCKS
 from loopq.locks import DirectoryLock
@@ -65,11 +65,12 @@ def write_report(
     result_paths = expand(results)
     if not result_paths:
         raise ReportInputError(f"--results {' '.join(results)}: no files")
-    result_data = [load_result(p) for p in result_paths]
-    sweep_data = [load_result(p) for p in expand(sweeps)]
+    notes: list[str] = []
+    result_data = load_results(result_paths, notes)
+    sweep_data = load_results(expand(sweeps), notes)
     run_data = [load_run(p, name) for p, name in zip(run_paths, names, strict=True)]
     with DirectoryLock(out, RUN_LOCK, "loopq.report", "--out"):  # one writer at a time
-        report = build_report(result_data, run_data, sweep_data, out, [b.lower() for b in bits], loops)
+        report = build_report(result_data, run_data, sweep_data, out, [b.lower() for b in bits], loops, notes)
     print(f"report written to {report}")
     return report
 
