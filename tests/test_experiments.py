@@ -331,3 +331,21 @@ def test_loop_sweep_at_the_calibrated_count_is_one_row_per_method(recorded, tmp_
     paths = experiments.loops("teacher", str(tmp_path / "loops"), student=student, max_loops=4, tasks=["t"])
     assert [p.name for p in paths] == ["fp-loops4.json", "rtn-w4a4-loops4.json", "loopq-w4a4-loops4.json"]
     assert [c["num_loops"] for c in recorded["evaluate"]] == [4, 4, 4]
+
+
+def write_result(path, ppl, seed, **fields):
+    data = {"method": "LoopQ", "bits": "w4a4", "wikitext2_ppl": ppl, **fields}
+    path.write_text(json.dumps(data | {"provenance": {"config": {"seed_everything": seed}}}))
+
+
+def test_summary_counts_a_seeded_twin_once_in_the_slt_and_loop_sweeps(tmp_path):
+    """Both sweep tables counted ``slt-0`` (seed 0) and ``slt-0-s0`` twice: n = 3, 31.33 ± 2.31 over 30, 30, 34;
+    one calibration per seed gives n = 2, 32.00 ± 2.83 (the std of 30 and 34)."""
+    for name, ppl, seed in (("slt-0", 30.0, 0), ("slt-0-s0", 30.0, 0), ("slt-0-s1", 34.0, 1)):
+        write_result(tmp_path / f"{name}.json", ppl, seed, slt_budget=0)
+    for name, ppl, seed in (("loopq-w4a4", 30.0, 0), ("loopq-w4a4-s0", 30.0, 0), ("loopq-w4a4-s1", 34.0, 1)):
+        write_result(tmp_path / f"{name}-loops4.json", ppl, seed, loop_sweep=8, num_loops=4)
+        write_result(tmp_path / f"{name}-loops5.json", ppl + 1, seed, loop_sweep=8, num_loops=5)
+    text = experiments.summary(str(tmp_path))
+    assert "| 0 | w4a4 | 2 | 32.00 ± 2.83 |" in text
+    assert "| 4 | 32.00 ± 2.83 |" in text and "| 5 | 33.00 ± 2.83 |" in text

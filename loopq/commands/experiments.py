@@ -523,12 +523,8 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     root = Path(out)
     results = [data for path in sorted(root.glob("*.json")) if "wikitext2_ppl" in (data := read_json(path))]
     rows: dict[tuple[str, str], list[float]] = {}
-    seen: set[tuple[str, str, object]] = set()
-    for data in results:
-        run = (data["method"], data["bits"], calibration_seed(data))
-        if not any(k in data for k in SWEEP_TAGS) and (run[2] is None or run not in seen):
-            seen.add(run)  # an un-seeded row and its -s<seed> twin are one calibration: counted once
-            rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
+    for data in once_per_calibration([d for d in results if not any(k in d for k in SWEEP_TAGS)]):
+        rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
     lines = [
         f"Results in `{root}`: WikiText-2 PTQ perplexity, mean ± std over seeds (n); R = (ln RTN - ln M) / "
         f"(ln RTN - ln FP); ** = separated from {reference} at the same bits by more than 2 std "
@@ -558,6 +554,21 @@ def calibration_seed(data: dict[str, Any]) -> object:
     return config.get("seed_everything") if isinstance(config, dict) else None
 
 
+def once_per_calibration(results: list[dict[str, Any]], *swept: str) -> list[dict[str, Any]]:
+    """``results`` with each calibration once: an un-seeded row (the config's seed) and its ``-s<seed>`` twin record
+    the same method, bits, calibration seed and ``swept`` fields - one run, which counted twice biased the mean and
+    shrank the std. Rows without a calibration seed (FP, training-free) are all kept."""
+    seen: set[tuple[object, ...]] = set()
+    kept = []
+    for data in results:
+        seed = calibration_seed(data)
+        run = (data["method"], data["bits"], seed, *(data.get(field) for field in swept))
+        if seed is None or run not in seen:
+            seen.add(run)
+            kept.append(data)
+    return kept
+
+
 def recovery(rows: dict[tuple[str, str], list[float]], bits: str, ppl: float) -> str:
     """R of a perplexity against the FP and Symmetric RTN rows at ``bits`` ('' without them)."""
     fp, rtn = rows.get(("FP", "fp")), rows.get(("Symmetric", bits)) or rows.get(("RTN", bits))
@@ -569,9 +580,8 @@ def slt_sweep_lines(results: list[dict[str, Any]], rows: dict[tuple[str, str], l
     """Fig. 4 as a table: per SLT budget the perplexity over seeds, R, and the groups promoted at the end of
     calibration - in how many seeds, with S_l of the round that last selected them against that round's median."""
     sweep: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for data in results:
-        if "slt_budget" in data:
-            sweep.setdefault((data["bits"], data["slt_budget"]), []).append(data)
+    for data in once_per_calibration([d for d in results if "slt_budget" in d], "slt_budget"):
+        sweep.setdefault((data["bits"], data["slt_budget"]), []).append(data)
     if not sweep:
         return []
     lines = [
@@ -612,9 +622,8 @@ def promoted_cell(runs: list[dict[str, Any]]) -> str:
 def loop_sweep_lines(results: list[dict[str, Any]]) -> list[str]:
     """Fig. 5 as a table: perplexity (mean ± std over seeds) of each method after n loops."""
     cells: dict[tuple[str, int], list[float]] = {}
-    for data in results:
-        if "loop_sweep" in data:
-            cells.setdefault((f"{data['method']} {data['bits']}", data["num_loops"]), []).append(data["wikitext2_ppl"])
+    for data in once_per_calibration([d for d in results if "loop_sweep" in d], "num_loops"):
+        cells.setdefault((f"{data['method']} {data['bits']}", data["num_loops"]), []).append(data["wikitext2_ppl"])
     if not cells:
         return []
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != "FP fp", m))
