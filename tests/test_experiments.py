@@ -284,3 +284,68 @@ def test_extra_fit_options_read_as_yaml_reach_the_calibration_as_words():
     assert extra == ["--trainer.max_steps", 100, "--model.cta", True, "--x", 0.5]
     args = experiments.Calibration("m", Path("r"), "c.yaml", 4, tuple(extra)).args()
     assert args[-6:] == ["--trainer.max_steps", "100", "--model.cta", "True", "--x", "0.5"]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "option", "message"),
+    [
+        ("slt_budget", {"bits": "W4A4"}, None),  # normalised: the default row, slt-0
+        ("slt_budget", {"bits": "w8a8"}, r"^--bits w8a8: not a bit width the experiments run; use one of w4a4, w4a8$"),
+        ("num_samples", {"bits": "w8a8"}, r"^--bits w8a8: not a bit width the experiments run"),
+        ("slt_budget", {"budgets": []}, r"^--budgets is empty; name at least one, or leave --budgets out"),
+        ("num_samples", {"sizes": []}, r"^--sizes is empty; name at least one, or leave --sizes out"),
+    ],
+)
+def test_sweep_options_are_checked_before_any_row_runs(recorded, tmp_path, sweep, option, message):
+    """``--bits W4A4`` / ``w8a8`` failed with a KeyError, an explicit empty list read as every default value."""
+    out = tmp_path / "sweep"
+    values = {"budgets": [0]} if sweep == "slt_budget" else {"sizes": [32]}
+    if message is None:
+        paths = getattr(experiments, sweep)("teacher", str(out), **{**values, **option})
+        assert [p.name for p in paths] == ["slt-0.json"] and recorded["calibrate"][0][1] == 4
+        return
+    with pytest.raises(experiments.UsageError, match=message):
+        getattr(experiments, sweep)("teacher", str(out), **{**values, **option})
+    assert recorded == {"calibrate": [], "evaluate": []} and not out.exists()
+
+
+def fake_student(directory, calibrated_loops):
+    directory.mkdir()
+    meta = {"format": STUDENT_FORMAT, "calibrated_loops": calibrated_loops}
+    (directory / STUDENT_META).write_text(json.dumps(seal(meta)))
+    (directory / STUDENT_WEIGHTS).write_bytes(b"not read")
+    return str(directory)
+
+
+@pytest.mark.parametrize("max_loops", [0, 2, 3])
+def test_loop_sweep_max_loops_below_the_calibrated_count_is_refused(recorded, tmp_path, max_loops):
+    """``--max_loops 0`` became 2T (``max_loops or 2T``) and ``2`` below T = 4 gave one 2-loop row, no sweep."""
+    student = fake_student(tmp_path / "student", 4)
+    with pytest.raises(experiments.UsageError, match=rf"^--max_loops {max_loops}: below the student's calibrated 4 "):
+        experiments.loops("teacher", str(tmp_path / "loops"), student=student, max_loops=max_loops)
+    assert not recorded["evaluate"] and not (tmp_path / "loops").exists()
+
+
+def test_loop_sweep_at_the_calibrated_count_is_one_row_per_method(recorded, tmp_path):
+    student = fake_student(tmp_path / "student", 4)
+    paths = experiments.loops("teacher", str(tmp_path / "loops"), student=student, max_loops=4, tasks=["t"])
+    assert [p.name for p in paths] == ["fp-loops4.json", "rtn-w4a4-loops4.json", "loopq-w4a4-loops4.json"]
+    assert [c["num_loops"] for c in recorded["evaluate"]] == [4, 4, 4]
+
+
+def write_result(path, ppl, seed, **fields):
+    data = {"method": "LoopQ", "bits": "w4a4", "wikitext2_ppl": ppl, **fields}
+    path.write_text(json.dumps(data | {"provenance": {"config": {"seed_everything": seed}}}))
+
+
+def test_summary_counts_a_seeded_twin_once_in_the_slt_and_loop_sweeps(tmp_path):
+    """Both sweep tables counted ``slt-0`` (seed 0) and ``slt-0-s0`` twice: n = 3, 31.33 ± 2.31 over 30, 30, 34;
+    one calibration per seed gives n = 2, 32.00 ± 2.83 (the std of 30 and 34)."""
+    for name, ppl, seed in (("slt-0", 30.0, 0), ("slt-0-s0", 30.0, 0), ("slt-0-s1", 34.0, 1)):
+        write_result(tmp_path / f"{name}.json", ppl, seed, slt_budget=0)
+    for name, ppl, seed in (("loopq-w4a4", 30.0, 0), ("loopq-w4a4-s0", 30.0, 0), ("loopq-w4a4-s1", 34.0, 1)):
+        write_result(tmp_path / f"{name}-loops4.json", ppl, seed, loop_sweep=8, num_loops=4)
+        write_result(tmp_path / f"{name}-loops5.json", ppl + 1, seed, loop_sweep=8, num_loops=5)
+    text = experiments.summary(str(tmp_path))
+    assert "| 0 | w4a4 | 2 | 32.00 ± 2.83 |" in text
+    assert "| 4 | 32.00 ± 2.83 |" in text and "| 5 | 33.00 ± 2.83 |" in text

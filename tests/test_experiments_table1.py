@@ -72,3 +72,45 @@ def test_a_fit_config_given_as_config_is_refused_not_ignored(tmp_path):
     with pytest.raises(UsageError, match=r"--config configs/small.yaml: a loopq.fit config; pass it as --fit_config"):
         experiments.main(["table1", "--model", "m", "--out", str(tmp_path), "--config", "configs/small.yaml"])
     assert not any(tmp_path.iterdir())
+
+
+def test_methods_match_labels_and_slugs_in_any_case(recorded, tmp_path):
+    """``--methods '[loopq, rtn]'`` matched no label (``LoopQ``, ``Symmetric``) and silently ran FP only."""
+    written = experiments.table1("teacher-dir", str(tmp_path), tasks=[], bits=["w4a4"], methods=["loopq", "rtn"])
+    assert [p.name for p in written] == ["fp.json", "rtn-w4a4.json", "loopq-w4a4.json"]
+    assert [c["method"] for c in recorded["evaluate"]] == ["FP", "Symmetric", "LoopQ"]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"methods": ["loopq", "gptq"]}, r"^--methods gptq: not a Table 1 method; use any of Symmetric \(rtn\), .*"),
+        ({"methods": []}, r"^--methods is empty; name at least one"),
+        ({"bits": ["W4A4", "w8a8"]}, r"^--bits w8a8: not a bit width the experiments run; use one of w4a4, w4a8$"),
+        ({"bits": ["4bit"]}, r"^--bits 4bit: not a bit width the experiments run; use one of w4a4, w4a8$"),
+        ({"bits": []}, r"^--bits is empty"),
+    ],
+)
+def test_bad_methods_or_bits_are_refused_before_any_row_runs(recorded, tmp_path, option, message):
+    """An unknown ``--bits`` used to fail with a KeyError after FP and the training-free rows were evaluated."""
+    out = tmp_path / "t1"
+    with pytest.raises(UsageError, match=message):
+        experiments.table1("teacher-dir", str(out), tasks=[], **option)
+    assert recorded == {"evaluate": [], "calibrate": []} and not out.exists()
+
+
+def test_bits_are_normalised_to_their_label(recorded, tmp_path):
+    written = experiments.table1("teacher-dir", str(tmp_path), tasks=[], bits=["W4A8"], methods=["LoopQ"])
+    assert [p.name for p in written] == ["fp.json", "loopq-w4a8.json"]
+    assert recorded["calibrate"] == [("loopq-w4a8", "configs/tiny.yaml", 8)]
+
+
+def test_cli_unknown_method_is_one_line_naming_the_option(recorded, tmp_path):
+    argv = ["table1", "--model", "m", "--out", str(tmp_path / "o"), "--methods", "[loopq, nope]"]
+    with pytest.raises(UsageError) as err:
+        experiments.main(argv)
+    assert str(err.value) == (
+        "--methods nope: not a Table 1 method; use any of Symmetric (rtn), SmoothQuant (smoothquant), "
+        "QuaRot (quarot), SpinQuant (spinquant), FlatQuant (flatquant), LoopQ (loopq)"
+    )
+    assert not recorded["evaluate"] and not (tmp_path / "o").exists()

@@ -172,3 +172,46 @@ def test_lm_eval_generate_until_uses_the_cache_and_stops_at_until(teacher):
     stop = want.strip().split()[1]
     req = Instance(request_type="generate_until", doc={}, arguments=(PROMPT, {"until": [stop]}), idx=0)
     assert lm.generate_until([req]) == [want.split(stop, 1)[0]]
+
+
+def test_cli_prompts_file_too_long_line_is_refused_before_any_prompt_is_generated(tmp_path, capsys):
+    """Line 2 was checked only after prompt 1 streamed, and the message said ``--prompt of N tokens``."""
+    prompts = tmp_path / "prompts.txt"
+    long = "word " * 1000
+    prompts.write_text(f"First prompt\n{long}\n")
+    tokens = len(teacher_tokens(long))
+    assert tokens + 1100 > 2048 and len(teacher_tokens("First prompt")) + 1100 <= 2048
+    with pytest.raises(LoopQError) as err:
+        main(["--model", str(TEACHER), "--prompts_file", str(prompts), "--max_new_tokens", "1100"])
+    assert str(err.value).startswith(
+        f"--prompts_file {prompts} line 2 of {tokens} tokens + --max_new_tokens 1100 exceeds the model's context"
+    )
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_prompts_file_with_a_byte_order_mark_reads_the_text_after_it(tmp_path, capsys):
+    """A UTF-8 BOM (Windows editors) stayed in the first prompt as U+FEFF, printed and tokenized with it."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\xef\xbb\xbf" + PROMPT.encode() + b"\n")
+    args = ["--max_new_tokens", "6", "--device", "cpu"]
+    texts = main(["--model", str(TEACHER), "--prompts_file", str(prompts), *args])
+    assert capsys.readouterr().out == PROMPT + texts[0] + "\n"
+    assert texts == main(["--model", str(TEACHER), "--prompt", PROMPT, *args])
+
+
+def test_cli_decode_memory_guard_sizes_the_cache_for_the_longest_prompt(tmp_path, monkeypatch):
+    """The guard was given max_new_tokens + 1 tokens: the prompt's KV entries were left out of the cache size.
+    tiny-ouro: 4 loops x 2 layers x tokens x 2 (K, V) x 128 hidden x 4 bytes = 8192 bytes per token; the longer
+    line has 14 tokens, so with 8 new tokens the cache is 8192 x (14 + 8) = 180224 bytes (the old size: 8192 x 9)."""
+    from loopq.errors import GuardError
+    from loopq.planning import guards
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The loop\nThe loop runs over the same layers again and again\n")
+    assert [len(teacher_tokens(line)) for line in prompts.read_text().splitlines()] == [3, 14]
+    args = ["--model", str(TEACHER), "--prompts_file", str(prompts), "--max_new_tokens", "8", "--num_loops", "4"]
+    monkeypatch.setattr(guards, "available_memory", lambda: 180224 - 1)
+    with pytest.raises(GuardError, match=r"^--num_loops 4: .*a KV cache of up to"):
+        main([*args, "--device", "cpu"])
+    monkeypatch.setattr(guards, "available_memory", lambda: 180224)
+    assert len(main([*args, "--device", "cpu"])) == 2

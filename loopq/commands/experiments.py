@@ -36,7 +36,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from loopq.artifacts import read_artifact_meta
 from loopq.artifacts.layout import STUDENT_META, STUDENT_WEIGHTS, json_object
@@ -51,7 +51,7 @@ from loopq.errors import UsageError
 from loopq.files import atomic_write, read_json
 from loopq.models.loading import resolve_model_dir
 from loopq.provenance import flat_record, record, teacher_fingerprint
-from loopq.quant.config import BIT_LABELS, METHODS, Bits
+from loopq.quant.config import BIT_LABELS, METHODS, Bits, QuantConfigError
 from loopq.stages import Manifest, Stage, StageRunner, normalised, say
 from loopq.stats import log_gap_recovery, separated, summarize
 
@@ -227,6 +227,48 @@ def with_bits(slug: str, bits: str) -> str:
     return slug if bits == "w4a4" else f"{slug}-{bits}"
 
 
+T = TypeVar("T")
+
+
+def given(values: list[T] | None, default: list[T], key: str) -> list[T]:
+    """A list option: ``default`` when it is not given; an explicit empty list is refused (it used to read as
+    "all", running every row the user meant to leave out)."""
+    if values is None:
+        return default
+    if not values:
+        raise UsageError(f"{key} is empty; name at least one, or leave {key} out for the default {default}")
+    return values
+
+
+def bit_label(bits: str, key: str = "--bits") -> str:
+    """The label of a bit width the experiments run (``W4A4`` -> ``w4a4``); any other is refused naming ``key``."""
+    try:
+        label = Bits.parse(bits, key).label
+    except QuantConfigError:
+        label = ""  # not w<W>a<A>: refused below with the valid widths
+    if label not in BITS:
+        raise UsageError(f"{key} {bits}: not a bit width the experiments run; use one of {', '.join(BITS)}")
+    return label
+
+
+def bit_labels(bits: list[str] | None) -> list[str]:
+    """``table1``'s bit widths as labels, each once (default: all of :data:`BITS`)."""
+    return list(dict.fromkeys(bit_label(b) for b in given(bits, list(BITS), "--bits")))
+
+
+def table1_rows(methods: list[str] | None) -> list[Row]:
+    """The :data:`TABLE1` rows ``methods`` names by label or slug in any case (``loopq``, ``RTN``, ``Symmetric``),
+    in table order (default: all); an unknown name is refused listing the valid ones."""
+    chosen = given(methods, [row.label for row in TABLE1], "--methods")
+    by_name = {name.lower(): row for row in TABLE1 for name in (row.label, row.slug)}
+    unknown = [name for name in chosen if name.lower() not in by_name]
+    if unknown:
+        valid = ", ".join(f"{row.label} ({row.slug})" for row in TABLE1)
+        raise UsageError(f"--methods {', '.join(unknown)}: not a Table 1 method; use any of {valid}")
+    wanted = {by_name[name.lower()] for name in chosen}
+    return [row for row in TABLE1 if row in wanted]
+
+
 def table1(
     model: str,
     out: str,
@@ -249,26 +291,24 @@ def table1(
         spinquant_config: loopq.fit config of SpinQuant
         flatquant_config: loopq.fit config of FlatQuant
         bits: bit widths (default: w4a4, w4a8)
-        methods: only these methods (default: all of Table 1)
+        methods: only these methods, by label or slug in any case (default: all of Table 1)
     """
+    widths, chosen = bit_labels(bits), table1_rows(methods)  # before any row runs
     sweep = Sweep(out, device)
     configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
     written = [sweep.row("fp", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
-    for bit_label in bits or list(BITS):
-        for row in TABLE1:
-            if methods and row.label not in methods:
-                continue
-            common = {"method": row.label, "bits": bit_label, "limit": limit, "tasks": tasks}
+    for width in widths:
+        for row in chosen:
+            common = {"method": row.label, "bits": width, "limit": limit, "tasks": tasks}
             common["ppl_windows"] = ppl_windows
             if row.calibration is None:
-                written.append(sweep.row(f"{row.slug}-{bit_label}", model=model, **common))
+                written.append(sweep.row(f"{row.slug}-{width}", model=model, **common))
                 continue
             for seed in seeds or [None]:
-                slug = seeded(f"{row.slug}-{bit_label}", seed)
+                slug = seeded(f"{row.slug}-{width}", seed)
                 args = (*seed_args(seed), *(extra or []))
-                calibration = Calibration(
-                    model, sweep.root / "runs" / slug, configs[row.calibration], BITS[bit_label], args
-                )
+                config = configs[row.calibration]
+                calibration = Calibration(model, sweep.root / "runs" / slug, config, BITS[width], args)
                 written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))
     return written
 
@@ -326,8 +366,9 @@ def slt_budget(
         bits: bit widths of the calibrations
         tasks: lm-eval tasks (default: none, perplexity only)
     """
+    bits, budgets = bit_label(bits), given(budgets, [0, 2, 4, 8], "--budgets")
     sweep, written = Sweep(out, device), []
-    for budget in budgets or [0, 2, 4, 8]:
+    for budget in budgets:
         for seed in seeds or [None]:
             slug = seeded(with_bits(f"slt-{budget}", bits), seed)
             args = ("--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or []))
@@ -373,8 +414,9 @@ def num_samples(
         bits: bit widths of the calibrations
         tasks: lm-eval tasks (default: none, perplexity only)
     """
+    bits, sizes = bit_label(bits), given(sizes, [32, 64, 128, 256, 512, 1024], "--sizes")
     sweep, written = Sweep(out, device), []
-    for size in sizes or [32, 64, 128, 256, 512, 1024]:
+    for size in sizes:
         slug = with_bits(f"samples-{size}", bits)
         calibration = Calibration(
             model, sweep.root / "runs" / slug, fit_config, BITS[bits], ("--data.num_samples", str(size))
@@ -417,8 +459,9 @@ def loops(
     trained = {row.label: row.slug for row in TABLE1 if row.calibration}
     if method not in trained:
         raise UsageError(f"--method {method}: not a calibrated method; use one of {', '.join(trained)}")
+    bits = bit_label(bits)
     calibrated = read_artifact_meta(student, kind="student")[0]["calibrated_loops"]
-    top = max_loops or 2 * calibrated
+    top = loop_sweep_top(max_loops, calibrated)
     sweep, written = Sweep(out, device), []
     rows = {
         "fp": {"model": model, "method": "FP"},
@@ -436,6 +479,19 @@ def loops(
         source = sweep.tag(sweep.row(f"{slug}-loops{top}", tasks=[], num_loops=top, **common, **row), **tag)
         written += [per_loop_result(source, n) for n in range(calibrated, top)] + [source]
     return written
+
+
+def loop_sweep_top(max_loops: int | None, calibrated: int) -> int:
+    """The loop sweep's top loop count: ``max_loops``, default twice the ``calibrated`` T; below T (the sweep's first
+    row) it is refused, where ``0`` used to become 2T and ``2`` a lone 2-loop row."""
+    if max_loops is None:
+        return 2 * calibrated
+    if max_loops < calibrated:
+        raise UsageError(
+            f"--max_loops {max_loops}: below the student's calibrated {calibrated} loops, where the sweep starts; "
+            f"pass {calibrated} or more (default {2 * calibrated})"
+        )
+    return max_loops
 
 
 def per_loop_result(source: Path, n: int) -> Path:
@@ -467,12 +523,8 @@ def summary(out: str, reference: str = "LoopQ") -> str:
     root = Path(out)
     results = [data for path in sorted(root.glob("*.json")) if "wikitext2_ppl" in (data := read_json(path))]
     rows: dict[tuple[str, str], list[float]] = {}
-    seen: set[tuple[str, str, object]] = set()
-    for data in results:
-        run = (data["method"], data["bits"], calibration_seed(data))
-        if not any(k in data for k in SWEEP_TAGS) and (run[2] is None or run not in seen):
-            seen.add(run)  # an un-seeded row and its -s<seed> twin are one calibration: counted once
-            rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
+    for data in once_per_calibration([d for d in results if not any(k in d for k in SWEEP_TAGS)]):
+        rows.setdefault((data["method"], data["bits"]), []).append(data["wikitext2_ppl"])
     lines = [
         f"Results in `{root}`: WikiText-2 PTQ perplexity, mean ± std over seeds (n); R = (ln RTN - ln M) / "
         f"(ln RTN - ln FP); ** = separated from {reference} at the same bits by more than 2 std "
@@ -502,6 +554,21 @@ def calibration_seed(data: dict[str, Any]) -> object:
     return config.get("seed_everything") if isinstance(config, dict) else None
 
 
+def once_per_calibration(results: list[dict[str, Any]], *swept: str) -> list[dict[str, Any]]:
+    """``results`` with each calibration once: an un-seeded row (the config's seed) and its ``-s<seed>`` twin record
+    the same method, bits, calibration seed and ``swept`` fields - one run, which counted twice biased the mean and
+    shrank the std. Rows without a calibration seed (FP, training-free) are all kept."""
+    seen: set[tuple[object, ...]] = set()
+    kept = []
+    for data in results:
+        seed = calibration_seed(data)
+        run = (data["method"], data["bits"], seed, *(data.get(field) for field in swept))
+        if seed is None or run not in seen:
+            seen.add(run)
+            kept.append(data)
+    return kept
+
+
 def recovery(rows: dict[tuple[str, str], list[float]], bits: str, ppl: float) -> str:
     """R of a perplexity against the FP and Symmetric RTN rows at ``bits`` ('' without them)."""
     fp, rtn = rows.get(("FP", "fp")), rows.get(("Symmetric", bits)) or rows.get(("RTN", bits))
@@ -513,9 +580,8 @@ def slt_sweep_lines(results: list[dict[str, Any]], rows: dict[tuple[str, str], l
     """Fig. 4 as a table: per SLT budget the perplexity over seeds, R, and the groups promoted at the end of
     calibration - in how many seeds, with S_l of the round that last selected them against that round's median."""
     sweep: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for data in results:
-        if "slt_budget" in data:
-            sweep.setdefault((data["bits"], data["slt_budget"]), []).append(data)
+    for data in once_per_calibration([d for d in results if "slt_budget" in d], "slt_budget"):
+        sweep.setdefault((data["bits"], data["slt_budget"]), []).append(data)
     if not sweep:
         return []
     lines = [
@@ -556,9 +622,8 @@ def promoted_cell(runs: list[dict[str, Any]]) -> str:
 def loop_sweep_lines(results: list[dict[str, Any]]) -> list[str]:
     """Fig. 5 as a table: perplexity (mean ± std over seeds) of each method after n loops."""
     cells: dict[tuple[str, int], list[float]] = {}
-    for data in results:
-        if "loop_sweep" in data:
-            cells.setdefault((f"{data['method']} {data['bits']}", data["num_loops"]), []).append(data["wikitext2_ppl"])
+    for data in once_per_calibration([d for d in results if "loop_sweep" in d], "num_loops"):
+        cells.setdefault((f"{data['method']} {data['bits']}", data["num_loops"]), []).append(data["wikitext2_ppl"])
     if not cells:
         return []
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != "FP fp", m))

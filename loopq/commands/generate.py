@@ -75,9 +75,10 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
 
 
 def read_text(path: Path, key: str) -> str:
-    """The UTF-8 text of the file an option names; a missing, unreadable or non-UTF-8 file is one line naming both."""
+    """The UTF-8 text of the file an option names, without a leading byte-order mark (Windows editors write one; it
+    was kept as U+FEFF in the first prompt); a missing, unreadable or non-UTF-8 file is one line naming both."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8").removeprefix("\ufeff")  # utf-8-sig, with the error offsets of the file
     except UnicodeDecodeError as err:
         raise UsageError(
             f"{key} {path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); save it as "
@@ -85,6 +86,21 @@ def read_text(path: Path, key: str) -> str:
         ) from None
     except OSError as err:
         raise UsageError(f"{key} {path}: cannot be read ({err.strerror or err}); pass a text file") from None
+
+
+def encode_prompts(
+    net: LoopLM, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int, prompts_file: Path | None
+) -> list[list[int]]:
+    """Every prompt's token ids, each checked to fit the model's context with ``max_new_tokens`` - all before the
+    first is generated, so a too-long line 2 no longer fails after prompt 1 streamed; the message names the file and
+    line of a ``--prompts_file``."""
+    encoded = []
+    for line, text in enumerate(prompts, 1):
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        what = "--prompt" if prompts_file is None else f"--prompts_file {prompts_file} line {line}"
+        check_prompt(net, torch.tensor([ids], dtype=torch.long), None, max_new_tokens, what)
+        encoded.append(ids)
+    return encoded
 
 
 def streamer(tokenizer: Tokenizer, out: Callable[[str], object]) -> Callable[[torch.Tensor], None]:
@@ -161,17 +177,17 @@ def generate_text(
     prompts = read_prompts(prompt, prompts_file)  # before the model loads: a bad file fails at once
     artifact = load_artifact(path, kind=kind, teacher=teacher, device=where)  # type: ignore[arg-type]
     net: LoopLM = artifact.model.eval()
-    check_decode_loops(net, num_loops, max_new_tokens + 1)  # before any prompt is encoded or decoded
     tokenizer = load_tokenizer(tokenizer_dir(path, artifact))  # tokenizer.json or GPT-2 encoder.json + vocab.bpe
+    encoded = encode_prompts(net, tokenizer, prompts, max_new_tokens, prompts_file)  # before anything is printed
+    # the KV cache holds the prompt and every new token: sized for the longest prompt, before any decoding
+    check_decode_loops(net, num_loops, max(map(len, encoded)) + max_new_tokens)
     generator = torch.Generator(device=where).manual_seed(seed)
     if exit_threshold is not None:
         check_exit_model(net)
     stats = ExitStats()
     texts = []
-    for text in prompts:
-        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False).ids], device=where)
-
-        check_prompt(net, ids, None, max_new_tokens)  # before anything is printed
+    for text, prompt_ids in zip(prompts, encoded, strict=True):
+        ids = torch.tensor([prompt_ids], device=where)
         write(text)
         new = generate(
             net,

@@ -46,8 +46,11 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise LoopLMError(f"--top_p must be in (0, 1] (1 = no nucleus cut), got {top_p!r}")
 
 
-def check_prompt(model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int) -> None:
-    """Refuse an empty prompt, or one that with ``max_new_tokens`` more tokens exceeds the model's positions."""
+def check_prompt(
+    model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int, what: str = "--prompt"
+) -> None:
+    """Refuse an empty prompt, or one that with ``max_new_tokens`` more tokens exceeds the model's positions;
+    ``what``: where the prompt came from, as the message names it (``--prompts_file FILE line N``)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise LoopLMError(f"--prompt is empty (input_ids of shape {tuple(input_ids.shape)}); give at least one token")
     lengths = (
@@ -60,7 +63,7 @@ def check_prompt(model: LoopLM, input_ids: Tensor, attention_mask: Tensor | None
     longest, limit = int(lengths.max()), model.max_positions
     if longest + max_new_tokens > limit:
         raise LoopLMError(
-            f"--prompt of {longest} tokens + --max_new_tokens {max_new_tokens} exceeds the model's context of {limit} "
+            f"{what} of {longest} tokens + --max_new_tokens {max_new_tokens} exceeds the model's context of {limit} "
             "positions (config.json); shorten the prompt or lower --max_new_tokens"
         )
 
