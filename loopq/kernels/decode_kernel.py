@@ -25,7 +25,7 @@ weight byte per thread at M = 1):
 * **one launch, K split across programs where the grid is narrow** (:func:`k_split`): ``N / 8`` programs per
   8 tokens is 256 on Ouro-1.4B's ``o_proj`` and ``down_proj``, too few to keep an H100's memory busy (the GPU run
   of 2026-11-27 timed M = 1 by K per program); so each tile's chunk blocks are split over ``S`` = 1, 2, 4 or 8
-  neighbouring programs (split ``s`` reads blocks ``[s 8/S, (s + 1) 8/S)`` of every chunk), until the grid has
+  neighbouring programs (split ``s`` reads blocks ``s, s + S, ...`` of every chunk), until the grid has
   :data:`PROGRAMS_PER_SM` programs per SM. The reduction stays in the launch and is deterministic: every split
   stores its ``[BLOCK_M, 8]`` partial sums, and the one that arrives last at the block's counter (an ``acq_rel``
   atomic after a barrier) adds the ``S`` partials in split order, adds the bias, writes the output dtype and resets
@@ -146,30 +146,31 @@ def _chunk(
     acc, a_ptr, sa_ptr, w_tile, sw_tile, c, G, r, j, jx, rowx, w4, s8, split,
     MASKED: tl.constexpr, UNROLL: tl.constexpr, KSPLIT: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc[m, t] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the groups
-    ``g = 64 c + 8 i + j`` of chunk ``c`` of thread ``t = 8 j + r`` whose ``i`` is this program's share of the
-    chunk (``i`` in ``[split P, split P + P)``, ``P = 8 / KSPLIT``), for all BLOCK_M tokens at once (held in each
-    thread's registers); ``MASKED`` (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks
-    only): the P groups as straight-line code (all P weight loads in flight, each scale picked by register
-    renaming and, under a split, ``KSPLIT - 1`` selects on the program's split), else a loop (one group's registers
-    live at a time, the scale picked with 8 selects; in the last chunk only over the 16-byte blocks that exist, so
-    a K of a few groups costs a few steps)."""
+    """``acc[m, t] += sum_i dot(a[m, g], w[row, g]) * (s_a[m, g] s_w[row, g])`` over the groups ``g = 64 c + 8 i
+    + j`` of chunk ``c`` of thread ``t = 8 j + r`` whose ``i`` is this program's share of the chunk (``i =
+    split, split + KSPLIT, ...``: the blocks dealt round-robin, so a split has groups whenever the chunk has
+    more blocks than its index), for all BLOCK_M tokens at once (held in each thread's registers); ``MASKED``
+    (the last chunk only) skips groups past ``G``. ``UNROLL`` (full chunks only): its 8 / KSPLIT groups as
+    straight-line code (all their weight loads in flight, each scale picked by register renaming and, under a
+    split, ``KSPLIT - 1`` selects on the program's split), else a loop (one group's registers live at a time,
+    the scale picked with 8 selects; in the last chunk only over the 16-byte blocks that exist, so a K of a few
+    groups costs a few steps)."""
     sw_off = ((c * _ROWS + r) * _LANES + j) * _RUN + s8  # [T, 8]
     sw = tl.load(sw_tile + sw_off, cache_modifier=".cg").to(tl.float32)  # 16 B, L2 only (read once)
     PER: tl.constexpr = _RUN // KSPLIT
     if UNROLL and not MASKED:
         for ii in tl.static_range(PER):
-            sw_i = _pick(sw, ii)
+            sw_i = _pick(sw, ii * KSPLIT)
             for q in tl.static_range(1, KSPLIT):
-                sw_i = tl.where(split == q, _pick(sw, q * PER + ii), sw_i)
-            i = ii if KSPLIT == 1 else split * PER + ii
+                sw_i = tl.where(split == q, _pick(sw, ii * KSPLIT + q), sw_i)
+            i = ii if KSPLIT == 1 else ii * KSPLIT + split
             acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     else:
-        start = split * PER
-        stop = start + PER
+        stop = _RUN
         if MASKED:
-            stop = tl.minimum(stop, tl.cdiv(G - c * _CHUNK, _LANES))  # the last chunk's groups that exist
-        for i in range(start, stop):
+            stop = tl.cdiv(G - c * _CHUNK, _LANES)  # the last chunk's groups that exist
+        for it in range(tl.cdiv(stop - split, KSPLIT)):  # counted from 0 (a strided range can cost registers)
+            i = it * KSPLIT + split
             sw_i = tl.sum(tl.where(s8 == i, sw, 0.0), axis=1)
             acc = _group(acc, a_ptr, sa_ptr, w_tile, sw_i, c, i, G, r, j, jx, rowx, w4, MASKED, ASM)
     return acc
@@ -463,8 +464,9 @@ def _decode_mma_kernel(
         c = step // runs
         j = (step - c * runs) * SPLIT + s
         acc = _mma_lanes(acc, a_rows, sa_rows, w_rows, sw_rows, c, j, G, i8, HALVES, ASM)
-    if full < chunks:
-        for jj in range(split, runs, KSPLIT):
+    if full < chunks:  # the last chunk's lane runs continue the round-robin where the full chunks' steps ended
+        first_run = (split + KSPLIT - (full * runs) % KSPLIT) % KSPLIT
+        for jj in range(first_run, runs, KSPLIT):
             j = jj * SPLIT + s
             acc = _mma_tail(acc, a_rows, sa_rows, w_rows, sw_rows, full, j, G, HALVES, ASM)
     om = tl.arange(0, 16)
@@ -524,11 +526,13 @@ PLAN_SMS = 132
 def k_split(programs: int, groups: int, sms: int, mma: bool = False) -> int:
     """The K split of a launch of ``programs`` output blocks over ``groups`` 32-groups: the least power of two
     ``S`` with ``S * programs >= per_sm * sms`` (:data:`PROGRAMS_PER_SM`, :data:`MMA_PROGRAMS_PER_SM`), at most the
-    split's cap and the units K has, so that every split has groups to read: for ``dp4a`` the 16-byte blocks a tile
-    row has per chunk (``cdiv(groups, 8)``, at most 8: split ``s`` reads blocks ``[s 8/S, (s + 1) 8/S)`` of every
-    chunk), for the tensor-core kernel its steps (2 lane runs per chunk, dealt round-robin)."""
+    split's cap and the units K has, so that every split has groups to read (units are dealt round-robin): for
+    ``dp4a`` the 16-byte blocks a tile row has per chunk (``cdiv(groups, 8)``, at most 8), for the tensor-core
+    kernel its steps, 2 lane runs per full chunk and the last chunk's runs that hold groups (one per 4 groups)."""
     if mma:
-        units, cap, per_sm = cdiv(groups, CHUNK_GROUPS) * (TILE_LANES // MMA_WARPS), MMA_MAX_SPLIT, MMA_PROGRAMS_PER_SM
+        full, tail = divmod(groups, CHUNK_GROUPS)
+        runs = TILE_LANES // MMA_WARPS
+        units, cap, per_sm = full * runs + min(runs, cdiv(tail, MMA_WARPS)), MMA_MAX_SPLIT, MMA_PROGRAMS_PER_SM
     else:
         units, cap, per_sm = cdiv(groups, TILE_LANES), MAX_SPLIT, PROGRAMS_PER_SM
     split = 1
@@ -579,23 +583,29 @@ def gemm_launch(
 
 _COUNTERS: dict[tuple[str, int], Tensor] = {}
 _COUNTERS_LOCK = threading.Lock()
-_RETIRED: list[Tensor] = []
 
 
 def arrival_counters(device: torch.device, blocks: int) -> Tensor:
-    """Zeroed int32 arrival counters for a split launch of ``blocks`` output blocks: one buffer per device and CUDA
-    stream (per thread where there is no stream: the interpreter runs a launch in its caller's thread), kept zero
-    by the kernels (the last arrival resets its counter), so a call fills nothing; grown when a launch needs
-    more (the old buffer is kept: a CUDA graph captured on it still launches on it). Launches in one stream are
-    ordered, so they take turns with it; another stream or thread gets its own."""
+    """Zeroed int32 arrival counters for a split launch of ``blocks`` output blocks, kept zero by the kernels (the
+    last arrival resets its counter), so that a call fills nothing: one buffer per device and CUDA stream (per
+    thread where there is no stream: the interpreter runs a launch in its caller's thread), zeroed when it is
+    made and grown when a launch needs more; launches in one stream are ordered, so they take turns with it.
+
+    While the stream is being captured into a CUDA graph, fresh zeros instead: their fill is a node of that graph,
+    so every replay starts from zero whatever ran before (another graph captured on the same stream, an eager
+    call), where a buffer first zeroed inside a capture would be zero only for the graph that recorded the fill.
+    Made outside inference mode, so that an in-place reset works in and out of it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        with torch.inference_mode(False):
+            return torch.zeros(blocks, dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else threading.get_ident()
     key = (str(device), stream)
-    with _COUNTERS_LOCK:
-        counters = _COUNTERS.get(key)
-        if counters is None or counters.numel() < blocks:
-            if counters is not None:  # a captured CUDA graph may still launch on it: never freed
-                _RETIRED.append(counters)
-            counters = _COUNTERS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < blocks:
+        with _COUNTERS_LOCK, torch.inference_mode(False):
+            counters = _COUNTERS.get(key)
+            if counters is None or counters.numel() < blocks:
+                counters = _COUNTERS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
     return counters
 
 
@@ -624,7 +634,7 @@ def gemm_tiled(
     launch = gemm_launch(m, n, w_codes.shape[0], k // GROUP_SIZE, bias is not None, a_codes.device, split)
     a_codes = a_codes.contiguous()
     a_codes, w_codes = (a_codes.view(torch.int32), w_codes.view(torch.int32)) if launch.words else (a_codes, w_codes)
-    part, counters = (a_scales, w_codes) if launch.split == 1 else split_workspace(launch, m, n, a_codes.device, False)
+    part, counters = (a_scales, w_codes) if launch.split == 1 else split_workspace(launch, m, n, a_codes.device)
     try:
         launch.kernel[launch.grid](
             a_codes, a_scales.contiguous(), w_codes, w_scales, out if bias is None else bias, out, part, counters,
@@ -637,12 +647,9 @@ def gemm_tiled(
     return out
 
 
-def split_workspace(launch: GemmLaunch, m: int, n: int, device: torch.device, own: bool) -> tuple[Tensor, Tensor]:
-    """The partial outputs and zeroed arrival counters of a split ``launch``; the counters are the shared
-    :func:`arrival_counters` unless ``own`` (a decode plan's scratch: zeroed once, then kept zero by its launches).
-    Without a split the kernel reads neither: the callers pass stand-ins of the pointer types (an fp32 and an
-    int32 tensor of the call), so that no call allocates them."""
+def split_workspace(launch: GemmLaunch, m: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The partial outputs and zeroed arrival counters (:func:`arrival_counters`) of a split ``launch``. Without a
+    split the kernel reads neither: the callers pass stand-ins of the pointer types (an fp32 and an int32 tensor of
+    the call), so that no call allocates them."""
     part = torch.empty(launch.split, m, n, dtype=torch.float32, device=device)
-    if own:
-        return part, torch.zeros(launch.blocks, dtype=torch.int32, device=device)
     return part, arrival_counters(device, launch.blocks)

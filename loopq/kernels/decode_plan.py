@@ -60,19 +60,22 @@ class DecodePlan:
             m, n, groups = self.sizes
             fresh = scratch(m, groups * GROUP_SIZE, self.quantize.needs_scratch, x.device)
             if self.gemm.split > 1:
-                fresh = fresh._replace(split=decode_kernel.split_workspace(self.gemm, m, n, x.device, True))
+                fresh = fresh._replace(part=torch.empty(self.gemm.split, m, n, dtype=torch.float32, device=x.device))
             s = self.scratches.setdefault(threading.get_ident(), fresh)
         self.quantize.run(x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip)
         out = x.new_empty(self.out_shape, dtype=self.out_dtype)  # x is on the planned device
         g = self.gemm
-        part, counters = (s.scales, self.w_codes) if s.split is None else s.split
+        if s.part is None:
+            part, counters = s.scales, self.w_codes  # stand-ins: an unsplit launch reads neither
+        else:
+            part, counters = s.part, decode_kernel.arrival_counters(x.device, g.blocks)
         try:
             g.kernel[g.grid](
                 s.words if g.words else s.codes, s.scales, self.w_codes, self.w_scales,
                 out if self.bias is None else self.bias, out, part, counters, *self.sizes, **g.constexprs,
             )  # fmt: skip
         except BaseException:  # as gemm_tiled: an interrupted interpreter launch leaves no counts behind
-            if s.split is not None and not x.is_cuda:
+            if s.part is not None and not x.is_cuda:
                 counters.zero_()
             raise
         return out
@@ -80,15 +83,15 @@ class DecodePlan:
 
 class Scratch(NamedTuple):
     """The quantizer's outputs, consumed by the GEMM of the same call: int8 codes ``[M, K]`` (and as int32 words),
-    fp32 scales ``[M, K / 32]``, the transform's fp32 row buffer where it needs one, and a split GEMM's partial
-    outputs and arrival counters (:func:`~loopq.kernels.decode_kernel.split_workspace`: the counters zeroed once,
-    then kept zero by the launches, which run in order on the plan's thread)."""
+    fp32 scales ``[M, K / 32]``, the transform's fp32 row buffer where it needs one, and a split GEMM's fp32
+    partial outputs ``[split, M, N]`` (its arrival counters are :func:`~loopq.kernels.decode_kernel.arrival_counters`,
+    shared per device and stream, fresh in a CUDA graph capture)."""
 
     codes: Tensor
     words: Tensor
     scales: Tensor
     transform: Tensor | None
-    split: tuple[Tensor, Tensor] | None = None
+    part: Tensor | None = None
 
 
 def scratch(m: int, k: int, transform: bool, device: torch.device) -> Scratch:

@@ -27,6 +27,7 @@ CASES = {
     "m16-tail": (16, 9, 64),
     "m12-chunk+tail": (12, 40, 2112),
     "m2-chunk": (2, 8, 2048),
+    "m10-chunks+tail": (10, 8, 4224),  # the tensor-core kernel over chunks 0, 1 and a tail of 4 groups
 }
 
 
@@ -42,7 +43,7 @@ def operands(m, n, k, bits, device, seed=0):
     return codes.to(device), sa.to(device), w, sw, wt.to(device), swt.to(device)
 
 
-@pytest.mark.parametrize("split", [None, 2, "max"], ids=["auto", "split2", "split-max"])
+@pytest.mark.parametrize("split", [None, 2, 4, "max"], ids=["auto", "split2", "split4", "split-max"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("case", CASES)
 def test_within_the_fp32_bound(case, bits, split, device):
@@ -196,7 +197,18 @@ def test_k_split_at_the_ouro_shapes(sms, want, want_mma):
     got_mma = {f"{n}x{k}": decode_kernel.k_split(n // 32, k // 32, sms, mma=True) for n, k in SHAPES}
     assert got == want and got_mma == want_mma
     assert [decode_kernel.k_split(1, g, 132) for g in (1, 8, 9, 16, 17, 24, 64, 176)] == [1, 1, 2, 2, 2, 2, 8, 8]
-    assert [decode_kernel.k_split(1, g, 132, mma=True) for g in (1, 64, 65, 128, 129)] == [2, 2, 4, 4, 4]
+    # tensor cores: 2 runs per full chunk, and one per 4 groups of the last chunk (at most 2)
+    assert [decode_kernel.k_split(1, g, 132, mma=True) for g in (1, 4, 5, 64, 65, 68, 69, 128, 129)] == [
+        1,
+        1,
+        2,
+        2,
+        2,
+        2,
+        4,
+        4,
+        4,
+    ]
 
 
 def test_a_split_launch_leaves_its_counters_zero_and_repeats_its_bits(device, monkeypatch):
@@ -225,6 +237,13 @@ def test_a_split_launch_leaves_its_counters_zero_and_repeats_its_bits(device, mo
     with pytest.raises(KeyboardInterrupt):
         decode_kernel.gemm_tiled(a, sa, wt, swt, n, torch.float32, split=8)
     assert int(counters.abs().sum()) == 0
+    # counters first made under inference mode (a generation loop) are reset outside it too
+    monkeypatch.setattr(decode_kernel, "_COUNTERS", {})
+    with torch.inference_mode():
+        fresh = decode_kernel.arrival_counters(torch.device(device), 3)
+    with pytest.raises(KeyboardInterrupt):
+        decode_kernel.gemm_tiled(a, sa, wt, swt, n, torch.float32, split=8)
+    assert decode_kernel.arrival_counters(torch.device(device), 3) is fresh and int(fresh.abs().sum()) == 0
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)

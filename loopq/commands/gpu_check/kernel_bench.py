@@ -70,8 +70,9 @@ class KernelRow:
     w4a4_gemm_ms: float | None = None
     w4a8_quant_ms: float | None = None
     w4a8_gemm_ms: float | None = None
-    #: the ``dp4a`` decode GEMM's K split (M <= 8): the one ``decode_kernel.k_split`` picks on this device, and the
-    #: W4A4 GEMM's time at each split it can take (keys "1", "2", "4", "8"), to tune ``PROGRAMS_PER_SM`` by
+    #: the decode GEMM's K split (M <= 16): the one ``decode_kernel.k_split`` picks on this device, and the W4A4
+    #: GEMM's time at each split it can take (keys "1", "2", "4", "8"), to tune ``PROGRAMS_PER_SM`` and
+    #: ``MMA_PROGRAMS_PER_SM`` by
     split: int | None = None
     split_ms: dict[str, float] = field(default_factory=dict)
 
@@ -220,14 +221,16 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
         quant, gemm = timed_calls(x, left, right, w, sw, bits)
         setattr(row, f"w4a{bits}_quant_ms", bench(quant))
         setattr(row, f"w4a{bits}_gemm_ms", bench(gemm))
-    if row.m <= decode_kernel.MAX_BLOCK_M:
+    if row.m <= decode_kernel.MAX_M:
         _, gemm = timed_calls(x, left, right, w, sw, 4)
-        sms = decode_kernel.device_sms(x.device)
-        row.split = decode_kernel.k_split(cdiv(row.n, TILE_ROWS), row.k // GROUP_SIZE, sms)
-        row.split_ms = {str(s): bench(partial(gemm, split=s)) for s in SPLITS}
+        mma = decode_kernel.uses_mma(row.m)
+        blocks = cdiv(row.n, decode_kernel.MMA_ROWS if mma else TILE_ROWS)
+        row.split = decode_kernel.k_split(blocks, row.k // GROUP_SIZE, decode_kernel.device_sms(x.device), mma)
+        row.split_ms = {str(s): bench(partial(gemm, split=s)) for s in SPLITS if not (mma and s > 4)}
 
 
-#: the K splits the sweep times (``decode_kernel.gemm_tiled(split=)``)
+#: the K splits the sweep times (``decode_kernel.gemm_tiled(split=)``; the tensor-core kernel of 9..16 tokens takes
+#: up to 4)
 SPLITS = (1, 2, 4, 8)
 
 
