@@ -331,3 +331,47 @@ def test_the_export_writes_tokenizer_and_record_atomically_the_record_last(data,
     assert written == ["tokenizer.json", "training_record.json"]
     record = json.loads((tmp_path / "teacher" / "training_record.json").read_text())
     assert record["steps"] == 1 and load_looplm(tmp_path / "teacher").arch == "ouro"
+
+
+def tiny_run(tmp_path, steps=4, lr=2e-3, **trainer_args):
+    """(trainer, module, datamodule) of a few-step tiny pretraining writing to ``tmp_path / 'teacher'``."""
+    dm = PretrainDataModule(
+        sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=16, batch_size=4, val_windows=4
+    )
+    module = TeacherPretrainer(
+        vocab_size=300, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+        total_ut_steps=2, warmup_steps=1, lr=lr, out_dir=str(tmp_path / "teacher"),
+    )  # fmt: skip
+    args = dict(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False)
+    args |= dict(enable_progress_bar=False, limit_val_batches=0, enable_model_summary=False) | trainer_args
+    return L.Trainer(**args), module, dm
+
+
+def test_a_diverged_run_stops_with_one_line_and_keeps_the_teacher_it_would_overwrite(data, tmp_path):
+    import re
+
+    from loopq.errors import UsageError
+
+    trainer, module, dm = tiny_run(tmp_path, steps=6, lr=1e6)
+    (tmp_path / "teacher").mkdir()
+    good = tmp_path / "teacher" / "model.safetensors"
+    good.write_bytes(b"a good teacher")
+    with pytest.raises(UsageError, match=re.escape("training diverged: the loss is nan") + ".*model.lr"):
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step < 6 and good.read_bytes() == b"a good teacher"
+    assert sorted(p.name for p in (tmp_path / "teacher").iterdir()) == ["model.safetensors"]  # nothing exported
+
+
+def test_non_finite_weights_are_never_exported(tmp_path):
+    import re
+
+    from loopq.commands.pretrain import check_finite_parameters
+    from loopq.errors import UsageError
+
+    module = TeacherPretrainer(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                               num_key_value_heads=1, total_ut_steps=2)  # fmt: skip
+    check_finite_parameters(module)  # a fresh model passes
+    with torch.no_grad():
+        module.model.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(UsageError, match=re.escape("1 parameter(s) are not finite (first: model.lm_head.weight)")):
+        check_finite_parameters(module)

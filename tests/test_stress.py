@@ -144,6 +144,23 @@ def test_bad_stress_options_fail_before_training():
         StressFinetuner(teacher=str(TINY), noise_rotate=1.5)
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"noise_bits": 1},
+        {"noise_group_size": 0},
+        {"target_ratio": 0.0},
+        {"target_ratio": float("nan")},
+        {"quiet_ratio": -1.0},
+        {"channels_per_loop": 0},
+    ],
+)
+def test_stress_options_that_make_the_objective_non_finite_fail_before_training(option):
+    ((key, value),) = option.items()
+    with pytest.raises(UsageError, match=re.escape(f"model.{key}={value}: must be")):
+        StressFinetuner(teacher=str(TINY), **option)
+
+
 @pytest.mark.parametrize("objective", ["outliers", "sensitivity"])
 def test_two_step_finetune_of_the_tiny_teacher_writes_a_loadable_teacher(data, tmp_path, objective):
     out = tmp_path / "stress"

@@ -290,6 +290,7 @@ class LoopedPretrainer(L.LightningModule):
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         loss = self._losses(batch, "train")
+        check_finite_loss(loss, self.global_step + 1)
         self.log("loss", loss, prog_bar=True, logger=False)  # what the plain-line progress prints
         steps = self.global_step + 1 - self._first_step  # this segment's steps: a resumed run's rate stays true
         self.log("train/tokens_per_s", batch[0].numel() * steps / (time.time() - self._rate_t0))
@@ -318,8 +319,29 @@ class LoopedPretrainer(L.LightningModule):
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:
+            check_finite_parameters(self)
             dtype = getattr(torch, self.hparams.get("save_dtype", "float32"))
             export_teacher(self, self.trainer.datamodule, self.program, self.record_extra(), dtype)
+
+
+def check_finite_loss(loss: Tensor, step: int) -> None:
+    """Stop a diverged run: a non-finite training loss ends it with one line, before the weights it would corrupt
+    are stepped (no export follows: Lightning skips ``on_fit_end`` after an exception)."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise UsageError(
+            f"training diverged: the loss is {float(loss.detach())} at step {step}; nothing was exported. Lower "
+            "model.lr (or the option that made the loss non-finite) and run again"
+        )
+
+
+def check_finite_parameters(module: L.LightningModule) -> None:
+    """Refuse to export weights that are not all finite (a model that diverged after its last logged loss)."""
+    bad = [name for name, p in module.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+    if bad:
+        raise UsageError(
+            f"training diverged: {len(bad)} parameter(s) are not finite (first: {bad[0]}); nothing was exported. "
+            "Lower model.lr and run again"
+        )
 
 
 class TeacherPretrainer(LoopedPretrainer):

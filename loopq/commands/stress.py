@@ -56,6 +56,7 @@ loopq.pretrain: ``--ckpt_path last``.
 
 from __future__ import annotations
 
+import math
 import string
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -207,6 +208,23 @@ def quant_noise(
             h.remove()
 
 
+def check_stress_options(
+    channels_per_loop: int, target_ratio: float, quiet_ratio: float, noise_bits: int, noise_group_size: int
+) -> None:
+    """Refuse options that make the objective non-finite or meaningless (a 1-bit RTN grid has no levels, a 0 target
+    divides by 0), before any training."""
+    checks = [
+        (channels_per_loop >= 1, f"model.channels_per_loop={channels_per_loop}: must be >= 1"),
+        (0 < target_ratio < math.inf, f"model.target_ratio={target_ratio}: must be > 0 and finite (medians of |a|)"),
+        (0 <= quiet_ratio < math.inf, f"model.quiet_ratio={quiet_ratio}: must be >= 0 and finite (medians of |a|)"),
+        (noise_bits >= 2, f"model.noise_bits={noise_bits}: must be >= 2 (a symmetric RTN grid needs 2 bits)"),
+        (noise_group_size >= 1, f"model.noise_group_size={noise_group_size}: must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+
+
 class StressFinetuner(TeacherPretrainer):
     """loopq.pretrain's objective on a pretrained Ouro teacher, plus the token- and loop-dependent outlier term."""
 
@@ -268,6 +286,7 @@ class StressFinetuner(TeacherPretrainer):
         """
         if not 0.0 <= noise_rotate <= 1.0:
             raise UsageError(f"model.noise_rotate={noise_rotate}: a probability in [0, 1]")
+        check_stress_options(channels_per_loop, target_ratio, quiet_ratio, noise_bits, noise_group_size)
         check_save_dtype(save_dtype)
         directory = resolve_model_dir(teacher)
         base = load_looplm(directory)
