@@ -375,3 +375,62 @@ def test_non_finite_weights_are_never_exported(tmp_path):
         module.model.lm_head.weight[0, 0] = float("inf")
     with pytest.raises(UsageError, match=re.escape("1 parameter(s) are not finite (first: model.lm_head.weight)")):
         check_finite_parameters(module)
+
+
+def tiny_cli_args(tmp_path, steps):
+    """``loopq.pretrain`` options of a tiny run under ``tmp_path`` without a ModelCheckpoint (as tiny-ouro.yaml)."""
+    return ["--data.sources", '["calibration/tinyshakespeare_input.txt"]', "--data.vocab_size", "300",
+            "--data.seq_len", "16", "--data.batch_size", "4", "--data.val_windows", "4",
+            "--model.hidden_size", "16", "--model.intermediate_size", "32", "--model.num_attention_heads", "2",
+            "--model.num_key_value_heads", "1", "--model.total_ut_steps", "2", "--model.warmup_steps", "1",
+            "--model.out_dir", str(tmp_path / "t"), "--trainer.max_steps", str(steps), "--trainer.accelerator", "cpu",
+            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+            "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+
+
+def test_a_stopped_run_without_model_checkpoint_resumes_at_its_step_with_ckpt_path_last(data, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from loopq.commands.pretrain import main
+    from loopq.paths import REPO_ROOT
+
+    marker, started = tmp_path / "at-step-2", tmp_path / "started"
+    waiter = {"class_path": "tests.bad_inputs.signals.WaitForSignalAtStep",
+              "init_args": {"step": 2, "marker": str(marker)}}  # fmt: skip
+    cmd = [sys.executable, "-m", "loopq.pretrain", *tiny_cli_args(tmp_path, 50), "--trainer.callbacks",
+           json.dumps([waiter])]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    while not marker.exists() and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "resume with --ckpt_path last" in stderr, stderr[-3000:]
+    recorder = {"class_path": "tests.bad_inputs.signals.RecordStartStep", "init_args": {"marker": str(started)}}
+    main([*tiny_cli_args(tmp_path, 5), "--ckpt_path", "last", "--trainer.callbacks", json.dumps([recorder])])
+    assert started.read_text() == "3"  # resumed where it stopped, not from step 0
+    assert json.loads((tmp_path / "t" / "training_record.json").read_text())["steps"] == 5
+
+
+def test_ckpt_path_last_with_nothing_saved_fails_instead_of_training_from_scratch(tmp_path):
+    from loopq.commands.pretrain import main
+    from loopq.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--ckpt_path last: no last\*\.ckpt in .*leave --ckpt_path out"):
+        main([*tiny_cli_args(tmp_path, 5), "--ckpt_path", "last"])
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("kind", ["url", "text"])
+def test_ckpt_path_is_never_unpickled_from_a_url_or_read_from_a_non_checkpoint(tmp_path, kind):
+    from loopq.commands.pretrain import main
+    from loopq.errors import LoopQError
+
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    path = "http://127.0.0.1:9/evil.ckpt" if kind == "url" else str(text)
+    with pytest.raises(LoopQError, match=f"--ckpt_path {path}: " + ("only a local" if kind == "url" else "not a")):
+        main([*tiny_cli_args(tmp_path, 5), "--ckpt_path", path])
+    assert not (tmp_path / "t").exists()

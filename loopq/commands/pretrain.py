@@ -46,13 +46,15 @@ import torch
 import torch.nn.functional as F
 import yaml
 from jsonargparse import capture_parser
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from loopq.artifacts.layout import RUN_LOCK, TRAINING_RECORD, check_output_dir
-from loopq.calib.stop_on_signal import exit_status
+from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
+from loopq.calib.stop_on_signal import checkpoint_dir, exit_status
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.stream import contiguous_windows, token_stream
@@ -527,9 +529,34 @@ def fit_resumable(
     root = cli.trainer.default_root_dir
     try:
         with DirectoryLock(root, RUN_LOCK, command, "--trainer.default_root_dir"):  # one writer at a time
-            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+            ckpt_path = resume_checkpoint(cli.config.get("ckpt_path"), cli.trainer)
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.calib.stop_on_signal)
         raise SystemExit(exit_status(cli.trainer)) from None
+
+
+def resume_checkpoint(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
+    """The local checkpoint ``--ckpt_path`` names, checked before training. ``last``: the newest whole ``last*.ckpt``
+    in the folder a stop on a signal saves to (:func:`loopq.calib.stop_on_signal.checkpoint_dir`) or in a
+    ``ModelCheckpoint``'s folder - Lightning's own ``last`` looks only in the latter and, finding nothing, trained
+    from step 0 with a warning; here nothing found is an error. A URL is refused (Lightning's remote load
+    unpickles), and so is a file that is not a whole torch checkpoint (:func:`check_ckpt_path`)."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        folders = sorted({checkpoint_dir(trainer)} | {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                                                      if isinstance(cb, ModelCheckpoint) and cb.dirpath})  # fmt: skip
+        found = newest_intact(path for folder in folders for path in folder.glob("last*.ckpt") if path.is_file())
+        if found is None:
+            raise UsageError(
+                f"--ckpt_path last: no last*.ckpt in {', '.join(map(str, folders))}; pass a checkpoint file, or "
+                "leave --ckpt_path out to start from step 0"
+            )
+        return str(found)
+    if "://" in ckpt_path:
+        raise UsageError(f"--ckpt_path {ckpt_path}: only a local checkpoint file or 'last'; download it first")
+    check_ckpt_path(ckpt_path)
+    return ckpt_path
 
 
 #: ``architecture`` (top-level config key or ``--architecture``) -> the pretrainer's class path

@@ -22,3 +22,15 @@ class WaitForSignalAtStep(L.Callback):
         deadline = time.monotonic() + self.timeout
         while not trainer.received_sigterm and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+class RecordStartStep(L.Callback):
+    """Write the step training starts at (a resumed run's restored step) to ``marker``."""
+
+    changes_student = False
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        Path(self.marker).write_text(str(trainer.global_step))
