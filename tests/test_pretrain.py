@@ -434,3 +434,26 @@ def test_ckpt_path_is_never_unpickled_from_a_url_or_read_from_a_non_checkpoint(t
     with pytest.raises(LoopQError, match=f"--ckpt_path {path}: " + ("only a local" if kind == "url" else "not a")):
         main([*tiny_cli_args(tmp_path, 5), "--ckpt_path", path])
     assert not (tmp_path / "t").exists()
+
+
+def test_val_windows_must_leave_training_windows(data):
+    import re
+
+    from loopq.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape("data.val_windows=-1: must be >= 0")):
+        PretrainDataModule(sources=["calibration/tinyshakespeare_input.txt"], val_windows=-1)
+    dm = PretrainDataModule(
+        sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=16, val_windows=10**9
+    )
+    with pytest.raises(UsageError, match=re.escape("data.val_windows=1000000000: must be >= 0 and below the")):
+        dm.setup()
+
+
+def test_a_run_that_took_no_step_exports_nothing(data, tmp_path):
+    from loopq.errors import UsageError
+
+    trainer, module, dm = tiny_run(tmp_path, steps=4, limit_train_batches=0)
+    with pytest.raises(UsageError, match="no training step ran"):
+        trainer.fit(module, datamodule=dm)
+    assert not (tmp_path / "teacher").exists()

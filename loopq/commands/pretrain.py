@@ -98,6 +98,8 @@ class PretrainDataModule(L.LightningDataModule):
                 teacher's token ids)
         """
         super().__init__()
+        if val_windows < 0:
+            raise UsageError(f"data.val_windows={val_windows}: must be >= 0 (windows held out for validation)")
         self.save_hyperparameters()
         self.tokenizer: Any = None
         self.train: Tensor | None = None
@@ -141,11 +143,18 @@ def split_windows(
     span = seq_len if bos is not None else seq_len + 1
     distinct, listed = torch.cat(list(streams.values())), torch.cat([streams[path] for path in files])
     val_cut, train_cut = contiguous_windows(distinct, span), contiguous_windows(listed, span)
+    if not 0 <= val_windows < len(val_cut):
+        raise UsageError(
+            f"data.val_windows={val_windows}: must be >= 0 and below the {len(val_cut)} windows of "
+            f"{seq_len} tokens the sources make; lower it or add text"
+        )
     val_order = shuffled_order(len(val_cut), seed)[:val_windows]
     held = torch.zeros(distinct.numel(), dtype=torch.bool)
     held[contiguous_windows(torch.arange(distinct.numel()), span)[val_order].flatten()] = True
     order = shuffled_order(len(train_cut), seed)
     train_order = order[~held[contiguous_windows(text_positions(streams, files), span)[order]].any(1)]
+    if len(train_order) == 0:
+        raise UsageError(f"data.val_windows={val_windows}: holds out every training window; lower it or add text")
     return with_bos(val_cut[val_order], bos), with_bos(train_cut[train_order], bos)
 
 
@@ -321,6 +330,8 @@ class LoopedPretrainer(L.LightningModule):
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:
+            if self.trainer.global_step == 0:
+                raise UsageError("no training step ran (trainer.max_steps, data): nothing was exported")
             check_finite_parameters(self)
             dtype = getattr(torch, self.hparams.get("save_dtype", "float32"))
             export_teacher(self, self.trainer.datamodule, self.program, self.record_extra(), dtype)
