@@ -1,6 +1,7 @@
 """A few pretraining steps of a tiny looped LM lower the loss; the export is a loadable Ouro directory."""
 
 import json
+import math
 
 import lightning as L
 import pytest
@@ -457,3 +458,20 @@ def test_a_run_that_took_no_step_exports_nothing(data, tmp_path):
     with pytest.raises(UsageError, match="no training step ran"):
         trainer.fit(module, datamodule=dm)
     assert not (tmp_path / "teacher").exists()
+
+
+def test_the_lr_schedule_spans_the_epochs_when_max_steps_is_not_set(data, tmp_path):
+    class RecordLR(L.Callback):
+        def __init__(self):
+            self.lrs = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    record = RecordLR()
+    trainer, module, dm = tiny_run(tmp_path, steps=-1, max_epochs=1, limit_train_batches=6, callbacks=[record])
+    trainer.fit(module, datamodule=dm)
+    # warm-up of 1 step, then cosine from 2e-3 to 2e-4 over the 6 steps of the epoch: 1 + cos(pi * s / 5) halves
+    expected = [2e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 1) / 5))) for s in range(1, 6)]
+    assert record.lrs == pytest.approx([2e-3, *expected])
+    assert record.lrs[2] > 1e-3  # before: the floor (2e-4) from step 2 on

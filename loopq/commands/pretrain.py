@@ -318,7 +318,7 @@ class LoopedPretrainer(L.LightningModule):
             lr=self.hparams.lr,
             betas=(0.9, 0.95),
         )
-        total = max(1, self.trainer.max_steps)
+        total = schedule_steps(self.trainer)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
         )
@@ -335,6 +335,17 @@ class LoopedPretrainer(L.LightningModule):
             check_finite_parameters(self)
             dtype = getattr(torch, self.hparams.get("save_dtype", "float32"))
             export_teacher(self, self.trainer.datamodule, self.program, self.record_extra(), dtype)
+
+
+def schedule_steps(trainer: L.Trainer) -> int:
+    """The optimizer steps the LR schedule spans: ``trainer.max_steps``, or, when it is not set (-1), the steps
+    ``max_epochs`` make (Lightning's estimate); the schedule used to fall to its floor right after warm-up then."""
+    if trainer.max_steps > 0:
+        return trainer.max_steps
+    total = trainer.estimated_stepping_batches
+    if not math.isfinite(total):
+        raise UsageError("trainer.max_steps and trainer.max_epochs are both unset: set trainer.max_steps")
+    return max(1, int(total))
 
 
 def check_finite_loss(loss: Tensor, step: int) -> None:
