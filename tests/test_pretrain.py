@@ -238,7 +238,10 @@ def test_a_resumed_pretraining_sees_the_uninterrupted_batches_and_ends_on_its_we
 
     straight = run("straight")
     want, seen[:] = list(seen), []
-    run("resumed", stop=True)
+    from loopq.commands.pretrain import RunIncomplete
+
+    with pytest.raises(RunIncomplete, match=r"after step 4 of trainer\.max_steps 8"):  # stopped short: not silent
+        run("resumed", stop=True)
     assert len(seen) == 7  # 3 steps of epoch 0 (5 batches), 1 step of epoch 1
     resumed = run("resumed", ckpt_path=str(tmp_path / "resumed" / "ckpt" / "last.ckpt"))
     assert seen == want
@@ -475,3 +478,37 @@ def test_the_lr_schedule_spans_the_epochs_when_max_steps_is_not_set(data, tmp_pa
     expected = [2e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 1) / 5))) for s in range(1, 6)]
     assert record.lrs == pytest.approx([2e-3, *expected])
     assert record.lrs[2] > 1e-3  # before: the floor (2e-4) from step 2 on
+
+
+@pytest.mark.parametrize("teacher_there", [False, True])
+def test_a_run_stopped_by_max_time_says_so_keeps_a_teacher_and_saves_a_checkpoint(data, tmp_path, teacher_there):
+    import re
+    import time
+
+    from loopq.commands.pretrain import RunIncomplete
+
+    class SlowStep(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                time.sleep(1.2)
+
+    out = tmp_path / "teacher"
+    if teacher_there:
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"a good teacher")
+    trainer, module, dm = tiny_run(
+        tmp_path, steps=50, max_time={"seconds": 1}, callbacks=[SlowStep()], default_root_dir=str(tmp_path)
+    )
+    message = r"stopped by trainer\.max_time after step (\d+) of trainer\.max_steps 50: "
+    message += "left the model in" if teacher_there else "wrote the partly trained model to"
+    with pytest.raises(RunIncomplete, match=message + ".*resume with --ckpt_path last") as stop:
+        trainer.fit(module, datamodule=dm)
+    step = int(re.search(message, str(stop.value)).group(1))  # 2 unless the first steps took over a second
+    assert 1 <= step <= 2 and trainer.global_step == step
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
+    if teacher_there:
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+        assert (out / "model.safetensors").read_bytes() == b"a good teacher"
+    else:
+        record = json.loads((out / "training_record.json").read_text())
+        assert record["steps"] == step and record["max_steps"] == 50 and record["stop_reason"] == "trainer.max_time"

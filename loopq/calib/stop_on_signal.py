@@ -77,17 +77,22 @@ class StopOnSignal(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
             return  # a failure (e.g. a non-finite loss) must not overwrite the last good checkpoint
-        path = checkpoint_dir(trainer) / "last.ckpt"
-        for callback in trainer.checkpoint_callbacks:  # the file is that callback's "last" (in the saved state too):
-            # a resumed run overwrites it; before, a stop ahead of the first periodic save left the callback's
-            # last_model_path empty, and the resumed run wrote last-v1.ckpt beside a stale last.ckpt
-            ours = isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath
-            if ours and Path(callback.dirpath).resolve() == path.parent.resolve():
-                callback.last_model_path = str(path)
-        trainer.save_checkpoint(path, weights_only=False)
-        self.saved = path
+        path = self.saved = save_last(trainer)
         name = signal.Signals(self.signum or signal.SIGTERM).name
         say(trainer, f"stopped by {name} after step {trainer.global_step}: saved {path}; resume with --ckpt_path last")
+
+
+def save_last(trainer: L.Trainer) -> Path:
+    """Save ``last.ckpt`` in :func:`checkpoint_dir` (what ``--ckpt_path last`` resumes from); returns its path."""
+    path = checkpoint_dir(trainer) / "last.ckpt"
+    for callback in trainer.checkpoint_callbacks:  # the file is that callback's "last" (in the saved state too):
+        # a resumed run overwrites it; before, a stop ahead of the first periodic save left the callback's
+        # last_model_path empty, and the resumed run wrote last-v1.ckpt beside a stale last.ckpt
+        ours = isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath
+        if ours and Path(callback.dirpath).resolve() == path.parent.resolve():
+            callback.last_model_path = str(path)
+    trainer.save_checkpoint(path, weights_only=False)
+    return path
 
 
 def checkpoint_dir(trainer: L.Trainer) -> Path:

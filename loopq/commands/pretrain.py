@@ -19,8 +19,17 @@ Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint
 ``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
 newest checkpoint (model, optimizer, LR schedule, step; the data order goes on in its epoch after the batches the
 checkpointed steps consumed, so a resumed run trains on the batches an uninterrupted one would).
-The record written next to the model names the command, seed, steps and the wall time summed over all resumed
-segments.
+Without a ``ModelCheckpoint`` (``enable_checkpointing: false``, as in ``configs/pretrain/tiny-ouro.yaml``),
+``--ckpt_path last`` resumes from the ``<default_root_dir>/checkpoints/last.ckpt`` that a stop on SIGTERM / Ctrl-C or
+on ``trainer.max_time`` saved; with nothing saved it fails with one line instead of training from step 0.
+The record written next to the model names the command, seed, steps, ``max_steps``, why the run stopped
+(``stop_reason``) and the wall time summed over all resumed segments.
+
+A run that ends before ``trainer.max_steps`` without a stop signal (``trainer.max_time`` ran out, ``max_epochs``, a
+callback) is incomplete, and says so: it saves ``last.ckpt`` (resume with ``--ckpt_path last`` and a larger
+``trainer.max_time``), writes the partly trained model only into an ``out_dir`` that holds no model yet (its record's
+``stop_reason`` says why it stopped), never replaces a teacher already there, and exits with status 2 and one line.
+A non-finite loss stops a run with one line and nothing exported; so does a run that took no step.
 
 ``out_dir`` is checked before training starts: it may be new, or hold a teacher this command trained before (its
 ``training_record.json``): the README rebuilds the embedded teachers in ``loopq/assets`` in place on purpose (students
@@ -46,21 +55,21 @@ import torch
 import torch.nn.functional as F
 import yaml
 from jsonargparse import capture_parser
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from loopq.artifacts.layout import RUN_LOCK, TRAINING_RECORD, check_output_dir
+from loopq.artifacts.layout import RUN_LOCK, TRAINING_RECORD, check_output_dir, model_kind
 from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
-from loopq.calib.stop_on_signal import checkpoint_dir, exit_status
+from loopq.calib.stop_on_signal import checkpoint_dir, exit_status, save_last
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.stream import contiguous_windows, token_stream
 from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_source, read_training_text, resolve_sources
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
-from loopq.errors import UsageError
+from loopq.errors import LoopQError, UsageError
 from loopq.files import atomic_write
 from loopq.locks import DirectoryLock
 from loopq.models.ouro import OuroConfig, OuroLM
@@ -279,12 +288,20 @@ class LoopedPretrainer(L.LightningModule):
         self._t0 = time.time()
         self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
         self._first_step, self._rate_t0 = 0, time.time()
+        self._stop_checkpoint: Path | None = None  # last.ckpt saved when the run stopped short (on_train_batch_end)
 
     def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
     def on_train_start(self) -> None:
         self._rate_t0, self._first_step = time.time(), self.global_step
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """A stop before ``trainer.max_steps`` (``max_time``, a callback) saves last.ckpt here, mid-epoch as a
+        ``ModelCheckpoint`` would: one saved at fit end resumes in the next epoch, past batches never trained on."""
+        trainer = self.trainer
+        if trainer.should_stop and not trainer.received_sigterm and 0 < trainer.global_step < trainer.max_steps:
+            self._stop_checkpoint = save_last(trainer)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["loopq_wall_seconds"] = self.wall_seconds()
@@ -329,12 +346,46 @@ class LoopedPretrainer(L.LightningModule):
         return {}
 
     def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            if self.trainer.global_step == 0:
-                raise UsageError("no training step ran (trainer.max_steps, data): nothing was exported")
-            check_finite_parameters(self)
+        """Export the trained model (module doc): never one that took no step or is not finite; a run that ended
+        before ``trainer.max_steps`` saves last.ckpt, is exported only into a folder that holds no model yet, and
+        fails with one line (:class:`RunIncomplete`)."""
+        trainer = self.trainer
+        if trainer.global_step == 0:
+            raise UsageError("no training step ran (trainer.max_steps, data): nothing was exported")
+        check_finite_parameters(self)
+        short = 0 < trainer.global_step < trainer.max_steps
+        saved = (self._stop_checkpoint or save_last(trainer)) if short else None
+        out = Path(self.hparams.out_dir)
+        export = not short or model_kind(out) is None
+        if export and trainer.is_global_zero:
             dtype = getattr(torch, self.hparams.get("save_dtype", "float32"))
-            export_teacher(self, self.trainer.datamodule, self.program, self.record_extra(), dtype)
+            export_teacher(self, trainer.datamodule, self.program, self.record_extra(), dtype)
+        if short:
+            what = f"wrote the partly trained model to {out}" if export else f"left the model in {out} as it was"
+            raise RunIncomplete(
+                f"stopped by {stop_reason(trainer)} after step {trainer.global_step} of trainer.max_steps "
+                f"{trainer.max_steps}: {what}; saved {saved}; resume with --ckpt_path last (and a larger "
+                "trainer.max_time)"
+            )
+
+
+class RunIncomplete(LoopQError):
+    """Training ended before ``trainer.max_steps`` without a stop signal (``trainer.max_time``, ``max_epochs``, a
+    callback); the message says what was saved and how to resume."""
+
+
+def stop_reason(trainer: L.Trainer) -> str:
+    """Why the fit ended: ``trainer.max_steps`` when it reached them, else ``trainer.max_time`` /
+    ``trainer.max_epochs`` / ``a callback (trainer.should_stop)``."""
+    if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+        return "trainer.max_steps"
+    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
+    if any(t.time_remaining() is not None and t.time_remaining() <= 0 for t in timers):
+        return "trainer.max_time"
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and trainer.current_epoch >= max_epochs:
+        return "trainer.max_epochs"
+    return "a callback (trainer.should_stop)"
 
 
 def schedule_steps(trainer: L.Trainer) -> int:
@@ -510,6 +561,8 @@ def training_record(module: TeacherPretrainer, data: PretrainDataModule, program
         "torch": torch.__version__,
         "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "saved_dtype": str(dtype).removeprefix("torch."),
+        "max_steps": trainer.max_steps,
+        "stop_reason": stop_reason(trainer),
     }
 
 
