@@ -512,3 +512,20 @@ def test_a_run_stopped_by_max_time_says_so_keeps_a_teacher_and_saves_a_checkpoin
     else:
         record = json.loads((out / "training_record.json").read_text())
         assert record["steps"] == step and record["max_steps"] == 50 and record["stop_reason"] == "trainer.max_time"
+
+
+def test_pretrain_refuses_a_stress_output_and_with_overwrite_still_the_data_it_reads(data, tmp_path):
+    from loopq.commands.pretrain import main
+    from loopq.errors import GuardError
+
+    stress = tmp_path / "t"
+    stress.mkdir()
+    (stress / "config.json").write_text("{}")
+    record = {"command": "python -m loopq.stress --config configs/stress/small-ouro.yaml"}
+    (stress / "training_record.json").write_text(json.dumps(record))
+    with pytest.raises(GuardError, match=r"model\.out_dir .*holds a stress-trained teacher"):
+        main(tiny_cli_args(tmp_path, 2))
+    assert sorted(p.name for p in stress.iterdir()) == ["config.json", "training_record.json"]
+    args = [*tiny_cli_args(tmp_path, 2), "--overwrite", "true", "--model.out_dir", str(data)]
+    with pytest.raises(GuardError, match="which this command reads"):
+        main(args)

@@ -204,3 +204,14 @@ def test_out_dir_may_not_be_the_teacher(tmp_path):
     with pytest.raises(GuardError, match=re.escape("model.out_dir") + ".*which this command reads"):
         main(args)
     assert {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in TINY.iterdir()} == before
+
+
+def test_stress_replaces_only_its_own_output_without_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "training_record.json").write_text(json.dumps({"command": "python -m loopq.pretrain --config x.yaml"}))
+    args = ["--model.teacher", str(TINY), "--model.out_dir", str(out), "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.raises(GuardError, match=r"model\.out_dir .*holds a pretrained teacher"):
+        main(args)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "training_record.json"]

@@ -15,7 +15,8 @@ Every file name and format version of a student or export directory is a constan
 :func:`model_kind` tells them apart; :func:`check_output_dir` refuses an output directory that is a file, is, contains
 or lies inside a directory the command reads, or holds a model of a kind the command does not write (each command may
 replace only its own earlier output: ``loopq.export`` an export, ``loopq.fit`` a student, ``loopq.testbed
---outliers_out`` a stress variant, ``loopq.pretrain`` a teacher it trained). Symlinks are resolved first. A student or
+--outliers_out`` a stress variant, ``loopq.pretrain`` a teacher it trained, ``loopq.stress`` a teacher it
+fine-tuned). Symlinks are resolved first. A student or
 export is replaced only when its description is one LoopQ sealed, or a sealed write journal says this command was
 interrupted writing it (:mod:`loopq.artifacts.ownership`): ownership is proven, not assumed.
 """
@@ -54,9 +55,16 @@ SEALED_KINDS = {"export": (EXPORT_META, EXPORT_FORMAT), "student": (STUDENT_META
 ArtifactKind = Literal["teacher", "student", "export"]
 
 
+#: the kind of a teacher ``loopq.stress`` fine-tuned (its training record names that command)
+STRESS_TRAINED = "stress-trained teacher"
+#: every kind :func:`model_kind` names (what ``--overwrite true`` lets a teacher command's out_dir hold)
+MODEL_KINDS = ("export", "student", "stress variant", STRESS_TRAINED, "pretrained teacher", "teacher")
+
+
 def model_kind(directory: Path) -> str | None:
     """What model ``directory`` holds: ``export``, ``student``, ``stress variant`` (written by ``loopq.testbed
-    --outliers_out``), ``pretrained teacher`` (written by ``loopq.pretrain``), ``teacher`` (any other config.json or
+    --outliers_out``), ``pretrained teacher`` (written by ``loopq.pretrain``), ``stress-trained teacher`` (by
+    ``loopq.stress``: the ``command`` of its training record says which), ``teacher`` (any other config.json or
     weights), or None."""
     directory = Path(directory)
     if not directory.is_dir():
@@ -69,7 +77,10 @@ def model_kind(directory: Path) -> str | None:
         return None
     if "outliers" in json_object(directory / TESTBED_RECORD):
         return "stress variant"
-    return "pretrained teacher" if (directory / TRAINING_RECORD).is_file() else "teacher"
+    if not (directory / TRAINING_RECORD).is_file():
+        return "teacher"
+    command = str(json_object(directory / TRAINING_RECORD).get("command", ""))
+    return STRESS_TRAINED if command.startswith("python -m loopq.stress") else "pretrained teacher"
 
 
 def json_object(path: Path) -> dict[str, Any]:

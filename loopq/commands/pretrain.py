@@ -32,9 +32,10 @@ callback) is incomplete, and says so: it saves ``last.ckpt`` (resume with ``--ck
 A non-finite loss stops a run with one line and nothing exported; so does a run that took no step.
 
 ``out_dir`` is checked before training starts: it may be new, or hold a teacher this command trained before (its
-``training_record.json``): the README rebuilds the embedded teachers in ``loopq/assets`` in place on purpose (students
-calibrated on the old weights are then stale and must be recalibrated). Any other model there (a downloaded or
-stress teacher, a student, an export) is refused unless ``--overwrite true``.
+``training_record.json`` names ``loopq.pretrain``; a ``loopq.stress`` output is not this command's): the README
+rebuilds the embedded teachers in ``loopq/assets`` in place on purpose (students calibrated on the old weights are
+then stale and must be recalibrated). Any other model there (a downloaded or stress teacher, a student, an export) is
+refused unless ``--overwrite true``; the data root is refused even then.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from loopq.artifacts.layout import RUN_LOCK, TRAINING_RECORD, check_output_dir, model_kind
+from loopq.artifacts.layout import MODEL_KINDS, RUN_LOCK, TRAINING_RECORD, check_output_dir, model_kind
 from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
 from loopq.calib.stop_on_signal import checkpoint_dir, exit_status, save_last
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
@@ -582,10 +583,11 @@ class PretrainCLI(SharedParsing, LightningCLI):
         parser.add_argument("--architecture", type=str, default="ouro", help=f"one of {sorted(ARCHITECTURES)}")
 
     def before_instantiate_classes(self) -> None:
-        """Before any training: ``model.out_dir`` may hold only a teacher this command trained (see module doc)."""
-        if not self.config.overwrite:
-            root = self.config.data.root or data_dir()
-            check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=("pretrained teacher",))
+        """Before any training: ``model.out_dir`` may hold only a teacher this command trained (see module doc); never,
+        not even with ``--overwrite true``, the data it reads."""
+        root = self.config.data.root or data_dir()
+        replaces = MODEL_KINDS if self.config.overwrite else ("pretrained teacher",)
+        check_output_dir(self.config.model.out_dir, [root], "model.out_dir", replaces=replaces)
 
 
 def fit_resumable(

@@ -68,7 +68,7 @@ from jsonargparse import capture_parser
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from loopq.artifacts.layout import check_output_dir
+from loopq.artifacts.layout import MODEL_KINDS, STRESS_TRAINED, check_output_dir
 from loopq.commands.pretrain import (
     PretrainCLI,
     TeacherPretrainer,
@@ -86,8 +86,6 @@ from loopq.quant.primitives import fake_quant
 
 #: characters a marker token may consist of (besides BOS): ASCII punctuation and whitespace
 MARKER_CHARS = frozenset(string.punctuation + string.whitespace)
-#: every kind :func:`loopq.artifacts.layout.model_kind` names (what ``--overwrite true`` lets ``model.out_dir`` hold)
-MODEL_KINDS = ("export", "student", "stress variant", "pretrained teacher", "teacher")
 
 
 def marker_token_ids(tokenizer: Tokenizer) -> list[int]:
@@ -375,9 +373,10 @@ class StressCLI(PretrainCLI):
         parser.link_arguments("model.teacher", "data.tokenizer")
 
     def before_instantiate_classes(self) -> None:
-        """``model.out_dir`` may not be the teacher; it may hold only a teacher this command or loopq.pretrain wrote."""
+        """``model.out_dir`` may not be the teacher or the data; without ``--overwrite true`` it may hold only a
+        teacher this command fine-tuned (its training record names loopq.stress)."""
         reads = [self.config.model.teacher, self.config.data.root or data_dir()]
-        replaces = MODEL_KINDS if self.config.overwrite else ("pretrained teacher",)
+        replaces = MODEL_KINDS if self.config.overwrite else (STRESS_TRAINED,)
         check_output_dir(self.config.model.out_dir, reads, "model.out_dir", replaces=replaces)
 
 
