@@ -134,3 +134,27 @@ def test_sensitive_variant_meets_its_recorded_fp_and_rtn_w4a4_perplexity():
     """TESTBED.md's headline, re-measured: RTN W4A4 g32 costs well over the issue's 10 % on this variant."""
     fp, rtn = remeasured_fp_and_rtn(SENSITIVE)
     assert rtn / fp > 1.10, "as recorded: plain RTN W4A4 g32 costs more than the issue's 10 %"
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"factor": 0.0}, "--factor 0.0: must be a positive power of two"),
+        ({"factor": 3.0}, "--factor 3.0: must be a positive power of two"),
+        ({"channels": 0}, "--channels 0: must be between 1 and"),
+        ({"channels": 10**6}, "--channels 1000000: must be between 1 and the hidden size"),
+    ],
+)
+def test_bad_stress_variant_options_are_refused_before_any_measurement(tmp_path, option, message):
+    import re
+    import shutil
+
+    from loopq.commands.testbed import testbed
+    from loopq.errors import UsageError
+
+    model = tmp_path / "teacher"
+    shutil.copytree(PLAIN, model)
+    before = {f.name: f.read_bytes() for f in model.iterdir()}
+    with pytest.raises(UsageError, match=re.escape(message)):
+        testbed(model, outliers_out=tmp_path / "stress", **option)
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == before and not (tmp_path / "stress").exists()

@@ -89,6 +89,17 @@ def outlier_reparameterize(
     return out, OutlierSpec(chosen, factor, seed)
 
 
+def check_outlier_options(channels: int, factor: float, width: int | None = None) -> None:
+    """Refuse, before any measurement, a stress variant that is not the function-preserving rescaling the module doc
+    describes: ``factor`` must be a power of two (bit-identical rescaling; 0 wrote NaN weights) and ``channels``
+    within 1..``width`` (the hidden size; 0 failed after the measurement)."""
+    if not (math.isfinite(factor) and factor > 0 and math.frexp(factor)[0] == 0.5):
+        raise UsageError(f"--factor {factor}: must be a positive power of two (e.g. 32), so the rescaling is exact")
+    if channels < 1 or (width is not None and channels > width):
+        limit = f"the hidden size {width}" if width is not None else "the hidden size"
+        raise UsageError(f"--channels {channels}: must be between 1 and {limit}")
+
+
 def check_has_stress_variant(model: LoopLM, model_dir: Path) -> None:
     """``--outliers_out`` needs an RMSNorm feeding a quantized group (``norm_feeds``): refused before any
     measurement or write otherwise (LoopFormer's groups are fed by weightless, time-modulated RMS norms)."""
@@ -262,11 +273,13 @@ def testbed(
         windows: perplexities on the first N windows only (default: all)
     """
     if outliers_out:  # only an earlier stress variant may be replaced, never the teacher or another model
+        check_outlier_options(channels, factor)
         check_output_dir(outliers_out, [model], "--outliers_out", replaces=("stress variant",))
     tokenizer = load_tokenizer(model)
     teacher = load_looplm(model)
     if outliers_out:
         check_has_stress_variant(teacher, model)
+        check_outlier_options(channels, factor, teacher.state_dim)
     result = measure(model, tokenizer, teacher, windows)
     write(model, model.name, result)
     print(json.dumps({k: v for k, v in result.items() if k not in BULKY}, indent=1))
