@@ -293,7 +293,8 @@ def init_clipping_from_data(student: LoopLM, input_ids: Tensor, max_tokens: int 
     """Initialise every activation clip c_{t,l} from loop t's own activations, and weight clips per row.
 
     Runs the student once (transforms as initialised) and, at each group call, scores the loop slot's transformed
-    input (its first ``max_tokens`` tokens) against every ratio of the grid: the MSE-optimal clipping ratio per slot
+    input (``max_tokens`` of its tokens spread evenly over all of them: :func:`spread_rows`) against every ratio of
+    the grid: the MSE-optimal clipping ratio per slot
     (LAS init: loop-dependent statistics give loop-dependent scales; without LAS the mean error over all slots).
     Streamed: a call's input is scored and dropped, and the groups compute their quantized weights per call, so the
     setup keeps neither the recorded inputs nor every group's quantized weight. Weight clips: per output row, the
@@ -324,7 +325,10 @@ def _scorer(name: str, group: QuantLinearGroup, errors: dict[str, dict[int, tupl
         x, t = args[0], args[1] if len(args) > 1 else None
         slot = module.slot(t)
         tr = module.transform_for(slot)
-        flat = x.reshape(-1, x.shape[-1])[:max_tokens]
+        flat = x.reshape(-1, x.shape[-1])
+        rows = spread_rows(flat.shape[0], max_tokens)
+        if rows is not None:
+            flat = flat.index_select(0, rows.to(flat.device))
         if tr is not None:
             p1, p2, _, _ = tr.matrices()
             flat = tr.activation(flat, p1, p2)
@@ -332,6 +336,15 @@ def _scorer(name: str, group: QuantLinearGroup, errors: dict[str, dict[int, tupl
             errors[name][slot] = (clip_errors(flat.float(), module.a_bits, module.group_size), flat.numel())
 
     return hook
+
+
+def spread_rows(n: int, max_rows: int) -> Tensor | None:
+    """``max_rows`` row indices spread evenly over ``0..n-1`` (deterministic, first and last included), or None
+    (every row) when ``n <= max_rows``: the clip search scores a bounded number of tokens from every calibration
+    sample instead of the first samples only."""
+    if n <= max_rows:
+        return None
+    return torch.linspace(0, n - 1, max_rows, dtype=torch.float64).round().long()
 
 
 def _init_act_clip(group: QuantLinearGroup, per_slot: dict[int, tuple[Tensor, int]]) -> list[float]:
