@@ -1,17 +1,26 @@
 """``loopq.evaluate``'s model building: which ``--method`` labels build a training-free baseline from the teacher."""
 
+import json
 from fractions import Fraction
 
 import pytest
 import torch
 
 from loopq.artifacts import load_artifact
-from loopq.commands.evaluate import FP, ModelMethod, build, parse_model_method, static_config, static_method
+from loopq.commands.evaluate import (
+    FP,
+    ModelMethod,
+    build,
+    evaluate,
+    parse_model_method,
+    static_config,
+    static_method,
+)
 from loopq.data.calibration import calibration_samples
 from loopq.paths import ASSETS, data_dir
 from loopq.quant import quant_groups
 from loopq.quant.config import Bits
-from loopq.quant.prepare import init_clipping_from_data, prepare, spread_rows
+from loopq.quant.prepare import init_clipping_from_data, prepare, prepare_static, spread_rows
 
 TEACHER = str(ASSETS / "tiny-ouro")
 
@@ -115,3 +124,23 @@ def test_quarot_clip_search_reads_the_samples_beyond_its_token_budget():
         student = prepare(teacher.model, static_config("quarot", Bits(4, 4)))
         chosen.append(init_clipping_from_data(student, batch, max_tokens=64))
     assert chosen[0] != chosen[1]
+
+
+def test_calib_sources_choose_the_baselines_calibration_text_and_are_recorded(tmp_path):
+    """``--calib_sources`` means a fit config's ``data.sources``: the baseline calibrates on windows of that text
+    only (the windows calibration_samples draws from it) and the result JSON says which text, how many, how long."""
+    source = ["calibration/tinyshakespeare_input.txt"]
+    quarot = ModelMethod("quarot", Bits(4, 4))
+    expected = calibration_samples(TEACHER, 4, 32, sources=source)
+    assert not torch.equal(expected, calibration_samples(TEACHER, 4, 32))  # another text than the default's
+    built, _, _ = build(TEACHER, None, None, quarot, calib_samples=4, calib_seq_len=32, calib_sources=source)
+    by_hand = prepare_static(
+        load_artifact(TEACHER, kind="teacher").model, static_config("quarot", Bits(4, 4)), expected
+    )
+    ids = expected[:1, :16]
+    with torch.no_grad():
+        assert torch.equal(built(ids).logits, by_hand(ids).logits)
+    result = evaluate(model=TEACHER, method="QuaRot", tasks=[], ppl_windows=1, calib_samples=4, calib_seq_len=32,
+                      calib_sources=source, out=str(tmp_path / "quarot.json"), device="cpu")  # fmt: skip
+    assert result["calibration"] == {"samples": 4, "seq_len": 32, "sources": source}
+    assert json.loads((tmp_path / "quarot.json").read_text())["calibration"]["sources"] == source
