@@ -26,7 +26,8 @@ SUPPORTED_BITS = (3, 4, 8, 16)
 #: what the packed kernels run: int4 weights, int4 (W4A4) or int8 (W4A8) activations
 KERNEL_WEIGHT_BITS = 4
 KERNEL_ACT_BITS = (4, 8)
-#: scales are floored at this value so all-zero groups quantize to 0 instead of NaN
+#: scales are floored at this value so all-zero groups quantize to 0 instead of NaN (in a dtype where it is not
+#: representable, fp16, at that dtype's smallest normal number: :func:`scale_floor`)
 SCALE_EPS = 1e-8
 
 
@@ -56,10 +57,16 @@ def qmax_tensor(bits: int, like: Tensor) -> Tensor:
     return torch.full((), qrange(bits)[1], dtype=like.dtype, device=like.device)
 
 
+def scale_floor(dtype: torch.dtype) -> float:
+    """The smallest scale of ``dtype``: :data:`SCALE_EPS`, or the dtype's smallest normal number where that is
+    larger (fp16: 1e-8 rounds to 0 there, and an all-zero group would divide 0 by 0). fp32/bf16/fp64: SCALE_EPS."""
+    return max(SCALE_EPS, torch.finfo(dtype).tiny)
+
+
 def scales_from_absmax(absmax: Tensor, bits: int, clip: Tensor | float = 1.0) -> Tensor:
-    """s = (clip * absmax) / q_max, floored at :data:`SCALE_EPS`: one fp32 product, one IEEE division."""
+    """s = (clip * absmax) / q_max, floored at :func:`scale_floor`: one fp32 product, one IEEE division."""
     scaled = absmax * clip
-    return torch.div(scaled, qmax_tensor(bits, scaled)).clamp_min(SCALE_EPS)
+    return torch.div(scaled, qmax_tensor(bits, scaled)).clamp_min(scale_floor(scaled.dtype))
 
 
 def group_scales(groups: Tensor, bits: int, clip: Tensor | float = 1.0) -> Tensor:

@@ -1,12 +1,26 @@
 """``loopq.evaluate``'s model building: which ``--method`` labels build a training-free baseline from the teacher."""
 
+import json
+from fractions import Fraction
+
 import pytest
 import torch
 
-from loopq.commands.evaluate import FP, ModelMethod, build, parse_model_method, static_config, static_method
+from loopq.artifacts import load_artifact
+from loopq.commands.evaluate import (
+    FP,
+    ModelMethod,
+    build,
+    evaluate,
+    parse_model_method,
+    static_config,
+    static_method,
+)
+from loopq.data.calibration import calibration_samples
 from loopq.paths import ASSETS, data_dir
 from loopq.quant import quant_groups
 from loopq.quant.config import Bits
+from loopq.quant.prepare import init_clipping_from_data, prepare, prepare_static, spread_rows
 
 TEACHER = str(ASSETS / "tiny-ouro")
 
@@ -87,3 +101,46 @@ def test_lambada_perplexity_is_the_running_text_of_the_test_passages_under_the_s
     assert result["lambada_ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-5)
     assert json.loads((tmp_path / "r.json").read_text())["lambada_ppl"] == result["lambada_ppl"]
     assert result["lambada_ppl"] != pytest.approx(result["wikitext2_ppl"], rel=1e-3)  # another text
+
+
+def test_the_clip_search_scores_tokens_spread_over_every_sample():
+    """Rows ``round(linspace(0, n - 1, m))``: first and last included, every sample reached; all rows up to m."""
+    assert spread_rows(10, 4).tolist() == [0, 3, 6, 9]
+    assert spread_rows(7, 3).tolist() == [0, 3, 6]
+    assert spread_rows(4096, 4096) is None and spread_rows(100, 4096) is None
+    exact = [round(Fraction(i * 8191, 4095)) for i in range(4096)]  # the nearest row to i (n - 1) / (m - 1)
+    assert spread_rows(8192, 4096).tolist() == exact and len(set(exact)) == 4096
+
+
+def test_quarot_clip_search_reads_the_samples_beyond_its_token_budget():
+    """Beyond ``max_tokens`` rows the search used to score the first rows only, so samples past them never changed a
+    clip (``--calib_samples 256`` evaluated as 32). Two batches sharing their first sample, the rest prose or
+    uniform noise, at a 64-token budget (half of the first sample): the clips now see the difference."""
+    teacher = load_artifact(TEACHER, kind="teacher")
+    ids = calibration_samples(teacher.meta["teacher"], 8, 128)
+    noise = torch.randint(0, int(ids.max()) + 1, (7, 128), generator=torch.Generator().manual_seed(1))
+    chosen = []
+    for batch in (ids, torch.cat([ids[:1], noise])):
+        student = prepare(teacher.model, static_config("quarot", Bits(4, 4)))
+        chosen.append(init_clipping_from_data(student, batch, max_tokens=64))
+    assert chosen[0] != chosen[1]
+
+
+def test_calib_sources_choose_the_baselines_calibration_text_and_are_recorded(tmp_path):
+    """``--calib_sources`` means a fit config's ``data.sources``: the baseline calibrates on windows of that text
+    only (the windows calibration_samples draws from it) and the result JSON says which text, how many, how long."""
+    source = ["calibration/tinyshakespeare_input.txt"]
+    quarot = ModelMethod("quarot", Bits(4, 4))
+    expected = calibration_samples(TEACHER, 4, 32, sources=source)
+    assert not torch.equal(expected, calibration_samples(TEACHER, 4, 32))  # another text than the default's
+    built, _, _ = build(TEACHER, None, None, quarot, calib_samples=4, calib_seq_len=32, calib_sources=source)
+    by_hand = prepare_static(
+        load_artifact(TEACHER, kind="teacher").model, static_config("quarot", Bits(4, 4)), expected
+    )
+    ids = expected[:1, :16]
+    with torch.no_grad():
+        assert torch.equal(built(ids).logits, by_hand(ids).logits)
+    result = evaluate(model=TEACHER, method="QuaRot", tasks=[], ppl_windows=1, calib_samples=4, calib_seq_len=32,
+                      calib_sources=source, out=str(tmp_path / "quarot.json"), device="cpu")  # fmt: skip
+    assert result["calibration"] == {"samples": 4, "seq_len": 32, "sources": source}
+    assert json.loads((tmp_path / "quarot.json").read_text())["calibration"]["sources"] == source

@@ -10,6 +10,9 @@ from loopq.artifacts.layout import STUDENT_FORMAT, STUDENT_META, STUDENT_WEIGHTS
 from loopq.artifacts.seal import seal
 from loopq.commands import experiments
 
+#: what configs/tiny.yaml's data section resolves to (test_experiments_table1 checks it on the real file)
+TINY_DATA = experiments.CalibrationData(None, 256, 128)
+
 
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
@@ -38,6 +41,7 @@ def recorded(monkeypatch, tmp_path):
 def fake_inputs(monkeypatch):
     """What made a row's model, without parsing loopq.fit's CLI or hashing a teacher: the options and the name."""
     monkeypatch.setattr(experiments, "calibration_settings", lambda calibration: {"args": calibration.args()})
+    monkeypatch.setattr(experiments, "calibration_data", lambda model, config, extra: TINY_DATA)
     monkeypatch.setattr(experiments, "teacher_sha256", lambda model: f"sha256 of {model}")
 
 

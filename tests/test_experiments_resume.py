@@ -15,6 +15,9 @@ from loopq.commands import experiments, fit
 from loopq.provenance import record
 from loopq.stages import Manifest
 
+#: what configs/tiny.yaml's data section resolves to (test_experiments_table1 checks it on the real file)
+TINY_DATA = experiments.CalibrationData(None, 256, 128)
+
 
 @pytest.fixture
 def recorded(monkeypatch):
@@ -31,6 +34,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(experiments, "evaluate", fake_evaluate)
     monkeypatch.setattr(experiments, "calibrate", fake_calibrate)
     monkeypatch.setattr(experiments, "calibration_settings", lambda calibration: {"args": calibration.args()})
+    monkeypatch.setattr(experiments, "calibration_data", lambda model, config, extra: TINY_DATA)
     monkeypatch.setattr(experiments, "teacher_sha256", lambda model: f"sha256 of {model}")
     return calls
 

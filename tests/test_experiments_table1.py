@@ -8,8 +8,12 @@ import pytest
 
 from loopq.commands import experiments
 from loopq.errors import UsageError
+from loopq.paths import ASSETS, REPO_ROOT
 
 LABELS = ["Symmetric", "SmoothQuant", "QuaRot", "SpinQuant", "FlatQuant", "LoopQ"]
+
+#: what configs/tiny.yaml's data section resolves to (test_experiments_table1 checks it on the real file)
+TINY_DATA = experiments.CalibrationData(None, 256, 128)
 
 
 @pytest.fixture
@@ -28,6 +32,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(experiments, "evaluate", fake_evaluate)
     monkeypatch.setattr(experiments, "calibrate", fake_calibrate)
     monkeypatch.setattr(experiments, "calibration_settings", lambda calibration: {"args": calibration.args()})
+    monkeypatch.setattr(experiments, "calibration_data", lambda model, config, extra: TINY_DATA)
     monkeypatch.setattr(experiments, "teacher_sha256", lambda model: f"sha256 of {model}")
     return calls
 
@@ -114,3 +119,38 @@ def test_cli_unknown_method_is_one_line_naming_the_option(recorded, tmp_path):
         "QuaRot (quarot), SpinQuant (spinquant), FlatQuant (flatquant), LoopQ (loopq)"
     )
     assert not recorded["evaluate"] and not (tmp_path / "o").exists()
+
+
+def test_every_row_calibrates_on_the_fit_configs_data(recorded, monkeypatch, tmp_path):
+    """The paper: all methods share the calibration set. The training-free rows get the fit config's sources and
+    window count/length as evaluate options, SpinQuant and FlatQuant as --data overrides; LoopQ has them already."""
+    pile = experiments.CalibrationData(["hf:mit-han-lab/pile-val-backup:validation:text"], 1024, 256)
+    monkeypatch.setattr(experiments, "calibration_data", lambda model, config, extra: pile)
+    args = {}
+    monkeypatch.setattr(experiments, "calibrate", lambda c: args.setdefault(c.run.name, c.args()) and c.student)
+    experiments.table1("teacher-dir", str(tmp_path), fit_config="loopq.yaml", tasks=[], bits=["w4a4"])
+    by_label = {c["method"]: c for c in recorded["evaluate"]}
+    for label in ("SmoothQuant", "QuaRot"):
+        assert by_label[label]["calib_sources"] == pile.sources
+        assert (by_label[label]["calib_samples"], by_label[label]["calib_seq_len"]) == (1024, 256)
+    assert "calib_samples" not in by_label["Symmetric"]  # RTN reads no data
+    overrides = ["--data.sources", '["hf:mit-han-lab/pile-val-backup:validation:text"]']
+    overrides += ["--data.num_samples", "1024", "--data.seq_len", "256"]
+    for slug in ("spinquant-w4a4", "flatquant-w4a4"):
+        words = args[slug]
+        start = words.index("--data.sources")
+        assert words[start : start + 6] == overrides
+    assert "--data.sources" not in args["loopq-w4a4"] and "--data.num_samples" not in args["loopq-w4a4"]
+
+
+@pytest.mark.parametrize(
+    ("config", "extra", "expected"),
+    [
+        ("configs/ouro1.4b.yaml", (), (["hf:mit-han-lab/pile-val-backup:validation:text"], 1024, 256)),
+        ("configs/tiny.yaml", (), (None, 256, 128)),  # the default local prose
+        ("configs/tiny.yaml", ("--data.num_samples", "64"), (None, 64, 128)),
+    ],
+)
+def test_calibration_data_is_the_fit_configs_data_section(config, extra, expected):
+    data = experiments.calibration_data(str(ASSETS / "tiny-ouro"), str(REPO_ROOT / config), extra)
+    assert (data.sources, data.num_samples, data.seq_len) == expected

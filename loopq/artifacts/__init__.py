@@ -31,6 +31,7 @@ from loopq.artifacts.student import (
 from loopq.models import LoopLM, load_looplm
 from loopq.models.loading import architecture_for, read_config, resolve_model_dir
 from loopq.quant.config import FP_LABEL, Bits
+from loopq.quant.prepare import cast_student
 
 __all__ = [
     "Artifact",
@@ -112,15 +113,16 @@ def load_artifact(
     that kind's one-line error naming the missing file), else whatever :func:`artifact_kind` finds.
 
     ``teacher``: a student's teacher directory when its recorded one is gone (it must have the recorded content
-    hash unless ``check_teacher`` is off). ``dtype`` casts a teacher or student; an export casts its FP modules
-    only (packed tensors keep their formats). ``meta["teacher"]`` of a student is the teacher directory used."""
+    hash unless ``check_teacher`` is off). ``dtype`` casts a teacher or student (a student's quantization parameters
+    stay fp32: :func:`loopq.quant.prepare.cast_student`); an export casts its FP modules only (packed tensors keep
+    their formats). ``meta["teacher"]`` of a student is the teacher directory used."""
     kind = kind or artifact_kind(path)
     if kind == "export":
         model, meta = load_quantized(path, device=device, dtype=dtype), read_export_meta(path)
     elif kind == "student":
         check_student_dir(path)
         model, meta = load_student(path, teacher_dir=teacher, check_teacher=check_teacher)
-        model = model.to(device=device, dtype=dtype)
+        model = cast_student(model, dtype, device)  # quantization parameters stay fp32 under a bf16/fp16 dtype
     else:
         model, meta = load_looplm(path, dtype=dtype).to(device), teacher_meta(path)
     return Artifact(model, meta, kind)

@@ -118,10 +118,12 @@ def build(
     teacher: str | None = None,
     device: torch.device | None = None,
     ppl_seq_len: int | None = None,
+    calib_sources: list[str] | None = None,
 ) -> tuple[LoopLM, str, str]:
     """The model to evaluate on ``device`` (default: the CPU), the directory its tokenizer lives in, and its actual
-    bit widths. ``ppl_seq_len`` (and a baseline's ``calib_seq_len``) are checked against the model's positions as
-    soon as it is loaded, before a baseline is calibrated."""
+    bit widths. A baseline calibrates on ``calib_samples`` windows of ``calib_seq_len`` tokens of ``calib_sources``
+    (``data.sources`` of a fit config; None: its default). ``ppl_seq_len`` (and a baseline's ``calib_seq_len``) are
+    checked against the model's positions as soon as it is loaded, before a baseline is calibrated."""
     device = device or torch.device("cpu")
     if student or exported:
         path = student or exported
@@ -136,7 +138,7 @@ def build(
     check_lengths(teacher, {"--ppl_seq_len": ppl_seq_len, "--calib_seq_len": calib_seq_len if baseline else None})
     if baseline is None or choice.bits is None:
         return teacher, model_dir, "fp"
-    ids = calibration_samples(model_dir, calib_samples, calib_seq_len).to(device)
+    ids = calibration_samples(model_dir, calib_samples, calib_seq_len, sources=calib_sources).to(device)
     return prepare_static(teacher, static_config(baseline, choice.bits), ids), model_dir, choice.bits.label
 
 
@@ -164,6 +166,7 @@ def evaluate(
     variant: str | None = None,
     calib_samples: int = 32,
     calib_seq_len: int = 128,
+    calib_sources: list[str] | None = None,
     teacher: str | None = None,
     device: str = AUTO,
 ) -> dict[str, Any]:
@@ -189,6 +192,8 @@ def evaluate(
         variant: the model name the report groups by (default: the teacher directory's name)
         calib_samples: calibration windows of a training-free baseline
         calib_seq_len: tokens per calibration window of a training-free baseline
+        calib_sources: calibration text of a training-free baseline, as a fit config's data.sources (files or globs
+            relative to the data folder, or hf: specs; default: calibration/*.txt)
         teacher: teacher directory of a student whose recorded teacher path is gone (same content hash)
         device: auto (cuda when available), cpu, cuda or cuda:N
     """
@@ -200,7 +205,7 @@ def evaluate(
     with file_lock(out, "loopq.evaluate") if out else nullcontext():  # a second evaluate --out of it refuses
         start = time.time()
         net, tok_dir, bits = build(
-            model, student, exported, choice, calib_samples, calib_seq_len, teacher, where, ppl_seq_len
+            model, student, exported, choice, calib_samples, calib_seq_len, teacher, where, ppl_seq_len, calib_sources
         )
         tokenizer = load_tokenizer(tok_dir)
         second = lambada_stream(tokenizer) if lambada_ppl else None  # a missing file is said before any work
@@ -222,6 +227,8 @@ def evaluate(
             result["lambada_ppl"], result["lambada_windows"] = lambada.ppl, lambada.num_windows
         if choice.baseline not in (None, "rtn"):
             result["calibration"] = {"samples": calib_samples, "seq_len": calib_seq_len}
+            if calib_sources is not None:  # else the default sources (the JSON as before the option existed)
+                result["calibration"]["sources"] = list(calib_sources)
         if task_list:
             result["lm_eval"] = run_lm_eval(net, tokenizer, task_list, limit, num_loops, batch_size)
         result["seconds"] = round(time.time() - start, 1)

@@ -8,6 +8,9 @@ perplexity per loop + the lm-eval tasks with ``limit`` examples per task). The t
 from the teacher inside the evaluation; the trained ones (SpinQuant, FlatQuant, LoopQ) are calibrated by
 ``loopq.fit``'s CLI with their calibration config (LoopQ: ``fit_config``, default ``configs/tiny.yaml``; the
 baselines: ``configs/baselines/*-tiny.yaml``) in this process, one after another, each under ``<out>/runs/<row>/``.
+Every row calibrates on the same set, ``fit_config``'s ``data.sources``/``num_samples``/``seq_len`` (with ``extra``):
+the training-free rows through ``evaluate``'s ``calib_*`` options, SpinQuant and FlatQuant through ``--data.*``
+overrides of their configs (:class:`CalibrationData`).
 ``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
 ``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
 calibration samples (Fig. 6); ``loops``: FP, Symmetric RTN and a calibrated student at T ... 2T loops (Fig. 5).
@@ -269,6 +272,34 @@ def table1_rows(methods: list[str] | None) -> list[Row]:
     return [row for row in TABLE1 if row in wanted]
 
 
+@dataclass(frozen=True)
+class CalibrationData:
+    """The calibration set of a ``loopq.fit`` config (its resolved ``data`` section): every Table 1 row calibrates on
+    it (the paper: all methods share the calibration set)."""
+
+    sources: list[str] | None
+    num_samples: int
+    seq_len: int
+
+    def evaluate_options(self) -> dict[str, Any]:
+        """:func:`evaluate`'s options of a training-free baseline calibrated on these windows."""
+        return {"calib_sources": self.sources, "calib_samples": self.num_samples, "calib_seq_len": self.seq_len}
+
+    def fit_options(self) -> list[str]:
+        """``loopq.fit`` overrides that calibrate a trained baseline on these windows (its own config's otherwise)."""
+        sources = [] if self.sources is None else ["--data.sources", json.dumps(self.sources)]
+        return [*sources, "--data.num_samples", str(self.num_samples), "--data.seq_len", str(self.seq_len)]
+
+
+def calibration_data(model: str, fit_config: str, extra: tuple[FitOption, ...]) -> CalibrationData:
+    """The ``data`` section of ``fit_config`` with ``extra`` as ``loopq.fit`` resolves it for the LoopQ rows."""
+    cli = parse(Calibration(model, Path("runs") / "unused", fit_config, 4, extra))
+    cli.release_lock()
+    data = cli.config.data
+    sources = None if data.sources is None else [str(s) for s in data.sources]
+    return CalibrationData(sources, int(data.num_samples), int(data.seq_len))
+
+
 def table1(
     model: str,
     out: str,
@@ -294,6 +325,7 @@ def table1(
         methods: only these methods, by label or slug in any case (default: all of Table 1)
     """
     widths, chosen = bit_labels(bits), table1_rows(methods)  # before any row runs
+    shared = calibration_data(model, fit_config, tuple(extra or []))  # LoopQ's windows, for every row
     sweep = Sweep(out, device)
     configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
     written = [sweep.row("fp", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
@@ -302,11 +334,13 @@ def table1(
             common = {"method": row.label, "bits": width, "limit": limit, "tasks": tasks}
             common["ppl_windows"] = ppl_windows
             if row.calibration is None:
-                written.append(sweep.row(f"{row.slug}-{width}", model=model, **common))
+                data = shared.evaluate_options() if row.slug != "rtn" else {}  # RTN reads no data
+                written.append(sweep.row(f"{row.slug}-{width}", model=model, **common, **data))
                 continue
             for seed in seeds or [None]:
                 slug = seeded(f"{row.slug}-{width}", seed)
-                args = (*seed_args(seed), *(extra or []))
+                same_data = shared.fit_options() if row.calibration != "fit_config" else []
+                args = (*same_data, *seed_args(seed), *(extra or []))
                 config = configs[row.calibration]
                 calibration = Calibration(model, sweep.root / "runs" / slug, config, BITS[width], args)
                 written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))

@@ -49,6 +49,7 @@ from loopq.artifacts import load_artifact, tokenizer_dir
 from loopq.data.tokenizer import eos_id, load_tokenizer
 from loopq.models.base import LoopLM, LoopLMError
 from loopq.models.generation import generate
+from loopq.quant.prepare import cast_student
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class LoopQLM(TemplateLM):
     ) -> tuple[LoopLM, Path | None]:
         """The model, and the directory its tokenizer is in (None for an in-memory model)."""
         if isinstance(pretrained, LoopLM):
-            return (pretrained.to(dtype=dtype).eval() if dtype is not None else pretrained.eval()), None
+            return (cast_student(pretrained, dtype).eval() if dtype is not None else pretrained.eval()), None
         artifact = load_artifact(pretrained, dtype=dtype)  # a teacher, a calibrated student or a packed export
         return artifact.model.eval(), tokenizer_dir(pretrained, artifact)
 

@@ -107,6 +107,15 @@ def weight_chain(
     return quantizers(compiled)[1](weight, w_bits, group_size, clip_ratio(clip_logits).reshape(-1, 1, 1))
 
 
+def widened(x: Tensor) -> Tensor:
+    """The group's input in fp32 when a model cast to bf16/fp16 runs without autocast: its transform, activation
+    quantization and matmul then run in fp32 as the calibration's did (x / d of SmoothQuant's small d leaves fp16's
+    range otherwise), the output is cast back. ``x`` itself for fp32/fp64 inputs and under autocast."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x
+    return at_least_fp32(x)
+
+
 class _QuantizedUse(torch.autograd.Function):
     """``F.linear(x, Q_w(...), bias)`` whose backward recomputes the weight chain and sends this use's weight
     gradient through it at once (module docstring). ``chain`` rebuilds the fp32 quantized weight from
@@ -408,11 +417,14 @@ class QuantLinearGroup(nn.Module):
         if mats is not None and self.recorder is not None and not self._promoted and torch.is_grad_enabled():
             mats = _LoopTap.apply(self.recorder, slot, *mats)
             chain = (mats[2], mats[3], *chain[2:])
-        xq = self.quantized_input(x, slot, mats)
+        x_in = widened(x)
+        xq = self.quantized_input(x_in, slot, mats)
         if self.options.per_use_backward and torch.is_grad_enabled():
-            y = _QuantizedUse.apply(xq, cached.weight, self._bias(x), self._chain, *chain)
+            y = _QuantizedUse.apply(xq, cached.weight, self._bias(x_in), self._chain, *chain)
         else:
-            y = F.linear(xq, cached.weight.to(x.dtype), self._bias(x))
+            y = F.linear(xq, cached.weight.to(x_in.dtype), self._bias(x_in))
+        if x_in is not x:
+            y = y.to(x.dtype)
         return tuple(y.split(self.splits, dim=-1))
 
     def kernel_forward(self, x: Tensor, slot: int) -> tuple[Tensor, ...]:

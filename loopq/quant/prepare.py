@@ -218,6 +218,49 @@ def looped_quant_groups(student: nn.Module) -> dict[str, QuantLinearGroup]:
     return {name: g for name, g in quant_groups(student).items() if g.looped}
 
 
+def quant_state(student: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of every quantization parameter and buffer of a student: the transforms' factors and
+    diagonals, the clip logits, SLT's offsets and anchors, the CTA adapters - everything of a
+    :class:`QuantLinearGroup` but its frozen ``*_weight``/``*_bias`` buffers, and every tensor of the adapters."""
+    found = []
+    for root in student.modules():
+        if not isinstance(root, QuantLinearGroup | TransitionAdapters):
+            continue
+        frozen = {f"{n}_{kind}" for n in getattr(root, "names", []) for kind in ("weight", "bias")}
+        for prefix, module in root.named_modules():
+            if prefix and isinstance(module, QuantLinearGroup | TransitionAdapters):
+                continue  # visited as its own root
+            tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            found += [(module, n) for n, t in tensors if t is not None and not (module is root and n in frozen)]
+    return found
+
+
+def cast_student(
+    model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> nn.Module:
+    """``model.to(device, dtype)``, in place, keeping the quantization state (:func:`quant_state`) in fp32 when
+    ``dtype`` is narrower than fp32: a bf16/fp16 evaluation then computes with the calibrated transforms and clips
+    (their chains run in fp32, Eq. 2-3) rather than with their bf16 rounding. Only the frozen weights and the
+    unquantized modules take ``dtype``. A teacher (no quantization state) is plainly cast."""
+    narrow = dtype is not None and dtype.is_floating_point and torch.finfo(dtype).bits < 32
+    kept = [(m, n, getattr(m, n)) for m, n in quant_state(model)] if narrow else []
+    originals = [t.detach() for _, _, t in kept]  # the fp32 values, referenced across the cast
+    model.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for (module, name, _), value in zip(kept, originals, strict=True):
+            if not value.is_floating_point():
+                continue
+            current = getattr(module, name)
+            fp32 = value.to(device=current.device, dtype=torch.promote_types(value.dtype, torch.float32))
+            if isinstance(current, nn.Parameter):
+                current.data = fp32
+            else:
+                setattr(module, name, fp32)
+    for group in quant_groups(model).values():
+        group._cache, group._cache_state = {}, None
+    return model
+
+
 def quant_parameters(student: nn.Module) -> list[nn.Parameter]:
     """All trainable quantization parameters (transforms, clips, adapters)."""
     return [p for p in student.parameters() if p.requires_grad]
@@ -250,7 +293,8 @@ def init_clipping_from_data(student: LoopLM, input_ids: Tensor, max_tokens: int 
     """Initialise every activation clip c_{t,l} from loop t's own activations, and weight clips per row.
 
     Runs the student once (transforms as initialised) and, at each group call, scores the loop slot's transformed
-    input (its first ``max_tokens`` tokens) against every ratio of the grid: the MSE-optimal clipping ratio per slot
+    input (``max_tokens`` of its tokens spread evenly over all of them: :func:`spread_rows`) against every ratio of
+    the grid: the MSE-optimal clipping ratio per slot
     (LAS init: loop-dependent statistics give loop-dependent scales; without LAS the mean error over all slots).
     Streamed: a call's input is scored and dropped, and the groups compute their quantized weights per call, so the
     setup keeps neither the recorded inputs nor every group's quantized weight. Weight clips: per output row, the
@@ -281,7 +325,10 @@ def _scorer(name: str, group: QuantLinearGroup, errors: dict[str, dict[int, tupl
         x, t = args[0], args[1] if len(args) > 1 else None
         slot = module.slot(t)
         tr = module.transform_for(slot)
-        flat = x.reshape(-1, x.shape[-1])[:max_tokens]
+        flat = x.reshape(-1, x.shape[-1])
+        rows = spread_rows(flat.shape[0], max_tokens)
+        if rows is not None:
+            flat = flat.index_select(0, rows.to(flat.device))
         if tr is not None:
             p1, p2, _, _ = tr.matrices()
             flat = tr.activation(flat, p1, p2)
@@ -289,6 +336,15 @@ def _scorer(name: str, group: QuantLinearGroup, errors: dict[str, dict[int, tupl
             errors[name][slot] = (clip_errors(flat.float(), module.a_bits, module.group_size), flat.numel())
 
     return hook
+
+
+def spread_rows(n: int, max_rows: int) -> Tensor | None:
+    """``max_rows`` row indices spread evenly over ``0..n-1`` (deterministic, first and last included), or None
+    (every row) when ``n <= max_rows``: the clip search scores a bounded number of tokens from every calibration
+    sample instead of the first samples only."""
+    if n <= max_rows:
+        return None
+    return torch.linspace(0, n - 1, max_rows, dtype=torch.float64).round().long()
 
 
 def _init_act_clip(group: QuantLinearGroup, per_slot: dict[int, tuple[Tensor, int]]) -> list[float]:

@@ -44,6 +44,10 @@ def kron_apply(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
     the ``[n1, N n2]`` transpose) instead of a broadcast batched matmul: a third of the dispatched ops.
     """
     n1, n2 = left.shape[0], right.shape[0]
+    # the factors in the promoted dtype: a model cast to bf16/fp16 keeps the fp32 math of ``at_least_fp32`` (its
+    # narrow factors are widened, never the rows narrowed); a no-op for matching dtypes and under autocast
+    dtype = torch.promote_types(x.dtype, torch.promote_types(left.dtype, right.dtype))
+    x, left, right = x.to(dtype), left.to(dtype), right.to(dtype)
     y = (x.reshape(-1, n2) @ right).reshape(-1, n1, n2)
     y = left.transpose(0, 1) @ y.transpose(0, 1).reshape(n1, -1)
     return y.reshape(n1, -1, n2).transpose(0, 1).reshape(x.shape)
@@ -81,8 +85,10 @@ class FactorMatrix(nn.Module):
 
     def matrix_and_inverse(self) -> tuple[Tensor, Tensor]:
         """(P, P^{-1}) with each orthogonal factor evaluated once (two matrix exponentials, not four)."""
-        u, v = orthogonal(self.u), orthogonal(self.v)
-        return u * self.log_s.exp() @ v.transpose(0, 1), v * (-self.log_s).exp() @ u.transpose(0, 1)
+        # in (at least) fp32: a factor cast to bf16/fp16 with the model would take its matrix exponentials in bf16
+        u, v, log_s = at_least_fp32(self.u), at_least_fp32(self.v), at_least_fp32(self.log_s)
+        u, v = orthogonal(u), orthogonal(v)
+        return u * log_s.exp() @ v.transpose(0, 1), v * (-log_s).exp() @ u.transpose(0, 1)
 
     def randomize_(self, generator: torch.Generator, scale: float = 0.3) -> None:
         """A random invertible, non-orthogonal factor (tests of function preservation)."""
@@ -135,7 +141,8 @@ class CayleyFactor(nn.Module):
         return self.matrix_and_inverse()[1]
 
     def matrix_and_inverse(self) -> tuple[Tensor, Tensor]:
-        r = self.base @ cayley(self.skew - self.skew.transpose(0, 1))
+        skew = at_least_fp32(self.skew)  # the solve in (at least) fp32, as FactorMatrix's exponentials
+        r = at_least_fp32(self.base) @ cayley(skew - skew.transpose(0, 1))
         return r, r.transpose(0, 1)
 
 

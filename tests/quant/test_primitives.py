@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loopq.qspec import dequantize_codes, qrange, quantize_codes, to_groups
+from loopq.qspec import dequantize_codes, qrange, quantize_codes, scale_floor, to_groups
 from loopq.quant.primitives import best_clip_ratio, clip_logit, clip_ratio, fake_quant, row_clip_errors
 
 
@@ -44,6 +44,27 @@ def test_sixteen_bits_is_identity_and_zero_group_is_zero():
     x = torch.randn(2, 32)
     assert fake_quant(x, 16, 32) is x
     assert fake_quant(torch.zeros(1, 32), 4, 32).abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_an_all_zero_group_quantizes_to_zeros_in_every_dtype(dtype):
+    """fp16 has no 1e-8 (it rounds to 0 there), so a zero group's scale needs fp16's own floor, not 0/0 = NaN;
+    the group beside it is quantized as by hand: integers with absmax 7 -> scale 7 / 7 = 1, codes = the values."""
+    ints = torch.arange(32) % 15 - 7.0  # -7..7
+    x = torch.cat([torch.zeros(32), ints]).to(dtype).reshape(1, 64)
+    codes, scales = quantize_codes(x, 4, 32)
+    assert torch.equal(codes[0, :32], torch.zeros(32, dtype=torch.int8))
+    assert scales[0, 0] > 0 and scales[0, 1] == 1
+    assert torch.equal(codes[0, 32:], ints.to(torch.int8))
+    out = fake_quant(x, 4, 32)
+    assert torch.equal(out[0], torch.cat([torch.zeros(32), ints]).to(dtype))
+
+
+def test_the_scale_floor_is_unchanged_where_1e8_is_representable():
+    assert scale_floor(torch.float32) == scale_floor(torch.bfloat16) == scale_floor(torch.float64) == 1e-8
+    assert scale_floor(torch.float16) == 2.0**-14  # fp16's smallest normal number
+    zero = torch.zeros(1, 32)
+    assert quantize_codes(zero, 4, 32)[1].item() == torch.tensor(1e-8).item()
 
 
 def test_group_must_divide_dimension():
