@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import lightning as L
 import pytest
@@ -529,3 +530,27 @@ def test_pretrain_refuses_a_stress_output_and_with_overwrite_still_the_data_it_r
     args = [*tiny_cli_args(tmp_path, 2), "--overwrite", "true", "--model.out_dir", str(data)]
     with pytest.raises(GuardError, match="which this command reads"):
         main(args)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--data.vocab_size", "100", "data.vocab_size=100: the BPE trained on the text"),
+        ("--model.num_attention_heads", "3", "model.hidden_size=16 is not a multiple of model.num_attention_heads=3"),
+        ("--model.hidden_size", "0", "model: hidden_size is 0, but it is a size or count and must be >= 1"),
+        ("--data.seq_len", "0", "data.seq_len=0: must be >= 1"),
+        ("--data.batch_size", "0", "data.batch_size=0: must be >= 1"),
+    ],
+)
+def test_model_and_data_shapes_are_checked_before_training(data, tmp_path, option, value, message):
+    """Each gave a traceback mid-training (an index error, a shape mismatch) or, for a zero width, trained and wrote
+    a teacher the loader refuses; now one line before any step, and nothing is written."""
+    from loopq.commands.pretrain import main
+    from loopq.errors import LoopQError
+
+    args = tiny_cli_args(tmp_path, 2)
+    if option == "--model.num_attention_heads":
+        args += ["--model.num_key_value_heads", "1"]
+    with pytest.raises(LoopQError, match=re.escape(message)):
+        main([*args, option, value])
+    assert not (tmp_path / "t").exists()

@@ -41,6 +41,7 @@ refused unless ``--overwrite true``; the data root is refused even then.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import json
 import math
@@ -73,6 +74,7 @@ from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import LoopQError, UsageError
 from loopq.files import atomic_write
 from loopq.locks import DirectoryLock
+from loopq.models.config_checks import check_config_types
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
 
@@ -110,6 +112,9 @@ class PretrainDataModule(L.LightningDataModule):
         super().__init__()
         if val_windows < 0:
             raise UsageError(f"data.val_windows={val_windows}: must be >= 0 (windows held out for validation)")
+        for key, value in (("seq_len", seq_len), ("batch_size", batch_size), ("vocab_size", vocab_size)):
+            if value < 1:
+                raise UsageError(f"data.{key}={value}: must be >= 1")
         self.save_hyperparameters()
         self.tokenizer: Any = None
         self.train: Tensor | None = None
@@ -122,6 +127,7 @@ class PretrainDataModule(L.LightningDataModule):
         files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
         docs = read_training_text(files)  # the guards, over the sources as listed (a repeated one weights its text)
         self.tokenizer = load_tokenizer(hp.tokenizer) if hp.tokenizer else train_bpe(docs, hp.vocab_size)
+        check_vocab_fits(self.tokenizer.get_vocab_size(), hp.vocab_size, hp.tokenizer)
         files = [path.resolve() for path in files]  # a file listed twice, however spelled, is one text
         streams = {path: token_stream(read_source(path)[1], self.tokenizer) for path in dict.fromkeys(files)}
         bos = eos_id(self.tokenizer) if hp.bos else None
@@ -137,6 +143,28 @@ class PretrainDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.val), batch_size=self.hparams.batch_size)
+
+
+def check_vocab_fits(tokens: int, vocab_size: int, tokenizer: str | None) -> None:
+    """The model's embedding (``data.vocab_size``, linked to the model's) holds every token id the tokenizer makes:
+    a byte-level BPE has at least 257 tokens whatever vocabulary it was asked for, and a given tokenizer has its own
+    size; a smaller vocabulary failed mid-training with an index error."""
+    if tokens > vocab_size:
+        what = f"the tokenizer {tokenizer}" if tokenizer else "the BPE trained on the text (at least 257: bytes + BOS)"
+        raise UsageError(f"data.vocab_size={vocab_size}: {what} has {tokens} tokens; set data.vocab_size >= {tokens}")
+
+
+def check_model_shape(config: OuroConfig) -> None:
+    """Sizes and counts at least 1 (:func:`~loopq.models.config_checks.check_config_types`, as the loader checks a
+    config.json: a zero width trained and then wrote a teacher the loader refuses) and query heads dividing the
+    width (a traceback mid-forward otherwise), before anything is built."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
+    check_config_types(OuroConfig, fields, source="model")
+    if config.head_dim is None and config.hidden_size % config.num_attention_heads:
+        raise UsageError(
+            f"model.hidden_size={config.hidden_size} is not a multiple of model.num_attention_heads="
+            f"{config.num_attention_heads}; choose heads that divide the width"
+        )
 
 
 def split_windows(
@@ -479,6 +507,7 @@ class TeacherPretrainer(LoopedPretrainer):
             max_position_embeddings=max_position_embeddings,
             extra={"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "architectures": ["OuroForCausalLM"]},
         )
+        check_model_shape(config)
         self.model = OuroLM.from_config(config, seed=seed)
         init_post_norms(self.model, post_norm_init)
         self.init_training(loop_weight_tensor(loop_weights, total_ut_steps))
