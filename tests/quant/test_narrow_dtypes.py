@@ -60,9 +60,12 @@ def test_a_student_loaded_in_bf16_or_fp16_runs_and_is_close_to_fp32(fixtures, tm
         assert narrow.lm_head.weight.dtype == dtype
         out = logits(narrow, ids)
         assert torch.isfinite(out).all(), (method, dtype)
-        if dtype == torch.bfloat16:  # bf16 keeps 8 bits of mantissa: the logits move by ~1%, far below their spread
+        if dtype == torch.bfloat16:
+            # bf16 frozen weights and activations flip some 4-bit codes: the mean logit moves by 0.046-0.098 of the
+            # logits' std (measured over the 12 cases, the same at 1 and 2 threads); 0.2 gives 2x margin and is
+            # still far below a lost transform or clip (an error of the order of the spread itself)
             err = (out - reference).abs().mean() / reference.std()
-            assert err < 0.1, (method, err.item())
+            assert err < 0.2, (method, err.item())
 
 
 @pytest.mark.parametrize("method", ["smoothquant", "quarot", "flatquant"])
