@@ -13,8 +13,10 @@ of the config table (W4A4 and W4A8): the ``cp.async.wait_group`` and ``wgmma.wai
 (a 0 is a full drain), and from the SASS (bundled ``cuobjdump``) of its K loop: the instructions per iteration,
 of them the ``I2F`` conversions (a quarter-rate unit before sm_90), the tensor-core MMAs and the rescale's
 ``FMUL`` + ``FFMA``; registers, spills. Per tensor-core quantizer variant at Ouro's two input widths (decode:
-compiled and launched for M = 1; prefill: for M = 4096): rows of Z and tokens per program, programs at that M,
-``mma.sync`` / ``wgmma`` instructions inside its loops, registers, spills.
+compiled and launched for M = 1; prefill: for M = 4096): rows of Z, tokens per program and per dot, programs at
+that M, ``mma.sync`` / ``wgmma`` instructions inside its loops, for prefill the SASS instructions one iteration of
+its token loop executes (its chunk loop counted as often as it runs) per transformed value per thread, registers,
+spills.
 ``docs/benchmarks.md`` quotes its table;
 ``tests/kernels/test_ptx_stats.py`` asserts the acceptance limits on the same numbers.
 """
@@ -36,6 +38,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from loopq.kernels import decode_kernel, gemm_kernel, ptx, quantize_kernel
+from loopq.kernels.packing import cdiv
 from tests.kernels.gpu_compile import compile_decode, compile_gemm, compile_quantizer, ptxas_usage, sass_of
 
 DECODE_M = (1, 2, 4, 8, 16)
@@ -114,10 +117,16 @@ def quantizer_row(arch: int, k: int, n1: int, n2: int, m: int) -> dict:
     regs, spills = ptxas_usage(code, arch)
     launch = quantize_kernel.quantize_launch(m, k, (n1, n2), 4, True, False, True, True)
     body = [line for loop in ptx.loops(code) for line in loop.body]
+    cfg = quantize_kernel.dot_config(n1, n2, m)
+    per_value = None
+    if cfg.tokens > 1:  # prefill: one iteration of the token loop transforms and quantizes `stack` tokens' rows
+        executed = ptx.sass_executed(sass_of(code, arch), cdiv(n2, cfg.cj))
+        per_value = round(executed / (cfg.stack * cfg.rows * n2 / (32 * cfg.num_warps)), 1)
     return {
         "kernel": f"quantize K={k} M={m}",
         "arch": arch,
-        "variant": f"{launch.constexprs['ROWS']} rows x {launch.constexprs['TOKENS']} tokens",
+        "variant": f"{cfg.rows} rows x {cfg.tokens} tokens, {cfg.stack} per dot",
+        "sass_per_value": per_value,
         "compile_s": round(seconds, 1),
         "grid": launch.grid[0],
         "loop_mma": sum(ptx.opcode(line).startswith("mma.sync") for line in body),
@@ -180,13 +189,14 @@ def markdown(rows: list[dict]) -> str:
         out.append("")
     if quant:
         out += [
-            "| arch | quantizer | variant | compile s | programs | loop mma.sync | loop wgmma | regs | spills |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| arch | quantizer | variant | compile s | programs | loop mma.sync | loop wgmma | SASS / value | regs "
+            "| spills |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in quant:
         out.append(
             f"| sm_{r['arch']} | {r['kernel']} | {r['variant']} | {r['compile_s']} | {r['grid']} | {r['loop_mma']} | "
-            f"{r['loop_wgmma']} | {r['registers']} | {r['spills']} |"
+            f"{r['loop_wgmma']} | {r['sass_per_value'] or '-'} | {r['registers']} | {r['spills']} |"
         )
     return "\n".join(out)
 

@@ -104,20 +104,38 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 _SASS_BRANCH = re.compile(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)")
 
 
-def sass_loop(sass: str) -> Counter[str]:
-    """Opcodes (``FFMA``, ``I2F``, ...) of the longest loop of a ``cuobjdump -sass`` listing: from the target of a
-    backward ``BRA`` to that branch (one kernel per listing; predicated instructions count once)."""
+def sass_loops(sass: str) -> list[tuple[int, int, Counter[str]]]:
+    """Every loop of a ``cuobjdump -sass`` listing (one kernel): ``(first line, last line, opcodes)`` from the
+    target of a backward ``BRA`` to that branch (predicated instructions count once), longest first."""
     lines = sass.splitlines()
     at = {}
     for i, line in enumerate(lines):
         match = _SASS_LINE.search(line)
         if match:
-            at[int(match.group(1), 16)] = (i, match.group(2))
-    best: list[str] = []
+            at[int(match.group(1), 16)] = i
+    found = []
     for i, line in enumerate(lines):
         branch, here = _SASS_BRANCH.search(line), _SASS_LINE.search(line)
         if branch and here and int(branch.group(1), 16) < int(here.group(1), 16):
             start = at.get(int(branch.group(1), 16))
-            if start and i + 1 - start[0] > len(best):
-                best = lines[start[0] : i + 1]
-    return Counter(m.group(2) for m in map(_SASS_LINE.search, best) if m)
+            if start is not None:
+                body = Counter(m.group(2) for m in map(_SASS_LINE.search, lines[start : i + 1]) if m)
+                found.append((start, i, body))
+    return sorted(found, key=lambda loop: -sum(loop[2].values()))
+
+
+def sass_loop(sass: str) -> Counter[str]:
+    """Opcodes (``FFMA``, ``I2F``, ...) of the longest loop of a ``cuobjdump -sass`` listing (:func:`sass_loops`)."""
+    found = sass_loops(sass)
+    return found[0][2] if found else Counter()
+
+
+def sass_executed(sass: str, inner_trips: int) -> int:
+    """Instructions one iteration of the longest loop executes when each loop inside it runs ``inner_trips``
+    times (its body is counted once in the outer loop's listing, ``inner_trips - 1`` more times here)."""
+    found = sass_loops(sass)
+    if not found:
+        return 0
+    start, end, body = found[0]
+    inner = [b for s, e, b in found[1:] if start <= s and e <= end]
+    return sum(body.values()) + (inner_trips - 1) * sum(sum(b.values()) for b in inner)

@@ -35,10 +35,13 @@ launches. Two program splits (:func:`dot_config`):
 * prefill (M > 16): 8 tokens per program, whole tokens at K = 2048 (a 32 x 64 tile) and 16-row quarters at
   K = 5632 (a whole 64 x 128 tile spills, a half is at the register limit); the row blocks of a token block are
   adjacent program ids, so X is read from memory once; the scratch rows are per token block (M / 8 of them,
-  11.5 MB at M = 4096, K = 5632: L2-sized).
+  11.5 MB at M = 4096, K = 5632: L2-sized). Where ``n2`` is a power of two, 4 tokens share each dot
+  (:func:`prefill_stack`): the first takes their columns side by side, the second their rows stacked, so the
+  factors' operands are prepared once per 4 tokens and each dot is 4x larger (at K = 2048 the second dot is
+  128 x 32 x 64: ``wgmma`` on sm_90); per transformed value this executes about half the instructions.
 
-Compiled for sm_80 and sm_90 (``scripts/ptx_stats.py --kernels quantize``), every variant's loops run
-``mma.sync`` (the tiles are 16-32 rows: below ``wgmma``'s 64), without spills.
+Compiled for sm_80 and sm_90 (``scripts/ptx_stats.py --kernels quantize``), every variant's loops run tensor-core
+MMAs, without spills.
 
 **Cost at M = 4096 against the bf16 GEMM it feeds** (H100 SXM peaks, dense: bf16 989, tf32 495 TFLOP/s, HBM
 3.35 TB/s). The transform is ``2 K (n1 + n2)`` FLOPs per token against the GEMM's ``2 K N``: (n1 + n2) / N =
@@ -217,43 +220,53 @@ def _quantize_store(
 
 @triton.jit
 def _transform_rows(
-    x_tok,
+    x_blk,
     d_ptr,
     right_ptr,
     left_t,
     ok,
+    K: tl.constexpr,
     N1: tl.constexpr,
     N2: tl.constexpr,
     N1P: tl.constexpr,
     N2P: tl.constexpr,
     ROWSP: tl.constexpr,
     CJ: tl.constexpr,
+    STACK: tl.constexpr,
     HAS_D: tl.constexpr,
 ):
-    """Rows ``a`` of ``Z = L^T X R`` for one token (``x_tok``: &X[0, 0]; ``ok``: the token exists), given
-    ``left_t [ROWSP, N1P] = L[:, a]^T`` (zero outside the program's rows), as ``Z_a = sum_J (L_a^T X[:, J]) R[J, :]``
-    over ``CJ``-column chunks ``J`` of X: per chunk one tf32x3 ``tl.dot`` reducing over all of ``c`` (``N1P``) and
-    one reducing over the chunk, accumulated in fp32. Returns ``[ROWSP, N2P]``, zero past ``N2``."""
+    """Rows ``a`` of ``Z = L^T X R`` for ``STACK`` consecutive tokens from ``x_blk`` (&X[t0, 0, 0]; ``ok [STACK]``:
+    which exist), given ``left_t [ROWSP, N1P] = L[:, a]^T`` (zero outside the program's rows), as
+    ``Z_a = sum_J (L_a^T X[:, J]) R[J, :]`` over ``CJ``-column chunks ``J`` of X. The tokens share both dots: the
+    first takes their chunks side by side (``[N1P, STACK * CJ]``: ``L_a^T [X_1[:, J] | X_2[:, J] | ...]``), the
+    second their results stacked (``[STACK * ROWSP, CJ] @ R[J, :]``), so ``L`` and ``R``'s operands are prepared
+    once for ``STACK`` tokens. Each value is the same two sums as one token alone (tf32x3, fp32 accumulation).
+    Returns ``[STACK * ROWSP, N2P]`` (token-major), zero past ``N2``."""
     c = tl.arange(0, N1P)
-    cj = tl.arange(0, CJ)
+    q = tl.arange(0, STACK * CJ)  # token q // CJ, column q % CJ of the chunk
     b = tl.arange(0, N2P)
-    z = tl.zeros([ROWSP, N2P], dtype=tl.float32)
+    tok_ok = tl.reshape(tl.broadcast_to(ok[:, None], [STACK, CJ]), [STACK * CJ])
+    z = tl.zeros([STACK * ROWSP, N2P], dtype=tl.float32)
     for j0 in range(0, N2, CJ):
-        j = j0 + cj
-        x_mask = ok & (c < N1)[:, None] & (j < N2)[None, :]
-        x = tl.load(x_tok + c[:, None] * N2 + j[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        j = j0 + q % CJ
+        x_mask = (c < N1)[:, None] & (tok_ok & (j < N2))[None, :]
+        x_offs = (q // CJ)[None, :] * K + c[:, None] * N2 + j[None, :]
+        x = tl.load(x_blk + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         x = _scaled(x, d_ptr, c[:, None] * N2 + j[None, :], x_mask, HAS_D)
-        y = tl.dot(left_t, x, input_precision="tf32x3")  # [a, j] = sum_c L[c, a] X[c, j]
-        r = tl.load(right_ptr + j[:, None] * N2 + b[None, :], mask=(j < N2)[:, None] & (b < N2)[None, :], other=0.0)
-        z = tl.dot(y, r, z, input_precision="tf32x3")  # [a, b] += sum_j Y[a, j] R[j, b]
+        y = tl.dot(left_t, x, input_precision="tf32x3")  # [a, (t, j)] = sum_c L[c, a] X_t[c, j]
+        y = tl.reshape(tl.permute(tl.reshape(y, [ROWSP, STACK, CJ]), (1, 0, 2)), [STACK * ROWSP, CJ])
+        jr = j0 + tl.arange(0, CJ)
+        r = tl.load(right_ptr + jr[:, None] * N2 + b[None, :], mask=(jr < N2)[:, None] & (b < N2)[None, :], other=0.0)
+        z = tl.dot(y, r, z, input_precision="tf32x3")  # [(t, a), b] += sum_j Y_t[a, j] R[j, b]
     return z
 
 
 @triton.jit
 def _span_groups(
     z,
-    scratch_row,
+    scratch_blk,
     a0,
+    ok,
     K: tl.constexpr,
     N1: tl.constexpr,
     N2: tl.constexpr,
@@ -261,21 +274,25 @@ def _span_groups(
     ROWS: tl.constexpr,
     ROWSP: tl.constexpr,
     GP: tl.constexpr,
+    STACK: tl.constexpr,
 ):
-    """Rows ``a0 .. a0 + ROWS`` of Z (``z [ROWSP, N2P]``) as ``[GP, 32]`` groups of the flattened K order, from
-    index ``a0 * N2`` on, and which of them are real. When ``N2P == N2`` the tile already is that order; otherwise
-    (e.g. N2 = 88) the rows go through the token block's fp32 scratch row (store, barrier, reload, barrier: the next
-    token of the block overwrites the same span)."""
+    """Rows ``a0 .. a0 + ROWS`` of Z for ``STACK`` tokens (``z [STACK * ROWSP, N2P]``, token-major) as
+    ``[STACK, GP, 32]`` groups of the flattened K order, from index ``a0 * N2`` on, and which of them are real (and
+    of a token that exists: ``ok [STACK]``). When ``N2P == N2`` the tile already is that order; otherwise (e.g.
+    N2 = 88) the rows go through the token block's fp32 scratch rows, one per stacked token (store, barrier,
+    reload, barrier: the block's next tokens overwrite the same span)."""
     g = tl.arange(0, GP)
-    valid = (g < ROWS * N2 // 32) & (a0 * N2 + g * 32 < K)
+    valid = ((g < ROWS * N2 // 32) & (a0 * N2 + g * 32 < K))[None, :] & ok[:, None]
     if N2P == N2:
-        return tl.reshape(z, [GP, 32]), valid
-    r = tl.arange(0, ROWSP)[:, None]
-    b = tl.arange(0, N2P)[None, :]
-    tl.store(scratch_row + (a0 + r) * N2 + b, z, mask=(r < ROWS) & (a0 + r < N1) & (b < N2))
+        return tl.reshape(z, [STACK, GP, 32]), valid
+    t = tl.arange(0, STACK)[:, None, None]
+    r = tl.arange(0, ROWSP)[None, :, None]
+    b = tl.arange(0, N2P)[None, None, :]
+    mask = (r < ROWS) & (a0 + r < N1) & (b < N2) & (t < STACK)
+    tl.store(scratch_blk + t * K + (a0 + r) * N2 + b, tl.reshape(z, [STACK, ROWSP, N2P]), mask=mask)
     tl.debug_barrier()  # the reload reads other threads' stores
-    offs = a0 * N2 + g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    groups = tl.load(scratch_row + offs, mask=valid[:, None], other=0.0)
+    offs = t * K + a0 * N2 + g[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    groups = tl.load(scratch_blk + offs, mask=valid[:, :, None], other=0.0)
     tl.debug_barrier()
     return groups, valid
 
@@ -310,25 +327,27 @@ def _store_groups(
     QMAX: tl.constexpr,
     DECODE: tl.constexpr,
 ):
-    """Steps 2-4 for ``groups [GP, 32]``, groups ``g0 ..`` of token ``tok`` (those ``valid``): the same scales, codes
-    and formats as :func:`_quantize_store`."""
-    scale = _group_scale(tl.max(tl.abs(groups), axis=1), clip, QMAX)
-    g = g0 + tl.arange(0, GP)
+    """Steps 2-4 for ``groups [STACK, GP, 32]``, groups ``g0 ..`` of tokens ``tok [STACK]`` (those ``valid``): the
+    same scales, codes and formats as :func:`_quantize_store`."""
+    scale = _group_scale(tl.max(tl.abs(groups), axis=2), clip, QMAX)
+    g = g0 + tl.arange(0, GP)[None, :]
+    tok = tok[:, None]
     tl.store(scales_ptr + tok * (K // 32) + g, scale, mask=valid)
-    q = _group_codes(groups, scale[:, None], QMIN, QMAX)
-    p = tl.arange(0, 16)[None, :]
+    q = _group_codes(groups, scale[:, :, None], QMIN, QMAX)
+    p = tl.arange(0, 16)[None, None, :]
+    g, tok, mask = g[:, :, None], tok[:, :, None], valid[:, :, None]
     if DECODE:
-        even, odd = tl.split(tl.reshape(q, [GP, 16, 2]))
-        base = codes_ptr + tok * K + g[:, None] * 32 + p
-        tl.store(base, even.to(tl.int8), mask=valid[:, None])
-        tl.store(base + 16, odd.to(tl.int8), mask=valid[:, None])
+        even, odd = tl.split(tl.reshape(q, [q.shape[0], GP, 16, 2]))
+        base = codes_ptr + tok * K + g * 32 + p
+        tl.store(base, even.to(tl.int8), mask=mask)
+        tl.store(base + 16, odd.to(tl.int8), mask=mask)
     elif BITS == 4:
-        even, odd = tl.split(tl.reshape(q, [GP, 16, 2]))
+        even, odd = tl.split(tl.reshape(q, [q.shape[0], GP, 16, 2]))
         packed = ((even & 0xF) | ((odd & 0xF) << 4)).to(tl.uint8)
-        tl.store(codes_ptr + tok * (K // 2) + g[:, None] * 16 + p, packed, mask=valid[:, None])
+        tl.store(codes_ptr + tok * (K // 2) + g * 16 + p, packed, mask=mask)
     else:
-        e = tl.arange(0, 32)[None, :]
-        tl.store(codes_ptr + tok * K + g[:, None] * 32 + e, q.to(tl.int8), mask=valid[:, None])
+        e = tl.arange(0, 32)[None, None, :]
+        tl.store(codes_ptr + tok * K + g * 32 + e, q.to(tl.int8), mask=mask)
 
 
 @triton.jit
@@ -357,10 +376,11 @@ def _quantize_dot_kernel(
     QMAX: tl.constexpr,
     HAS_D: tl.constexpr = False,
     DECODE: tl.constexpr = False,
+    STACK: tl.constexpr = 1,
 ):
     """The tensor-core path: program ``i * row_blocks + j`` (the row blocks of a token block run side by side, so X
     is read from memory once) computes rows ``j * ROWS ..`` of Z (whole 32-groups of the K order) for tokens
-    ``i * TOKENS ..`` with :func:`_transform_rows`, then quantizes and stores them
+    ``i * TOKENS ..``, ``STACK`` of them per dot, with :func:`_transform_rows`, then quantizes and stores them
     (:func:`_span_groups`, :func:`_store_groups`). ``L``'s columns are loaded once per program."""
     row_blocks: tl.constexpr = (N1 + ROWS - 1) // ROWS
     pid = tl.program_id(0)
@@ -371,13 +391,15 @@ def _quantize_dot_kernel(
     rows_ok = (r < ROWS) & (a0 + r < N1)
     left_mask = rows_ok[:, None] & (c < N1)[None, :]
     left_t = tl.load(left_ptr + c[None, :] * N1 + (a0 + r)[:, None], mask=left_mask, other=0.0)  # [a, c] = L[c, a]
-    for t in range(TOKENS):
-        tok = block * TOKENS + t
-        ok = tl.full([1], tok, tl.int64) < M  # a tensor: the interpreter refuses a scalar in a mask
-        z = _transform_rows(x_ptr + tok * K, d_ptr, right_ptr, left_t, ok[:, None], N1, N2, N1P, N2P, ROWSP, CJ, HAS_D)
-        groups, valid = _span_groups(z, scratch_ptr + block * K, a0, K, N1, N2, N2P, ROWS, ROWSP, GP)
+    scratch_blk = scratch_ptr + block * (STACK * K)
+    for t0 in range(0, TOKENS, STACK):
+        tok = block * TOKENS + t0 + tl.arange(0, STACK)
+        ok = tok < M
+        x_blk = x_ptr + (block * TOKENS + t0) * K
+        z = _transform_rows(x_blk, d_ptr, right_ptr, left_t, ok, K, N1, N2, N1P, N2P, ROWSP, CJ, STACK, HAS_D)
+        groups, valid = _span_groups(z, scratch_blk, a0, ok, K, N1, N2, N2P, ROWS, ROWSP, GP, STACK)
         g0 = a0 * N2 // 32
-        _store_groups(groups, valid & ok, tok, g0, codes_ptr, scales_ptr, clip, K, GP, BITS, QMIN, QMAX, DECODE)
+        _store_groups(groups, valid, tok, g0, codes_ptr, scales_ptr, clip, K, GP, BITS, QMIN, QMAX, DECODE)
 
 
 def quantize_activation(
@@ -435,6 +457,8 @@ def dot_padding(n: int) -> int:
 #: transforms whole tokens, :data:`PREFILL_TOKENS` of them
 SPLIT_MAX_M = 16
 PREFILL_TOKENS = 8
+#: tokens sharing each dot of a prefill program where ``n2`` is a power of two (:func:`prefill_stack`)
+PREFILL_STACK = 4
 #: fp32 accumulators of a prefill program's Z tile at most: at K = 5632 (64 x 128 padded) a whole token spills
 #: (8 warps; tf32x3 holds two halves of every operand: 24 bytes on sm_80 under Triton 3.9, 600-700 under 3.6),
 #: half a token needs 218-255 registers (the limit), a quarter 166-224
@@ -453,6 +477,7 @@ class DotConfig(NamedTuple):
     gp: int  # groups per program, padded to a power of two
     tokens: int  # tokens per program
     num_warps: int
+    stack: int = 1  # tokens sharing each dot (``tokens`` is a multiple)
 
     def grid(self, m: int, n1: int) -> tuple[int]:
         """Token blocks times row blocks, for ``m`` tokens."""
@@ -474,7 +499,17 @@ def dot_config(n1: int, n2: int, m: int) -> DotConfig:
         rows, tokens = min(n1, max(base, PREFILL_TILE // n2p // base * base)), PREFILL_TOKENS
     rows_p = dot_padding(rows)
     gp = rows_p * n2p // GROUP_SIZE if n2p == n2 else next_pow2(rows * n2 // GROUP_SIZE)
-    return DotConfig(n1p, n2p, rows, rows_p, min(32, n2p), gp, tokens, NUM_WARPS)
+    stack = 1 if m <= SPLIT_MAX_M else prefill_stack(n2, n2p)
+    return DotConfig(n1p, n2p, rows, rows_p, min(32, n2p), gp, tokens, NUM_WARPS, stack)
+
+
+def prefill_stack(n2: int, n2p: int) -> int:
+    """Tokens sharing each dot of a prefill program (:func:`_transform_rows`): :data:`PREFILL_STACK` where ``n2`` is
+    a power of two, else 1. Compiled for sm_90 / sm_80 under Triton 3.9 and 3.6 (``scripts/ptx_stats.py --kernels
+    quantize``), stacking 4 tokens at K = 2048 (32 x 64) executes 77-105 SASS instructions per transformed value and
+    thread instead of 151-158, without spills (186-255 registers); at K = 5632 (64 x 88, padded to 128 and compacted
+    through scratch) 2 tokens spill 40 bytes under 3.6 on sm_90 and 4 spill 88-2064 bytes, so it stays at 1."""
+    return PREFILL_STACK if n2p == n2 else 1
 
 
 class QuantizeLaunch(NamedTuple):
@@ -491,7 +526,9 @@ class QuantizeLaunch(NamedTuple):
     def scratch_rows(self) -> int:
         """Rows of K fp32 values the launch's scratch needs (where ``needs_scratch``): one per token for the exact
         kernel, one per token block for the tensor-core one (M / 8 at prefill, M at decode)."""
-        return cdiv(self.m, self.constexprs["TOKENS"]) if self.fast else self.m
+        if self.fast:
+            return cdiv(self.m, self.constexprs["TOKENS"]) * self.constexprs["STACK"]
+        return self.m
 
     def run(
         self,
@@ -546,7 +583,7 @@ def _fast_shape(m: int, n1: int, n2: int) -> tuple[tuple[int], int, bool, dict]:
     """(grid, warps, scratch needed, constexprs) of :func:`_quantize_dot_kernel` (:func:`dot_config`)."""
     cfg = dot_config(n1, n2, m)
     shape = dict(N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, ROWS=cfg.rows, ROWSP=cfg.rows_p, CJ=cfg.cj, GP=cfg.gp)
-    return cfg.grid(m, n1), cfg.num_warps, cfg.n2p != n2, shape | dict(TOKENS=cfg.tokens)
+    return cfg.grid(m, n1), cfg.num_warps, cfg.n2p != n2, shape | dict(TOKENS=cfg.tokens, STACK=cfg.stack)
 
 
 def _quantize_fast(

@@ -119,6 +119,21 @@ def test_fast_transform_within_its_bound(m, k, bits, device):
       13 % at K = 2048 and 39 % at K = 5632, where the worst-case bound, which assumes truncating tensor-core
       accumulation, is most pessimistic).
     """
+    _check_within_bound(m, k, bits, device)
+
+
+@pytest.mark.parametrize("stack", [2, 4])
+@pytest.mark.parametrize(("m", "k"), [(33, 96), (20, 160), (17, 5632)])
+def test_stacked_tokens_through_scratch_within_the_bound(stack, m, k, device, monkeypatch):
+    """Prefill programs whose tokens share each dot (``prefill_stack``) where ``n2`` is not a power of two, so the
+    stacked rows go through scratch (one row per stacked token; the shipped rule stacks only where n2 is a power
+    of two, measured to spill otherwise): the same bound holds, partial token blocks (M = 17, 20, 33) included."""
+    monkeypatch.setattr(quantize_kernel, "prefill_stack", lambda n2, n2p: stack)
+    assert quantize_launch(m, k, kron_factors(k), 4, False, False, True, True).constexprs["STACK"] == stack
+    _check_within_bound(m, k, 4, device)
+
+
+def _check_within_bound(m: int, k: int, bits: int, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(m * k + bits)
     x = (3 * torch.randn(m, k, generator=gen)).to(device)
     left, right = (f.to(device) for f in random_transform(k, gen))
@@ -186,10 +201,10 @@ def test_fast_path_config():
     (32 / gcd(n2, 32)), widened while a token keeps 16 programs: 2 rows of 64 (K = 2048) and 4 rows of 88 (5632, 352
     values = 11 groups, compacted through scratch), 16 programs per token either way. Prefill: whole tokens of
     32 x 64, 16-row quarters of 64 x 88 (a whole one spills), 8 tokens per program; all tiles padded to powers of
-    two >= 16, 8 warps."""
+    two >= 16, 8 warps; at prefill 4 tokens share each dot where n2 is a power of two (no scratch), else 1."""
     assert dot_config(32, 64, 1) == DotConfig(32, 64, 2, 16, 32, 32, 1, 8)
     assert dot_config(64, 88, 16) == DotConfig(64, 128, 4, 16, 32, 16, 1, 8)
-    assert dot_config(32, 64, 17) == DotConfig(32, 64, 32, 32, 32, 64, 8, 8)
+    assert dot_config(32, 64, 17) == DotConfig(32, 64, 32, 32, 32, 64, 8, 8, 4)
     assert dot_config(64, 88, 4096) == DotConfig(64, 128, 16, 16, 32, 64, 8, 8)
     assert dot_config(8, 12, 1) == DotConfig(16, 16, 8, 16, 16, 4, 1, 8)  # 8 rows x 12 = 3 groups: one program
     for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)):
