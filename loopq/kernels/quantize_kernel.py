@@ -34,11 +34,12 @@ launches. Two program splits (:func:`dot_config`):
   the dot's 16, so more, smaller programs would not be faster;
 * prefill (M > 16): 8 tokens per program, whole tokens at K = 2048 (a 32 x 64 tile) and 16-row quarters at
   K = 5632 (a whole 64 x 128 tile spills, a half is at the register limit); the row blocks of a token block are
-  adjacent program ids, so X is read from memory once; the scratch rows are per token block (M / 8 of them,
-  11.5 MB at M = 4096, K = 5632: L2-sized). Where ``n2`` is a power of two, 4 tokens share each dot
-  (:func:`prefill_stack`): the first takes their columns side by side, the second their rows stacked, so the
-  factors' operands are prepared once per 4 tokens and each dot is 4x larger (at K = 2048 the second dot is
-  128 x 32 x 64: ``wgmma`` on sm_90); per transformed value this executes about half the instructions.
+  adjacent program ids, so X is read from memory once; the scratch rows are per token block and stacked token
+  (M / 8 x 2 of them, 23 MB at M = 4096, K = 5632: L2-sized on an H100's 50 MB). 4 tokens share each dot where
+  ``n2`` is a power of two, 2 where it is padded (:func:`prefill_stack`): the first dot takes their columns side
+  by side, the second their rows stacked, so the factors' operands are prepared once per 4 (2) tokens and each
+  dot is 4x (2x) larger (at K = 2048 the second dot is 128 x 32 x 64: ``wgmma`` on sm_90); per transformed value
+  this executes about half (two thirds) of the instructions.
 
 Compiled for sm_80 and sm_90 (``scripts/ptx_stats.py --kernels quantize``), every variant's loops run tensor-core
 MMAs, without spills.
@@ -505,11 +506,13 @@ def dot_config(n1: int, n2: int, m: int) -> DotConfig:
 
 def prefill_stack(n2: int, n2p: int) -> int:
     """Tokens sharing each dot of a prefill program (:func:`_transform_rows`): :data:`PREFILL_STACK` where ``n2`` is
-    a power of two, else 1. Compiled for sm_90 / sm_80 under Triton 3.9 and 3.6 (``scripts/ptx_stats.py --kernels
-    quantize``), stacking 4 tokens at K = 2048 (32 x 64) executes 77-105 SASS instructions per transformed value and
-    thread instead of 151-158, without spills (186-255 registers); at K = 5632 (64 x 88, padded to 128 and compacted
-    through scratch) 2 tokens spill 40 bytes under 3.6 on sm_90 and 4 spill 88-2064 bytes, so it stays at 1."""
-    return PREFILL_STACK if n2p == n2 else 1
+    a power of two, half that where it is padded (its tile is ``n2p`` wide and its rows go through scratch).
+    Compiled for sm_90 / sm_80 under Triton 3.9 and 3.6 as a launch specializes it (16-byte aligned pointers;
+    ``scripts/ptx_stats.py --kernels quantize``): at K = 2048 (32 x 64) 4 tokens per dot execute 70-99 SASS
+    instructions per transformed value and thread instead of 144-146, at K = 5632 (64 x 88) 2 tokens 216-257
+    instead of 334-338, without spills (up to 255 registers under 3.6); 4 tokens at K = 5632 spill 32 bytes under
+    3.6 on sm_90."""
+    return PREFILL_STACK if n2p == n2 else PREFILL_STACK // 2
 
 
 class QuantizeLaunch(NamedTuple):
@@ -525,7 +528,8 @@ class QuantizeLaunch(NamedTuple):
 
     def scratch_rows(self) -> int:
         """Rows of K fp32 values the launch's scratch needs (where ``needs_scratch``): one per token for the exact
-        kernel, one per token block for the tensor-core one (M / 8 at prefill, M at decode)."""
+        kernel, one per token block and stacked token for the tensor-core one (M / 8 x 2 at prefill with a padded
+        ``n2``, M at decode)."""
         if self.fast:
             return cdiv(self.m, self.constexprs["TOKENS"]) * self.constexprs["STACK"]
         return self.m

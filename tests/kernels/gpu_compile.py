@@ -75,7 +75,20 @@ def as_launched(module: ModuleType, names: tuple[str, ...], launch: Callable[[],
     sig = {}
     for name, arg in zip(recorder.kernel.arg_names, args, strict=False):
         sig[name] = POINTER[arg.dtype] if isinstance(arg, torch.Tensor) else "i32" if isinstance(arg, int) else "fp32"
-    return recorder.kernel, sig | dict.fromkeys(kwargs, "constexpr"), kwargs, options
+    return recorder.kernel, sig | dict.fromkeys(kwargs, "constexpr"), kwargs, options, divisibility(args)
+
+
+def divisibility(args: tuple) -> dict:
+    """The ``tt.divisibility`` attributes Triton's JIT gives a launch with these arguments (its specialization):
+    16 for a tensor whose address is a multiple of 16 bytes (torch's allocations are) and for an integer that is a
+    multiple of 16. Without them the compiler must assume unaligned pointers and emits scalar loads and stores,
+    which is not the code a GPU runs (the quantizer's ahead-of-time compile lacked them until session 23)."""
+    attrs = {}
+    for i, arg in enumerate(args):
+        aligned_tensor = isinstance(arg, torch.Tensor) and arg.data_ptr() % 16 == 0
+        if aligned_tensor or (isinstance(arg, int) and not isinstance(arg, bool) and arg % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
 
 
 def compile_quantizer(target: GPUTarget, m: int, k: int, factors: tuple[int, int] | None, bits: int, fast: bool):
@@ -91,8 +104,8 @@ def compile_quantizer(target: GPUTarget, m: int, k: int, factors: tuple[int, int
     def run() -> None:
         launch.run(x, inv_d, left, right, scratch, codes, scales, 1.0)
 
-    kernel, sig, const, options = as_launched(quantize_kernel, ("_quantize_kernel", "_quantize_dot_kernel"), run)
-    return triton.compile(ASTSource(kernel, sig, constexprs=const), target=target, options=options)
+    kernel, sig, const, options, attrs = as_launched(quantize_kernel, ("_quantize_kernel", "_quantize_dot_kernel"), run)
+    return triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=target, options=options)
 
 
 def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig):

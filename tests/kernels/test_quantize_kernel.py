@@ -125,9 +125,9 @@ def test_fast_transform_within_its_bound(m, k, bits, device):
 @pytest.mark.parametrize("stack", [2, 4])
 @pytest.mark.parametrize(("m", "k"), [(33, 96), (20, 160), (17, 5632)])
 def test_stacked_tokens_through_scratch_within_the_bound(stack, m, k, device, monkeypatch):
-    """Prefill programs whose tokens share each dot (``prefill_stack``) where ``n2`` is not a power of two, so the
-    stacked rows go through scratch (one row per stacked token; the shipped rule stacks only where n2 is a power
-    of two, measured to spill otherwise): the same bound holds, partial token blocks (M = 17, 20, 33) included."""
+    """Prefill programs whose tokens share each dot (``prefill_stack``; shipped: 2) where ``n2`` is not a power of
+    two, so the stacked rows go through scratch (one row per stacked token): the same bound holds at 2 and 4,
+    partial token blocks (M = 17, 20, 33) included."""
     monkeypatch.setattr(quantize_kernel, "prefill_stack", lambda n2, n2p: stack)
     assert quantize_launch(m, k, kron_factors(k), 4, False, False, True, True).constexprs["STACK"] == stack
     _check_within_bound(m, k, 4, device)
@@ -201,17 +201,18 @@ def test_fast_path_config():
     (32 / gcd(n2, 32)), widened while a token keeps 16 programs: 2 rows of 64 (K = 2048) and 4 rows of 88 (5632, 352
     values = 11 groups, compacted through scratch), 16 programs per token either way. Prefill: whole tokens of
     32 x 64, 16-row quarters of 64 x 88 (a whole one spills), 8 tokens per program; all tiles padded to powers of
-    two >= 16, 8 warps; at prefill 4 tokens share each dot where n2 is a power of two (no scratch), else 1."""
+    two >= 16, 8 warps; at prefill 4 tokens share each dot where n2 is a power of two (no scratch), else 2."""
     assert dot_config(32, 64, 1) == DotConfig(32, 64, 2, 16, 32, 32, 1, 8)
     assert dot_config(64, 88, 16) == DotConfig(64, 128, 4, 16, 32, 16, 1, 8)
     assert dot_config(32, 64, 17) == DotConfig(32, 64, 32, 32, 32, 64, 8, 8, 4)
-    assert dot_config(64, 88, 4096) == DotConfig(64, 128, 16, 16, 32, 64, 8, 8)
+    assert dot_config(64, 88, 4096) == DotConfig(64, 128, 16, 16, 32, 64, 8, 8, 2)
     assert dot_config(8, 12, 1) == DotConfig(16, 16, 8, 16, 16, 4, 1, 8)  # 8 rows x 12 = 3 groups: one program
     for k, n1, n2 in ((2048, 32, 64), (5632, 64, 88)):
         assert quantize_launch(1, k, (n1, n2), 4, True, True, True, True).grid == (16,)
     assert quantize_launch(4096, 2048, (32, 64), 4, True, False, True, True).grid == (512,)
     prefill = quantize_launch(4096, 5632, (64, 88), 4, True, False, True, True)
-    assert prefill.grid == (2048,) and prefill.needs_scratch and prefill.scratch_rows() == 512  # per token block
+    # one scratch row per stacked token of each token block
+    assert prefill.grid == (2048,) and prefill.needs_scratch and prefill.scratch_rows() == 512 * 2
     assert quantize_launch(16, 5632, (64, 88), 4, True, True, True, True).scratch_rows() == 16
     assert dot_padding(88) == 128 and dot_padding(8) == 16
 
