@@ -21,8 +21,9 @@ One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the
 That exact path (``exact=True``) is the oracle-exact mode and the default in the CPU interpreter. ``exact=False``,
 and the default on CUDA (``exact=None``, :func:`uses_fast_path`; not yet timed on a GPU), selects
 :func:`_quantize_dot_kernel`, whose step 1 runs on tensor cores: ``Z_a = sum_J (L[:, a]^T X[:, J]) R[J, :]`` for a
-block of rows ``a`` of Z and 32-column chunks ``J`` of X, both products ``tl.dot(..., input_precision="tf32x3")``
-(each operand split into a tf32 high half and the fp32 remainder, three tf32 MMAs, fp32 accumulation). Tiles are
+block of rows ``a`` of Z and 32-column chunks ``J`` of X, both products tf32x3 (:func:`_dot_tf32x3`: each operand
+split into a tf32 high half and the fp32 remainder, three tf32 MMAs chained through one fp32 accumulator; what
+``input_precision="tf32x3"`` computes, without its per-element adds and NaN masks). Tiles are
 zero-padded to powers of two >= 16; a program owns rows of Z whose flattened span is whole 32-groups, so it
 quantizes and stores its own codes and scales (compacted through its token block's scratch row when ``n2`` is
 not a power of two, as above). The input cast and the diagonal happen on load: a quantized linear stays two
@@ -247,6 +248,7 @@ def _transform_rows(
     q = tl.arange(0, STACK * CJ)  # token q // CJ, column q % CJ of the chunk
     b = tl.arange(0, N2P)
     tok_ok = tl.reshape(tl.broadcast_to(ok[:, None], [STACK, CJ]), [STACK * CJ])
+    left_hi, left_lo = _split_tf32(left_t)
     z = tl.zeros([STACK * ROWSP, N2P], dtype=tl.float32)
     for j0 in range(0, N2, CJ):
         j = j0 + q % CJ
@@ -254,12 +256,35 @@ def _transform_rows(
         x_offs = (q // CJ)[None, :] * K + c[:, None] * N2 + j[None, :]
         x = tl.load(x_blk + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         x = _scaled(x, d_ptr, c[:, None] * N2 + j[None, :], x_mask, HAS_D)
-        y = tl.dot(left_t, x, input_precision="tf32x3")  # [a, (t, j)] = sum_c L[c, a] X_t[c, j]
+        y = tl.zeros([ROWSP, STACK * CJ], dtype=tl.float32)
+        y = _dot_tf32x3(left_hi, left_lo, x, y)  # [a, (t, j)] = sum_c L[c, a] X_t[c, j]
         y = tl.reshape(tl.permute(tl.reshape(y, [ROWSP, STACK, CJ]), (1, 0, 2)), [STACK * ROWSP, CJ])
         jr = j0 + tl.arange(0, CJ)
         r = tl.load(right_ptr + jr[:, None] * N2 + b[None, :], mask=(jr < N2)[:, None] & (b < N2)[None, :], other=0.0)
-        z = tl.dot(y, r, z, input_precision="tf32x3")  # [(t, a), b] += sum_j Y_t[a, j] R[j, b]
+        y_hi, y_lo = _split_tf32(y)
+        z = _dot_tf32x3(y_hi, y_lo, r, z)  # [(t, a), b] += sum_j Y_t[a, j] R[j, b]
     return z
+
+
+@triton.jit
+def _split_tf32(x):
+    """``(hi, lo)``: ``hi`` = ``x`` rounded to tf32 (10 fraction bits) to nearest, ties away from zero, as
+    ``cvt.rna.tf32.f32`` (add half a tf32 unit to the magnitude bits, clear the 13 below; a carry moves into the
+    exponent as it should), ``lo = x - hi`` (exact in fp32)."""
+    hi = ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _dot_tf32x3(a_hi, a_lo, b, acc):
+    """``acc + a b`` from three tf32 MMAs chained through ``acc``, small products first: ``a_lo b_hi``,
+    ``a_hi b_lo``, ``a_hi b_hi`` (``b`` split by :func:`_split_tf32`; the MMA reads each ``lo`` as a tf32, however
+    it rounds). What ``input_precision="tf32x3"`` computes (:func:`tf32x3_sum_error` covers either), without its
+    per-element adds and NaN masks of the small products' sums (inputs here are finite)."""
+    b_hi, b_lo = _split_tf32(b)
+    acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
 
 
 @triton.jit
@@ -307,7 +332,11 @@ def _group_scale(absmax, clip, QMAX: tl.constexpr):
 @triton.jit
 def _group_codes(groups, scale, QMIN: tl.constexpr, QMAX: tl.constexpr):
     """Round-half-to-even of ``clamp(groups / scale, q_min, q_max)`` as int32 (step 3)."""
-    v = tl.math.div_rn(groups, scale)
+    return _round_clamped(tl.math.div_rn(groups, scale), QMIN, QMAX)
+
+
+@triton.jit
+def _round_clamped(v, QMIN: tl.constexpr, QMAX: tl.constexpr):
     v = tl.minimum(tl.maximum(v, QMIN), QMAX)
     return ((v + ROUND_MAGIC) - ROUND_MAGIC).to(tl.int32)
 
@@ -329,12 +358,15 @@ def _store_groups(
     DECODE: tl.constexpr,
 ):
     """Steps 2-4 for ``groups [STACK, GP, 32]``, groups ``g0 ..`` of tokens ``tok [STACK]`` (those ``valid``): the
-    same scales, codes and formats as :func:`_quantize_store`."""
+    same scales and formats as :func:`_quantize_store`; the codes of ``groups * (1 / scale)`` (the reciprocal in
+    IEEE division, once per group), not ``groups / scale`` (an IEEE division per value, ~11 SASS instructions):
+    within 2^-23 of it, relative, which shifts codes only at values that close to a .5 tie, as the transform's
+    own bound already does (``test_fast_transform_within_its_bound`` allows for both)."""
     scale = _group_scale(tl.max(tl.abs(groups), axis=2), clip, QMAX)
     g = g0 + tl.arange(0, GP)[None, :]
     tok = tok[:, None]
     tl.store(scales_ptr + tok * (K // 32) + g, scale, mask=valid)
-    q = _group_codes(groups, scale[:, :, None], QMIN, QMAX)
+    q = _round_clamped(groups * tl.math.div_rn(1.0, scale)[:, :, None], QMIN, QMAX)
     p = tl.arange(0, 16)[None, None, :]
     g, tok, mask = g[:, :, None], tok[:, :, None], valid[:, :, None]
     if DECODE:
@@ -607,11 +639,12 @@ TF32_UNIT = 2.0**-11  # round to nearest (``cvt.rna``) to tf32's 10 fraction bit
 def tf32x3_product_error() -> float:
     """``delta`` with ``|a b - (a_hi b_hi + a_lo' b_hi + a_hi b_lo')| <= delta |a b|`` for fp32 ``a, b``.
 
-    Triton's ``tf32x3`` splits ``a_hi = rna_tf32(a)`` (``|a - a_hi| <= 2^-11 |a|``), ``a_lo = a - a_hi`` (exact in
-    fp32), and the MMA reads ``a_lo`` as tf32 ``a_lo'`` however it rounds (``|a_lo - a_lo'| <= 2^-10 |a_lo| <=
-    2^-21 |a|``); the error is ``a_lo b_lo + (a_lo - a_lo') b_hi + a_hi (b_lo - b_lo')``: at most
-    ``(2^-22 + 2 * 2^-21 (1 + 2^-11)) |a b|``. Each of the three partial products is exact in fp32 (11 x 11
-    significant bits) and their magnitudes sum to at most ``(1 + 2^-8) |a b|``."""
+    The split (:func:`_split_tf32`, as Triton's ``tf32x3``) is ``a_hi = rna_tf32(a)`` (``|a - a_hi| <= 2^-11 |a|``),
+    ``a_lo = a - a_hi`` (exact in fp32), and the MMA reads ``a_lo`` as tf32 ``a_lo'`` however it rounds
+    (``|a_lo - a_lo'| <= 2^-10 |a_lo| <= 2^-21 |a|``); the error is
+    ``a_lo b_lo + (a_lo - a_lo') b_hi + a_hi (b_lo - b_lo')``: at most ``(2^-22 + 2 * 2^-21 (1 + 2^-11)) |a b|``.
+    Each of the three partial products is exact in fp32 (11 x 11 significant bits) and their magnitudes sum to at
+    most ``(1 + 2^-8) |a b|``."""
     return 2.0**-22 + 2 * 2.0**-21 * (1 + TF32_UNIT)
 
 
@@ -620,7 +653,8 @@ def tf32x3_sum_error(n: int) -> float:
     length ``n`` (with padding): the product error :func:`tf32x3_product_error`, plus ``gamma_{3n+1}`` with unit
     :data:`ACC_UNIT` (Higham, eq. 3.5: a sum of ``3n`` exact partial products and the accumulator carried in,
     whether Triton chains it through the three MMAs or adds it after them, in any order, each addition off by
-    ``ACC_UNIT``, relative) on their magnitudes. NaN masking of the low-half MMAs does not touch finite values."""
+    ``ACC_UNIT``, relative) on their magnitudes (:func:`_dot_tf32x3` chains them; Triton's ``tf32x3`` adds the
+    small products' sum after, with NaN masks that do not touch finite values)."""
     return tf32x3_product_error() + (1 + 2.0**-8) * _gamma(3 * n + 1, ACC_UNIT)
 
 

@@ -2,8 +2,8 @@
 
 Run as ``python -m tests.kernels.gpu_compile [arch]`` with TRITON_INTERPRET unset; prints one line per kernel
 configuration with PTX facts the bit-exactness relies on; for the quantizer's fast ``tl.dot`` path at Ouro's
-widths (its decode and prefill program splits), its tensor-core ``mma`` instructions and the ``cvt.rna.tf32`` of
-the tf32x3 split, registers and spills; for
+widths (its decode and prefill program splits), its tf32 tensor-core ``mma`` instructions and the rounding of
+the tf32x3 split (``quantize_kernel._split_tf32``: an ``and`` with ``0xFFFFE000``), registers and spills; for
 the prefill GEMM (every tile of its config table, W4A4 and W4A8) the tensor-core instruction its dots lower to
 (``warp_group_dot`` in TTGIR and ``wgmma`` in PTX on sm_90, ``mma.sync`` on sm_80), its pipelined ``cp.async``
 loads, registers and spills; for the decode GEMM the facts its speed relies on:
@@ -196,8 +196,9 @@ def main(arch: int) -> None:
         for m in (1, 4096):  # the decode split and the prefill one
             ptx = compile_quantizer(target, m, k, (n1, n2), bits, fast=True).asm["ptx"]
             regs, spills = ptxas_usage(ptx, arch)
-            mma, split = ptx.count("mma.sync.aligned") + ptx.count("wgmma.mma_async"), ptx.count("cvt.rna.tf32")
-            print(f"fastquant K={k} {n1}x{n2} a{bits} M={m} mma", mma, "cvt.rna.tf32", split, end=" ")
+            mma = len(re.findall(r"\b(?:mma\.sync\.aligned|wgmma\.mma_async)\S*\.tf32\b", ptx))
+            split = len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -8192;", ptx))  # quantize_kernel._split_tf32
+            print(f"fastquant K={k} {n1}x{n2} a{bits} M={m} tf32 mma", mma, "tf32 split", split, end=" ")
             print("regs", regs, "spills", spills)
     for cfg in gemm_kernel.CANDIDATES:
         for a_int4 in (True, False):

@@ -47,9 +47,9 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     assert all(re.search(tensor_core + r"cp.async [1-9]\d* regs \d+ spills 0$", s) for s in gemm), gemm
     fast = [s for s in lines if s.startswith("fastquant")]
     # the fast quantizer at K = 2048 (32 x 64) and 5632 (64 x 88), int4 and int8, decode (M = 1) and prefill
-    # (M = 4096) splits: dots on tensor cores, split tf32x3 (rna-rounded high halves) and no register spills
+    # (M = 4096) splits: tf32 dots on tensor cores, split tf32x3 (rna-rounded high halves) and no register spills
     assert len(fast) == 8 and {s.split(" ")[2] for s in fast} == {"32x64", "64x88"}, fast
-    assert all(re.search(r" mma [1-9]\d* cvt.rna.tf32 [1-9]\d* regs \d+ spills 0$", s) for s in fast), fast
+    assert all(re.search(r" tf32 mma [1-9]\d* tf32 split [1-9]\d* regs \d+ spills 0$", s) for s in fast), fast
     decode = [s for s in lines if s.startswith("decode m")]
     assert len(decode) == 4
     assert all(re.search(r"weight loads 16 B wide [1-9]\d* narrow 0 dp4a [1-9]\d* ", s) for s in decode), decode
