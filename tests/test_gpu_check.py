@@ -200,6 +200,17 @@ def test_split_sweep_table_and_its_json_round_trip():
     assert kernel_bench.format_splits(ROWS) == ""
 
 
+def test_warm_quantizer_table_and_its_json_round_trip():
+    """The quantizer flushed against warm (by hand: 37.0 / 12.5 us = 2.96x); rows without a warm time are left out;
+    the recorded JSON row gives the same table in the Markdown report, after the split sweep."""
+    warm = KernelRow(2048, 5632, 1, w4a4_quant_ms=0.037, w4a4_quant_warm_ms=0.0125, split=8, split_ms={"8": 0.01})
+    headers, cells = kernel_bench.warm_table([warm, ROWS[0]])
+    assert headers[-1] == "flushed / warm" and cells == [["2048", "5632", "1", "37.0", "12.5", "2.96x"]]
+    section = run_checks.kernel_section(json.loads(json.dumps({"rows": [kernel_bench.as_dict(warm)]})))
+    assert section.endswith("| 2048 | 5632 | 1 | 37.0 | 12.5 | 2.96x |") and "| split 1 us |" in section
+    assert kernel_bench.format_warm(ROWS) == ""
+
+
 # ---------------------------------------------------------------------------------------- verdicts, exit status
 def test_exit_status_is_1_only_when_a_stage_failed():
     assert exit_status(RESULTS) == 1

@@ -177,6 +177,7 @@ def kernel_bench_stage(ctx: Context) -> StageResult:
     rows = kernel_bench.measure(kernel_bench.SHAPES, kernel_bench.TOKENS, on_row=on_row)
     print(kernel_bench.format_rows(rows, peaks))
     print(kernel_bench.format_splits(rows))
+    print(kernel_bench.format_warm(rows))
     status, summary = kernel_bench.summarize(rows, peaks)
     return StageResult("kernel-bench", status, summary, details={"rows": [kernel_bench.as_dict(r) for r in rows]})
 

@@ -75,6 +75,8 @@ class KernelRow:
     #: ``MMA_PROGRAMS_PER_SM`` by
     split: int | None = None
     split_ms: dict[str, float] = field(default_factory=dict)
+    #: the W4A4 quantizer replayed in a CUDA graph without flushing L2 (:func:`warm_table`)
+    w4a4_quant_warm_ms: float | None = None
 
 
 def goal_for(m: int) -> float | None:
@@ -202,7 +204,7 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
     """Fill ``row``'s times (CUDA, compiled kernels): BF16 ``x @ W^T``, and per W4A4 / W4A8 the quantizer (with the
     transform) and the GEMM (BF16 output) of :func:`timed_calls`, each the median of ``do_bench`` with the L2 cache
     flushed per call."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     def bench(fn: Callable[[], object]) -> float:
         # compiled (and any lazy setup done) before do_bench sizes its repetitions from the first calls; longer than
@@ -221,6 +223,8 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
         quant, gemm = timed_calls(x, left, right, w, sw, bits)
         setattr(row, f"w4a{bits}_quant_ms", bench(quant))
         setattr(row, f"w4a{bits}_gemm_ms", bench(gemm))
+    quant4 = timed_calls(x, left, right, w, sw, 4)[0]
+    row.w4a4_quant_warm_ms = do_bench_cudagraph(quant4, rep=BENCH_REP_MS, return_mode="median")
     if row.m <= decode_kernel.MAX_M:
         _, gemm = timed_calls(x, left, right, w, sw, 4)
         mma = decode_kernel.uses_mma(row.m)
@@ -249,6 +253,26 @@ def split_table(rows: list[KernelRow]) -> tuple[tuple[str, ...], list[list[str]]
 def format_splits(rows: list[KernelRow]) -> str:
     """:func:`split_table` as text (empty without a timed decode row)."""
     headers, cells = split_table(rows)
+    return grid(headers, cells, right=range(len(headers))) if cells else ""
+
+
+def warm_table(rows: list[KernelRow]) -> tuple[tuple[str, ...], list[list[str]]]:
+    """The W4A4 quantizer timed two ways (headers, cells): as in the main table, L2 flushed before each call, and
+    replayed in a CUDA graph with L2 warm, as in a decode step, where the previous kernel has just written ``x`` and
+    the transform's factors are read at every layer. The second GPU run timed decode-size quantizers at 8-37 us
+    with L2 flushed; their ratio says how much of that was cold caches (code included) and launch."""
+    headers = ("N", "K", "M", "A4 q us, L2 flushed", "A4 q us, warm graph", "flushed / warm")
+    cells = [
+        [str(r.n), str(r.k), str(r.m), _us(r.w4a4_quant_ms), _us(r.w4a4_quant_warm_ms),
+         _x(speedup(r.w4a4_quant_ms, r.w4a4_quant_warm_ms))]
+        for r in rows if r.w4a4_quant_warm_ms is not None
+    ]  # fmt: skip
+    return headers, cells
+
+
+def format_warm(rows: list[KernelRow]) -> str:
+    """:func:`warm_table` as text (empty without a timed row)."""
+    headers, cells = warm_table(rows)
     return grid(headers, cells, right=range(len(headers))) if cells else ""
 
 

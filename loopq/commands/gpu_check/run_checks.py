@@ -60,8 +60,9 @@ def kernel_section(details: dict[str, object]) -> str:
     parsed = [kernel_bench.KernelRow(**{k: v for k, v in row.items() if k in fields}) for row in rows]
     peaks = peaks_for(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     table = markdown(kernel_bench.HEADERS, [kernel_bench.row_cells(r, peaks) for r in parsed])
-    headers, splits = kernel_bench.split_table(parsed)
-    return table + ("\n\n" + markdown(headers, splits) if splits else "")
+    for headers, cells in (kernel_bench.split_table(parsed), kernel_bench.warm_table(parsed)):
+        table += "\n\n" + markdown(headers, cells) if cells else ""
+    return table
 
 
 driver.SECTIONS["kernel-bench"] = kernel_section
