@@ -18,7 +18,9 @@ format (config.json + model.safetensors) with ``tokenizer.json`` to ``out_dir``.
 Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint(save_last=true)``, as in
 ``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
 newest checkpoint (model, optimizer, LR schedule, step; the data order goes on in its epoch after the batches the
-checkpointed steps consumed, so a resumed run trains on the batches an uninterrupted one would).
+checkpointed steps consumed, so a resumed run trains on the batches an uninterrupted one would). With
+``trainer.accumulate_grad_batches > 1`` a stop (a signal, ``trainer.max_time``, a callback) that comes inside an
+accumulation window waits for the window's optimizer step, so every checkpoint lies on a step boundary.
 Without a ``ModelCheckpoint`` (``enable_checkpointing: false``, as in ``configs/pretrain/tiny-ouro.yaml``),
 ``--ckpt_path last`` resumes from the ``<default_root_dir>/checkpoints/last.ckpt`` that a stop on SIGTERM / Ctrl-C or
 on ``trainer.max_time`` saved; with nothing saved it fails with one line instead of training from step 0.
@@ -318,6 +320,8 @@ class LoopedPretrainer(L.LightningModule):
         self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
         self._first_step, self._rate_t0 = 0, time.time()
         self._stop_checkpoint: Path | None = None  # last.ckpt saved when the run stopped short (on_train_batch_end)
+        self._batch_step = 0  # the optimizer step the training batch in flight started at
+        self._stop_held = False  # a stop asked for inside an accumulation window, held until its step is taken
 
     def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -325,10 +329,22 @@ class LoopedPretrainer(L.LightningModule):
     def on_train_start(self) -> None:
         self._rate_t0, self._first_step = time.time(), self.global_step
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_step = self.global_step
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """A stop before ``trainer.max_steps`` (``max_time``, a callback) saves last.ckpt here, mid-epoch as a
-        ``ModelCheckpoint`` would: one saved at fit end resumes in the next epoch, past batches never trained on."""
+        ``ModelCheckpoint`` would: one saved at fit end resumes in the next epoch, past batches never trained on.
+        Inside an accumulation window (``accumulate_grad_batches > 1``) the stop waits for the window's optimizer
+        step, as a stop on a signal does (:mod:`loopq.calib.stop_on_signal`): saved after a micro-batch, the
+        checkpoint lost the window's gradients and its resumed run stepped one micro-batch early from then on."""
         trainer = self.trainer
+        if trainer.accumulate_grad_batches > 1 and trainer.global_step == self._batch_step:  # no step taken yet
+            self._stop_held = self._stop_held or trainer.should_stop
+            trainer.should_stop = False
+            return
+        trainer.should_stop = trainer.should_stop or self._stop_held
+        self._stop_held = False
         if trainer.should_stop and not trainer.received_sigterm and 0 < trainer.global_step < trainer.max_steps:
             self._stop_checkpoint = save_last(trainer)
 
