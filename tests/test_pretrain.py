@@ -596,3 +596,16 @@ def test_a_sigterm_inside_an_accumulation_window_waits_for_its_step_and_the_resu
     straight, resumed = (load_file(tmp_path / name / "t" / "model.safetensors") for name in ("straight", "resumed"))
     for name, weight in straight.items():
         torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
+
+
+def test_an_empty_sources_list_is_refused_before_anything_is_trained_or_written(data, tmp_path):
+    """``--data.sources '[]'`` trained on the default sources (calibration prose, LAMBADA dev, WikiText-2 valid)
+    without a word; now one line naming the key, nothing written."""
+    from loopq.commands.pretrain import main
+    from loopq.data.text import DataError
+
+    with pytest.raises(DataError, match=re.escape("data.sources=[]: lists no text; list the files (or globs)")):
+        main([*tiny_cli_args(tmp_path, 2), "--data.sources", "[]"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no teacher, no checkpoint, no logs
+    with pytest.raises(DataError, match=re.escape("data.sources=[]")):
+        PretrainDataModule(sources=[])

@@ -71,7 +71,13 @@ from loopq.calib.stop_on_signal import checkpoint_dir, exit_status, save_last
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.stream import contiguous_windows, token_stream
-from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_source, read_training_text, resolve_sources
+from loopq.data.text import (
+    DEFAULT_TRAINING_SOURCES,
+    check_sources_listed,
+    read_source,
+    read_training_text,
+    resolve_sources,
+)
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import LoopQError, UsageError
 from loopq.files import atomic_write
@@ -100,7 +106,7 @@ class PretrainDataModule(L.LightningDataModule):
 
         Args:
             sources: training text files, globs relative to root (default: the calibration prose, LAMBADA development
-                text and WikiText-2 valid)
+                text and WikiText-2 valid; an empty list is refused)
             root: the folder sources are relative to (default: LOOPQ_DATA or the shared data folder)
             vocab_size: vocabulary of the BPE trained on the text
             seq_len: tokens per training window (after BOS with bos)
@@ -117,6 +123,7 @@ class PretrainDataModule(L.LightningDataModule):
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size), ("vocab_size", vocab_size)):
             if value < 1:
                 raise UsageError(f"data.{key}={value}: must be >= 1")
+        check_sources_listed(sources, DEFAULT_TRAINING_SOURCES)
         self.save_hyperparameters()
         self.tokenizer: Any = None
         self.train: Tensor | None = None
@@ -126,7 +133,8 @@ class PretrainDataModule(L.LightningDataModule):
         if self.train is not None:
             return
         hp = self.hparams
-        files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
+        sources = DEFAULT_TRAINING_SOURCES if hp.sources is None else hp.sources
+        files = resolve_sources(list(sources), Path(hp.root) if hp.root else data_dir())
         docs = read_training_text(files)  # the guards, over the sources as listed (a repeated one weights its text)
         self.tokenizer = load_tokenizer(hp.tokenizer) if hp.tokenizer else train_bpe(docs, hp.vocab_size)
         check_vocab_fits(self.tokenizer.get_vocab_size(), hp.vocab_size, hp.tokenizer)
