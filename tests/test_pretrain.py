@@ -609,3 +609,37 @@ def test_an_empty_sources_list_is_refused_before_anything_is_trained_or_written(
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no teacher, no checkpoint, no logs
     with pytest.raises(DataError, match=re.escape("data.sources=[]")):
         PretrainDataModule(sources=[])
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "differs"),
+    [
+        ("--model.hidden_size", "32", "model.hidden_size: 16 -> 32"),  # was a page of state-dict shape mismatches
+        ("--model.total_ut_steps", "3", "model.total_ut_steps: 2 -> 3"),  # trained on silently (loop count)
+        ("--data.sources", '["calibration/*.txt"]', "data.sources: "),  # silently: another text, another BPE
+        ("--trainer.accumulate_grad_batches", "2", "trainer.accumulate_grad_batches: 1 -> 2"),  # another position
+    ],
+)
+def test_a_resume_with_other_settings_is_refused_before_training_and_the_run_settings_may_change(
+    data, tmp_path, option, value, differs
+):
+    """``--ckpt_path`` (a file, or ``last``) with another model shape, loop count, text or data position: one line
+    naming the key, the checkpoint's value first, before any training; checkpoint and teacher untouched. The run
+    length, logging and ``model.out_dir`` may change: that resume trains on."""
+    from loopq.commands.pretrain import main
+    from loopq.errors import UsageError
+
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(ckpt.parent), "save_last": True}}  # fmt: skip
+    args = [*tiny_cli_args(tmp_path, 2), "--trainer.enable_checkpointing", "true"]
+    args += ["--trainer.callbacks", json.dumps([checkpoint])]
+    main(args)
+    before = {path: path.read_bytes() for path in [ckpt, *(tmp_path / "t").iterdir()]}
+    for resume in (str(ckpt), "last"):
+        with pytest.raises(UsageError, match=rf"--ckpt_path .*: trained with other settings \(.*{re.escape(differs)}"):
+            main([*args, "--trainer.max_steps", "4", "--ckpt_path", resume, option, value])
+        assert {path: path.read_bytes() for path in before} == before
+    main([*args, "--trainer.max_steps", "3", "--trainer.max_time", "00:00:10:00", "--trainer.log_every_n_steps", "1",
+          "--model.out_dir", str(tmp_path / "t2"), "--ckpt_path", "last"])  # fmt: skip
+    assert json.loads((tmp_path / "t2" / "training_record.json").read_text())["steps"] == 3

@@ -24,6 +24,11 @@ accumulation window waits for the window's optimizer step, so every checkpoint l
 Without a ``ModelCheckpoint`` (``enable_checkpointing: false``, as in ``configs/pretrain/tiny-ouro.yaml``),
 ``--ckpt_path last`` resumes from the ``<default_root_dir>/checkpoints/last.ckpt`` that a stop on SIGTERM / Ctrl-C or
 on ``trainer.max_time`` saved; with nothing saved it fails with one line instead of training from step 0.
+A resume keeps the checkpoint's settings: another model shape, objective, optimiser, text, tokenizer or window
+layout (``model.*`` / ``data.*`` but ``model.out_dir``, ``model.save_dtype``, ``data.root``), or another
+``trainer.accumulate_grad_batches``, ``limit_train_batches`` or process count, is refused with one line naming the
+differing keys (:func:`check_resume_settings`); the run length (``max_steps``, ``max_time``), logging and callbacks
+may change.
 The record written next to the model names the command, seed, steps, ``max_steps``, why the run stopped
 (``stop_reason``) and the wall time summed over all resumed segments.
 
@@ -66,7 +71,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from loopq.artifacts.layout import MODEL_KINDS, RUN_LOCK, TRAINING_RECORD, check_output_dir, model_kind
-from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
+from loopq.calib.checkpoint_io import check_ckpt_path, load_weights_only, newest_intact
 from loopq.calib.stop_on_signal import checkpoint_dir, exit_status, save_last
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
@@ -85,6 +90,7 @@ from loopq.locks import DirectoryLock
 from loopq.models.config_checks import check_config_types
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
+from loopq.provenance import describe, differing_keys, flatten
 
 
 class PretrainDataModule(L.LightningDataModule):
@@ -358,6 +364,7 @@ class LoopedPretrainer(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["loopq_wall_seconds"] = self.wall_seconds()
+        checkpoint[DATA_POSITION] = data_position(self.trainer)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._wall_before = float(checkpoint.get("loopq_wall_seconds", 0.0))
@@ -660,9 +667,62 @@ def fit_resumable(
     try:
         with DirectoryLock(root, RUN_LOCK, command, "--trainer.default_root_dir"):  # one writer at a time
             ckpt_path = resume_checkpoint(cli.config.get("ckpt_path"), cli.trainer)
+            if ckpt_path is not None:
+                check_resume_settings(ckpt_path, cli.model, cli.datamodule, cli.trainer)
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.calib.stop_on_signal)
         raise SystemExit(exit_status(cli.trainer)) from None
+
+
+#: the checkpoint entry with :func:`data_position`'s trainer settings
+DATA_POSITION = "loopq_data_position"
+
+#: hyper-parameters a resume may change (besides the trainer's run length, logging and callbacks): where and in which
+#: dtype the trained model is written, and where the data folder lies
+RESUME_MAY_CHANGE = frozenset({"model.out_dir", "model.save_dtype", "data.root"})
+
+
+def data_position(trainer: L.Trainer) -> dict[str, Any]:
+    """The trainer settings that decide which windows the steps so far consumed (:func:`consumed_windows`,
+    :func:`epoch_batches`, :class:`EpochShuffle`'s shards): a resume with others goes on at another place of the
+    data."""
+    return {
+        "trainer.accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "trainer.limit_train_batches": trainer.limit_train_batches,
+        "processes (trainer.devices x trainer.num_nodes)": trainer.world_size,
+    }
+
+
+def run_settings(model: dict[str, Any], data: dict[str, Any], position: dict[str, Any]) -> dict[str, Any]:
+    """What a resume must share with its checkpoint, as flat dotted keys: the model's and the data's
+    hyper-parameters and the ``position`` (:func:`data_position`), less :data:`RESUME_MAY_CHANGE` and Lightning's
+    own entries (``_instantiator``)."""
+    flat = flatten({"model": dict(model), "data": dict(data)}) | dict(position)
+    return {k: v for k, v in flat.items() if k not in RESUME_MAY_CHANGE and not k.partition(".")[2].startswith("_")}
+
+
+def check_resume_settings(
+    ckpt_path: str, module: L.LightningModule, data: L.LightningDataModule, trainer: L.Trainer
+) -> None:
+    """Refuse, before any training, to resume a checkpoint trained with other settings: the model's shapes (width,
+    depth, vocabulary, loops), objective and optimiser, the data's text, tokenizer and windows, and the trainer
+    settings of the data position (:func:`data_position`; a checkpoint from before they were recorded is not
+    compared on them). One line names the differing keys, the checkpoint's value first. Another width used to fail in
+    Lightning's state-dict load with a page of shape mismatches; another loop count, text or window order trained on
+    silently, and the record then claimed the new settings for every step. The checkpoint is read weights-only."""
+    checkpoint = load_weights_only(ckpt_path, mmap=True)
+    position = checkpoint.get(DATA_POSITION)
+    recorded = run_settings(
+        checkpoint.get("hyper_parameters") or {}, checkpoint.get("datamodule_hyper_parameters") or {}, position or {}
+    )
+    current = run_settings(module.hparams, data.hparams, data_position(trainer) if position else {})
+    keys = differing_keys(recorded, current)
+    if keys:
+        raise UsageError(
+            f"--ckpt_path {ckpt_path}: trained with other settings ({describe(keys, recorded, current)}); resume "
+            "with the checkpoint's settings, or start a new run (another trainer.default_root_dir and model.out_dir, "
+            "without --ckpt_path)"
+        )
 
 
 def resume_checkpoint(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
