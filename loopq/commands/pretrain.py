@@ -709,7 +709,10 @@ def check_resume_settings(
     settings of the data position (:func:`data_position`; a checkpoint from before they were recorded is not
     compared on them). One line names the differing keys, the checkpoint's value first. Another width used to fail in
     Lightning's state-dict load with a page of shape mismatches; another loop count, text or window order trained on
-    silently, and the record then claimed the new settings for every step. The checkpoint is read weights-only."""
+    silently, and the record then claimed the new settings for every step. The checkpoint is read weights-only; a
+    DeepSpeed checkpoint directory is left to DeepSpeed's loader."""
+    if Path(ckpt_path).is_dir():
+        return
     checkpoint = load_weights_only(ckpt_path, mmap=True)
     position = checkpoint.get(DATA_POSITION)
     recorded = run_settings(
