@@ -1,6 +1,7 @@
 """``loopq.evaluate``'s model building: which ``--method`` labels build a training-free baseline from the teacher."""
 
 import json
+import re
 from fractions import Fraction
 
 import pytest
@@ -144,3 +145,13 @@ def test_calib_sources_choose_the_baselines_calibration_text_and_are_recorded(tm
                       calib_sources=source, out=str(tmp_path / "quarot.json"), device="cpu")  # fmt: skip
     assert result["calibration"] == {"samples": 4, "seq_len": 32, "sources": source}
     assert json.loads((tmp_path / "quarot.json").read_text())["calibration"]["sources"] == source
+
+
+def test_an_empty_calib_sources_list_is_refused_instead_of_calibrating_on_the_default_text(tmp_path):
+    """``--calib_sources '[]'`` calibrated the baseline on the default prose and recorded ``sources: []``."""
+    from loopq.data.text import DataError
+
+    with pytest.raises(DataError, match=re.escape("--calib_sources=[]: lists no text; list the files")):
+        evaluate(model=TEACHER, method="QuaRot", tasks=[], ppl_windows=1, calib_samples=4, calib_seq_len=32,
+                 calib_sources=[], out=str(tmp_path / "quarot.json"), device="cpu")  # fmt: skip
+    assert not (tmp_path / "quarot.json").exists()

@@ -205,10 +205,15 @@ def test_each_epoch_has_its_own_order_and_a_resume_replays_it():
     assert seen == want  # Lightning set each epoch on the sampler
 
 
-def test_a_resumed_pretraining_sees_the_uninterrupted_batches_and_ends_on_its_weights(data, tmp_path):
-    """Stopped mid-epoch at step 4 and resumed from last.ckpt, a run trains on the batches of an uninterrupted run and
-    ends on its weights (the resume used to restart its epoch at the first batch: review finding). Epochs of 5 batches
-    in steps of 2 (3 steps an epoch, the last of 1 batch): the resume lands 1 step into epoch 1."""
+@pytest.mark.parametrize(("stop_after_batch", "step"), [(7, 4), (8, 5)])
+def test_a_resumed_pretraining_sees_the_uninterrupted_batches_and_ends_on_its_weights(
+    data, tmp_path, stop_after_batch, step
+):
+    """Stopped mid-epoch and resumed from last.ckpt, a run trains on the batches of an uninterrupted run and ends on
+    its weights (the resume used to restart its epoch at the first batch: review finding). Epochs of 5 batches in steps
+    of 2 (3 steps an epoch, the last of 1 batch). A stop asked for after batch 7 (step 4's last) stops at step 4, 1
+    step into epoch 1; one asked for after batch 8, inside step 5's window, waits for that step (it used to stop and
+    save after the micro-batch: the resumed run stepped one micro-batch early, every later step shifted by one)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     seen: list[tuple[int, int]] = []
@@ -218,8 +223,8 @@ def test_a_resumed_pretraining_sees_the_uninterrupted_batches_and_ends_on_its_we
             seen.append((trainer.current_epoch, int(batch[0].sum())))
 
     class StopAt(L.Callback):
-        def on_train_batch_end(self, trainer, *_):
-            trainer.should_stop = trainer.should_stop or trainer.global_step == 4
+        def on_train_batch_end(self, trainer, *_):  # asks once, as a callback on an event does
+            trainer.should_stop = trainer.should_stop or len(seen) == stop_after_batch
 
     def run(name, stop=False, ckpt_path=None):
         dm = PretrainDataModule(sources=["calibration/tinyshakespeare_input.txt"], vocab_size=300, seq_len=16,
@@ -241,9 +246,9 @@ def test_a_resumed_pretraining_sees_the_uninterrupted_batches_and_ends_on_its_we
     want, seen[:] = list(seen), []
     from loopq.commands.pretrain import RunIncomplete
 
-    with pytest.raises(RunIncomplete, match=r"after step 4 of trainer\.max_steps 8"):  # stopped short: not silent
+    with pytest.raises(RunIncomplete, match=rf"after step {step} of trainer\.max_steps 8"):  # stopped short: said
         run("resumed", stop=True)
-    assert len(seen) == 7  # 3 steps of epoch 0 (5 batches), 1 step of epoch 1
+    assert len(seen) == 5 + 2 * (step - 3)  # 3 steps of epoch 0 (5 batches), then steps of 2
     resumed = run("resumed", ckpt_path=str(tmp_path / "resumed" / "ckpt" / "last.ckpt"))
     assert seen == want
     for (name, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
@@ -554,3 +559,87 @@ def test_model_and_data_shapes_are_checked_before_training(data, tmp_path, optio
     with pytest.raises(LoopQError, match=re.escape(message)):
         main([*args, option, value])
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("batch", [7, 8])
+def test_a_sigterm_inside_an_accumulation_window_waits_for_its_step_and_the_resume_sees_the_same_batches(
+    data, tmp_path, capfd, batch
+):
+    """With ``accumulate_grad_batches`` 2 a SIGTERM that lands on either micro-batch of step 5 (batches 7 and 8,
+    0-based) finishes that step's window before saving: the checkpoint is at a step boundary, so the resumed run
+    accumulates the batches an uninterrupted run does, step for step, and ends on its weights. On the first
+    micro-batch it used to save right after it (its gradient lost), and the resumed run, counting that batch as done,
+    stepped after one micro-batch: every later step's batches shifted by one. Epochs of 5 batches (steps of 2, 2, 1);
+    the signal lands in epoch 1."""
+    from safetensors.torch import load_file
+
+    from loopq.commands.pretrain import main
+
+    def args(name, steps, *callbacks):
+        record = {"class_path": "tests.bad_inputs.signals.RecordBatches",
+                  "init_args": {"path": str(tmp_path / f"{name}.jsonl")}}  # fmt: skip
+        trainer = ["--trainer.accumulate_grad_batches", "2", "--trainer.limit_train_batches", "5"]
+        trainer += ["--trainer.callbacks", json.dumps([record, *callbacks])]
+        return [*tiny_cli_args(tmp_path / name, steps), *trainer]
+
+    def batches(name):
+        return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
+    main(args("straight", 7))
+    signal_at = {"class_path": "tests.bad_inputs.signals.SignalAtBatch", "init_args": {"batch": batch}}
+    with pytest.raises(SystemExit) as stop:
+        main(args("resumed", 7, signal_at))
+    assert stop.value.code == 143 and "stopped by SIGTERM after step 5" in capfd.readouterr().err
+    assert torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
+    main([*args("resumed", 7), "--ckpt_path", "last"])
+    assert batches("resumed") == batches("straight")  # [step, batch] of every micro-batch: none lost or replayed
+    straight, resumed = (load_file(tmp_path / name / "t" / "model.safetensors") for name in ("straight", "resumed"))
+    for name, weight in straight.items():
+        torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
+
+
+def test_an_empty_sources_list_is_refused_before_anything_is_trained_or_written(data, tmp_path):
+    """``--data.sources '[]'`` trained on the default sources (calibration prose, LAMBADA dev, WikiText-2 valid)
+    without a word; now one line naming the key, nothing written."""
+    from loopq.commands.pretrain import main
+    from loopq.data.text import DataError
+
+    with pytest.raises(DataError, match=re.escape("data.sources=[]: lists no text; list the files (or globs)")):
+        main([*tiny_cli_args(tmp_path, 2), "--data.sources", "[]"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no teacher, no checkpoint, no logs
+    with pytest.raises(DataError, match=re.escape("data.sources=[]")):
+        PretrainDataModule(sources=[])
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "differs"),
+    [
+        ("--model.hidden_size", "32", "model.hidden_size: 16 -> 32"),  # was a page of state-dict shape mismatches
+        ("--model.total_ut_steps", "3", "model.total_ut_steps: 2 -> 3"),  # trained on silently (loop count)
+        ("--data.sources", '["calibration/*.txt"]', "data.sources: "),  # silently: another text, another BPE
+        ("--trainer.accumulate_grad_batches", "2", "trainer.accumulate_grad_batches: 1 -> 2"),  # another position
+    ],
+)
+def test_a_resume_with_other_settings_is_refused_before_training_and_the_run_settings_may_change(
+    data, tmp_path, option, value, differs
+):
+    """``--ckpt_path`` (a file, or ``last``) with another model shape, loop count, text or data position: one line
+    naming the key, the checkpoint's value first, before any training; checkpoint and teacher untouched. The run
+    length, logging and ``model.out_dir`` may change: that resume trains on."""
+    from loopq.commands.pretrain import main
+    from loopq.errors import UsageError
+
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(ckpt.parent), "save_last": True}}  # fmt: skip
+    args = [*tiny_cli_args(tmp_path, 2), "--trainer.enable_checkpointing", "true"]
+    args += ["--trainer.callbacks", json.dumps([checkpoint])]
+    main(args)
+    before = {path: path.read_bytes() for path in [ckpt, *(tmp_path / "t").iterdir()]}
+    for resume in (str(ckpt), "last"):
+        with pytest.raises(UsageError, match=rf"--ckpt_path .*: trained with other settings \(.*{re.escape(differs)}"):
+            main([*args, "--trainer.max_steps", "4", "--ckpt_path", resume, option, value])
+        assert {path: path.read_bytes() for path in before} == before
+    main([*args, "--trainer.max_steps", "3", "--trainer.max_time", "00:00:10:00", "--trainer.log_every_n_steps", "1",
+          "--model.out_dir", str(tmp_path / "t2"), "--ckpt_path", "last"])  # fmt: skip
+    assert json.loads((tmp_path / "t2" / "training_record.json").read_text())["steps"] == 3

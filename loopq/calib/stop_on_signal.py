@@ -16,6 +16,12 @@ checkpoint IO; a collective save under DeepSpeed, so every rank takes part), and
 to a trainer that has none). A second signal stops at once without saving (the
 previous checkpoint stays). Before training starts (teacher targets, setup) SIGTERM keeps its default - the process
 ends at once - since there is nothing to save yet.
+
+With ``trainer.accumulate_grad_batches > 1`` (pretraining) the step that finishes is the whole accumulation window:
+the signal is handed to Lightning only after a micro-batch that took an optimizer step, so ``last.ckpt`` is saved at
+a step boundary. Lightning alone stopped after the micro-batch in flight: the gradients accumulated so far were in
+no checkpoint, and the resumed run, counting that micro-batch as done, stepped one micro-batch early - every later
+step's batches shifted by one against an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -52,8 +59,12 @@ class StopOnSignal(L.Callback):
     def __init__(self) -> None:
         self.signum: int | None = None  # the signal that asked to stop, on the rank that received it
         self.saved: Path | None = None
+        self.batch_step = 0  # the optimizer step the training batch in flight started at
+        #: Lightning's handler, held back until the accumulation window's optimizer step is taken (module doc)
+        self.held: Callable[[int, FrameType | None], Any] | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.held = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
         lightning_sigterm = signal.getsignal(signal.SIGTERM)  # installed by Lightning just before training
@@ -68,11 +79,28 @@ class StopOnSignal(L.Callback):
                     f"[loopq] {signal.Signals(signum).name} received: finishing step {trainer.global_step + 1}, then "
                     "saving a checkpoint and stopping (send it again to stop at once, without saving)\n".encode(),
                 )
-            if callable(lightning_sigterm):
+            if not callable(lightning_sigterm):
+                return
+            if trainer.accumulate_grad_batches > 1:  # on_train_batch_end hands it on once a window's step is taken
+                self.held = lightning_sigterm
+            else:
                 lightning_sigterm(signal.SIGTERM, frame)
 
         for signum in SIGNALS:
             signal.signal(signum, handle)  # Lightning's teardown restores the handlers it found before training
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.batch_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Hand a held-back signal to Lightning once this batch took an optimizer step (the window's last
+        micro-batch, or an epoch's last batch however few it accumulated): it stops after this batch. Any time
+        else with ``accumulate_grad_batches > 1`` - between windows too, since Lightning checks for a signal only
+        after the next micro-batch has run - the signal waits for the end of the window in flight or the next."""
+        if self.held is None or trainer.global_step == self.batch_step:
+            return
+        held, self.held = self.held, None
+        held(signal.SIGTERM, None)
 
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):

@@ -35,6 +35,7 @@ from jsonargparse.typing import PositiveInt
 from loopq.artifacts import load_artifact, read_artifact_meta, tokenizer_dir
 from loopq.commands.cli import Command
 from loopq.data.calibration import calibration_samples
+from loopq.data.text import DEFAULT_CALIBRATION_SOURCES, check_sources_listed
 from loopq.data.tokenizer import load_tokenizer
 from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError
@@ -193,13 +194,14 @@ def evaluate(
         calib_samples: calibration windows of a training-free baseline
         calib_seq_len: tokens per calibration window of a training-free baseline
         calib_sources: calibration text of a training-free baseline, as a fit config's data.sources (files or globs
-            relative to the data folder, or hf: specs; default: calibration/*.txt)
+            relative to the data folder, or hf: specs; default: calibration/*.txt; [] is refused)
         teacher: teacher directory of a student whose recorded teacher path is gone (same content hash)
         device: auto (cuda when available), cpu, cuda or cuda:N
     """
     where = resolve_device(device)
     task_list = ["loopq_paper"] if tasks is None else tasks
     choice = check_options(model, student, exported, method, bits, task_list)
+    check_sources_listed(calib_sources, DEFAULT_CALIBRATION_SOURCES, key="--calib_sources")
     if out:  # before any work: a result never replaces a model file or anything but an earlier result
         check_output_file(out, [model, student, exported])
     with file_lock(out, "loopq.evaluate") if out else nullcontext():  # a second evaluate --out of it refuses

@@ -18,10 +18,17 @@ format (config.json + model.safetensors) with ``tokenizer.json`` to ``out_dir``.
 Resumable: with checkpointing on (``trainer.callbacks`` with a ``ModelCheckpoint(save_last=true)``, as in
 ``configs/pretrain/small-ouro.yaml``), ``python -m loopq.pretrain --config ... --ckpt_path last`` continues from the
 newest checkpoint (model, optimizer, LR schedule, step; the data order goes on in its epoch after the batches the
-checkpointed steps consumed, so a resumed run trains on the batches an uninterrupted one would).
+checkpointed steps consumed, so a resumed run trains on the batches an uninterrupted one would). With
+``trainer.accumulate_grad_batches > 1`` a stop (a signal, ``trainer.max_time``, a callback) that comes inside an
+accumulation window waits for the window's optimizer step, so every checkpoint lies on a step boundary.
 Without a ``ModelCheckpoint`` (``enable_checkpointing: false``, as in ``configs/pretrain/tiny-ouro.yaml``),
 ``--ckpt_path last`` resumes from the ``<default_root_dir>/checkpoints/last.ckpt`` that a stop on SIGTERM / Ctrl-C or
 on ``trainer.max_time`` saved; with nothing saved it fails with one line instead of training from step 0.
+A resume keeps the checkpoint's settings: another model shape, objective, optimiser, text, tokenizer or window
+layout (``model.*`` / ``data.*`` but ``model.out_dir``, ``model.save_dtype``, ``data.root``), or another
+``trainer.accumulate_grad_batches``, ``limit_train_batches`` or process count, is refused with one line naming the
+differing keys (:func:`check_resume_settings`); the run length (``max_steps``, ``max_time``), logging and callbacks
+may change.
 The record written next to the model names the command, seed, steps, ``max_steps``, why the run stopped
 (``stop_reason``) and the wall time summed over all resumed segments.
 
@@ -64,12 +71,18 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from loopq.artifacts.layout import MODEL_KINDS, RUN_LOCK, TRAINING_RECORD, check_output_dir, model_kind
-from loopq.calib.checkpoint_io import check_ckpt_path, newest_intact
+from loopq.calib.checkpoint_io import check_ckpt_path, load_weights_only, newest_intact
 from loopq.calib.stop_on_signal import checkpoint_dir, exit_status, save_last
 from loopq.calib.stop_on_signal import install as install_stop_on_signal
 from loopq.commands.cli import SharedParsing, lightning_cli
 from loopq.data.stream import contiguous_windows, token_stream
-from loopq.data.text import DEFAULT_TRAINING_SOURCES, read_source, read_training_text, resolve_sources
+from loopq.data.text import (
+    DEFAULT_TRAINING_SOURCES,
+    check_sources_listed,
+    read_source,
+    read_training_text,
+    resolve_sources,
+)
 from loopq.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from loopq.errors import LoopQError, UsageError
 from loopq.files import atomic_write
@@ -77,6 +90,7 @@ from loopq.locks import DirectoryLock
 from loopq.models.config_checks import check_config_types
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
+from loopq.provenance import describe, differing_keys, flatten
 
 
 class PretrainDataModule(L.LightningDataModule):
@@ -98,7 +112,7 @@ class PretrainDataModule(L.LightningDataModule):
 
         Args:
             sources: training text files, globs relative to root (default: the calibration prose, LAMBADA development
-                text and WikiText-2 valid)
+                text and WikiText-2 valid; an empty list is refused)
             root: the folder sources are relative to (default: LOOPQ_DATA or the shared data folder)
             vocab_size: vocabulary of the BPE trained on the text
             seq_len: tokens per training window (after BOS with bos)
@@ -115,6 +129,7 @@ class PretrainDataModule(L.LightningDataModule):
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size), ("vocab_size", vocab_size)):
             if value < 1:
                 raise UsageError(f"data.{key}={value}: must be >= 1")
+        check_sources_listed(sources, DEFAULT_TRAINING_SOURCES)
         self.save_hyperparameters()
         self.tokenizer: Any = None
         self.train: Tensor | None = None
@@ -124,7 +139,8 @@ class PretrainDataModule(L.LightningDataModule):
         if self.train is not None:
             return
         hp = self.hparams
-        files = resolve_sources(list(hp.sources or DEFAULT_TRAINING_SOURCES), Path(hp.root) if hp.root else data_dir())
+        sources = DEFAULT_TRAINING_SOURCES if hp.sources is None else hp.sources
+        files = resolve_sources(list(sources), Path(hp.root) if hp.root else data_dir())
         docs = read_training_text(files)  # the guards, over the sources as listed (a repeated one weights its text)
         self.tokenizer = load_tokenizer(hp.tokenizer) if hp.tokenizer else train_bpe(docs, hp.vocab_size)
         check_vocab_fits(self.tokenizer.get_vocab_size(), hp.vocab_size, hp.tokenizer)
@@ -318,6 +334,8 @@ class LoopedPretrainer(L.LightningModule):
         self._wall_before = 0.0  # seconds spent in earlier (resumed-from) segments
         self._first_step, self._rate_t0 = 0, time.time()
         self._stop_checkpoint: Path | None = None  # last.ckpt saved when the run stopped short (on_train_batch_end)
+        self._batch_step = 0  # the optimizer step the training batch in flight started at
+        self._stop_held = False  # a stop asked for inside an accumulation window, held until its step is taken
 
     def _objective(self, batch: list[Tensor], stage: str) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -325,15 +343,28 @@ class LoopedPretrainer(L.LightningModule):
     def on_train_start(self) -> None:
         self._rate_t0, self._first_step = time.time(), self.global_step
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_step = self.global_step
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """A stop before ``trainer.max_steps`` (``max_time``, a callback) saves last.ckpt here, mid-epoch as a
-        ``ModelCheckpoint`` would: one saved at fit end resumes in the next epoch, past batches never trained on."""
+        ``ModelCheckpoint`` would: one saved at fit end resumes in the next epoch, past batches never trained on.
+        Inside an accumulation window (``accumulate_grad_batches > 1``) the stop waits for the window's optimizer
+        step, as a stop on a signal does (:mod:`loopq.calib.stop_on_signal`): saved after a micro-batch, the
+        checkpoint lost the window's gradients and its resumed run stepped one micro-batch early from then on."""
         trainer = self.trainer
+        if trainer.accumulate_grad_batches > 1 and trainer.global_step == self._batch_step:  # no step taken yet
+            self._stop_held = self._stop_held or trainer.should_stop
+            trainer.should_stop = False
+            return
+        trainer.should_stop = trainer.should_stop or self._stop_held
+        self._stop_held = False
         if trainer.should_stop and not trainer.received_sigterm and 0 < trainer.global_step < trainer.max_steps:
             self._stop_checkpoint = save_last(trainer)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["loopq_wall_seconds"] = self.wall_seconds()
+        checkpoint[DATA_POSITION] = data_position(self.trainer)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._wall_before = float(checkpoint.get("loopq_wall_seconds", 0.0))
@@ -636,9 +667,65 @@ def fit_resumable(
     try:
         with DirectoryLock(root, RUN_LOCK, command, "--trainer.default_root_dir"):  # one writer at a time
             ckpt_path = resume_checkpoint(cli.config.get("ckpt_path"), cli.trainer)
+            if ckpt_path is not None:
+                check_resume_settings(ckpt_path, cli.model, cli.datamodule, cli.trainer)
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException:  # stopped on request, last.ckpt saved (loopq.calib.stop_on_signal)
         raise SystemExit(exit_status(cli.trainer)) from None
+
+
+#: the checkpoint entry with :func:`data_position`'s trainer settings
+DATA_POSITION = "loopq_data_position"
+
+#: hyper-parameters a resume may change (besides the trainer's run length, logging and callbacks): where and in which
+#: dtype the trained model is written, and where the data folder lies
+RESUME_MAY_CHANGE = frozenset({"model.out_dir", "model.save_dtype", "data.root"})
+
+
+def data_position(trainer: L.Trainer) -> dict[str, Any]:
+    """The trainer settings that decide which windows the steps so far consumed (:func:`consumed_windows`,
+    :func:`epoch_batches`, :class:`EpochShuffle`'s shards): a resume with others goes on at another place of the
+    data."""
+    return {
+        "trainer.accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "trainer.limit_train_batches": trainer.limit_train_batches,
+        "processes (trainer.devices x trainer.num_nodes)": trainer.world_size,
+    }
+
+
+def run_settings(model: dict[str, Any], data: dict[str, Any], position: dict[str, Any]) -> dict[str, Any]:
+    """What a resume must share with its checkpoint, as flat dotted keys: the model's and the data's
+    hyper-parameters and the ``position`` (:func:`data_position`), less :data:`RESUME_MAY_CHANGE` and Lightning's
+    own entries (``_instantiator``)."""
+    flat = flatten({"model": dict(model), "data": dict(data)}) | dict(position)
+    return {k: v for k, v in flat.items() if k not in RESUME_MAY_CHANGE and not k.partition(".")[2].startswith("_")}
+
+
+def check_resume_settings(
+    ckpt_path: str, module: L.LightningModule, data: L.LightningDataModule, trainer: L.Trainer
+) -> None:
+    """Refuse, before any training, to resume a checkpoint trained with other settings: the model's shapes (width,
+    depth, vocabulary, loops), objective and optimiser, the data's text, tokenizer and windows, and the trainer
+    settings of the data position (:func:`data_position`; a checkpoint from before they were recorded is not
+    compared on them). One line names the differing keys, the checkpoint's value first. Another width used to fail in
+    Lightning's state-dict load with a page of shape mismatches; another loop count, text or window order trained on
+    silently, and the record then claimed the new settings for every step. The checkpoint is read weights-only; a
+    DeepSpeed checkpoint directory is left to DeepSpeed's loader."""
+    if Path(ckpt_path).is_dir():
+        return
+    checkpoint = load_weights_only(ckpt_path, mmap=True)
+    position = checkpoint.get(DATA_POSITION)
+    recorded = run_settings(
+        checkpoint.get("hyper_parameters") or {}, checkpoint.get("datamodule_hyper_parameters") or {}, position or {}
+    )
+    current = run_settings(module.hparams, data.hparams, data_position(trainer) if position else {})
+    keys = differing_keys(recorded, current)
+    if keys:
+        raise UsageError(
+            f"--ckpt_path {ckpt_path}: trained with other settings ({describe(keys, recorded, current)}); resume "
+            "with the checkpoint's settings, or start a new run (another trainer.default_root_dir and model.out_dir, "
+            "without --ckpt_path)"
+        )
 
 
 def resume_checkpoint(ckpt_path: str | None, trainer: L.Trainer) -> str | None:

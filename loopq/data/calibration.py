@@ -36,6 +36,7 @@ from loopq.data.text import (
     DataError,
     check_eval_content,
     check_hf_split,
+    check_sources_listed,
     read_training_text,
     resolve_sources,
 )
@@ -96,10 +97,12 @@ def load_calibration_docs(sources: list[str], root: Path | None) -> list[str]:
 
 
 def calibration_stream(tokenizer: str, sources: list[str] | None, root: str | None) -> Tensor:
-    """The token stream of the calibration sources (default: :data:`DEFAULT_CALIBRATION_SOURCES` under the data
-    root), tokenized once per process."""
+    """The token stream of the calibration sources (None: :data:`DEFAULT_CALIBRATION_SOURCES` under the data root; an
+    empty list is refused), tokenized once per process."""
+    check_sources_listed(sources, DEFAULT_CALIBRATION_SOURCES)
     directory = Path(root).expanduser() if root else data_dir()
-    return _tokenized(str(tokenizer), tuple(sources or DEFAULT_CALIBRATION_SOURCES), directory)
+    listed = DEFAULT_CALIBRATION_SOURCES if sources is None else sources
+    return _tokenized(str(tokenizer), tuple(listed), directory)
 
 
 def check_enough_tokens(tokens: int, num_samples: int, holdout_samples: int, seq_len: int) -> None:
@@ -149,7 +152,8 @@ class CalibrationDataModule(L.LightningDataModule):
 
         Args:
             tokenizer: model directory whose tokenizer.json encodes the text (set from model.teacher)
-            sources: calibration text files, globs relative to root (default: calibration/*.txt), or hf: specs
+            sources: calibration text files, globs relative to root (default: calibration/*.txt; an empty list is
+                refused), or hf: specs
             root: the folder sources are relative to (default: LOOPQ_DATA or the shared data folder)
             num_samples: calibration windows
             seq_len: tokens per window
@@ -168,6 +172,7 @@ class CalibrationDataModule(L.LightningDataModule):
             raise DataError(f"data.holdout_samples={holdout_samples}: a count of held-out windows, 0 or more")
         if val_samples < 0 or (val_sources and val_samples == 0):
             raise DataError(f"data.val_samples={val_samples}: use a positive count of validation windows per set")
+        check_sources_listed(sources, DEFAULT_CALIBRATION_SOURCES)
         for spec in sources or ():
             if spec.startswith("hf:"):
                 HFSource.parse(spec)  # refuse an evaluation split before the teacher is even loaded

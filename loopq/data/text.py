@@ -102,6 +102,16 @@ def source_label(path: Path, real: Path) -> str:
     return str(path) if os.path.abspath(path) == str(real) else f"{path} (-> {real})"
 
 
+def check_sources_listed(sources: Sequence[str] | None, default: Sequence[str], key: str = "data.sources") -> None:
+    """``sources`` left out (None) reads ``default``; an empty list is refused: it fell back to ``default`` silently,
+    so ``[]`` trained or calibrated on text nobody listed."""
+    if sources is not None and len(sources) == 0:
+        raise DataError(
+            f"{key}=[]: lists no text; list the files (or globs) to read, or leave {key} out for the default "
+            f"({', '.join(default)})"
+        )
+
+
 def resolve_sources(sources: Sequence[str], root: Path | None = None) -> list[Path]:
     """Expand globs relative to ``root`` (default: the data root); every pattern must match a file."""
     root = data_dir() if root is None else root

@@ -1,5 +1,8 @@
 """Test-only callbacks for the signal tests (used through the CLI: ``class_path: tests.bad_inputs.signals...``)."""
 
+import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -34,3 +37,33 @@ class RecordStartStep(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         Path(self.marker).write_text(str(trainer.global_step))
+
+
+class SignalAtBatch(L.Callback):
+    """Send SIGTERM to this process at the start of its ``batch``-th training batch of this segment (0-based, counting
+    micro-batches): with ``accumulate_grad_batches > 1`` the signal can land inside an accumulation window. In-process
+    tests only: the run's stop-on-signal handler is installed by then (never the default, which would end pytest)."""
+
+    changes_student = False
+
+    def __init__(self, batch: int) -> None:
+        self.batch, self.seen = batch, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen += 1
+        if self.seen - 1 == self.batch and signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class RecordBatches(L.Callback):
+    """Append ``[optimizer step, token sum of the batch]`` of every training micro-batch to the JSON-lines file
+    ``path``: which batches each optimizer step accumulated, over every segment of a resumed run."""
+
+    changes_student = False
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps([trainer.global_step, int(batch[0].sum())]) + "\n")

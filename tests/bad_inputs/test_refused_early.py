@@ -229,6 +229,13 @@ def test_fit_calibration_text_shorter_than_the_windows_is_refused(tmp_path: Path
     assert 32 < tokens < 576 and (samples + 2) * 32 <= tokens and 18 * seq_len <= tokens
 
 
+def test_fit_refuses_an_empty_sources_list_instead_of_calibrating_on_the_default_text(tmp_path: Path, capsys):
+    """``--data.sources '[]'`` calibrated on the default prose (calibration/*.txt) without a word."""
+    line = refused_fit(tmp_path, capsys, "--data.sources", "[]")
+    assert line.startswith("error: data.sources=[]: lists no text; list the files (or globs) to read, or leave "), line
+    assert line.endswith("data.sources out for the default (calibration/*.txt)"), line
+
+
 def test_calibration_data_module_refuses_overlapping_windows(data, tmp_path: Path):
     """The same rule in the data module itself (a hub source is checked there, after its download)."""
     text = tmp_path / "short.txt"
