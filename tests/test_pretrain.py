@@ -446,6 +446,29 @@ def test_ckpt_path_is_never_unpickled_from_a_url_or_read_from_a_non_checkpoint(t
     assert not (tmp_path / "t").exists()
 
 
+class _Payload:
+    """Unpickling it would create a file (``torch.save`` pickles the call)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_pickle_payload_checkpoint_is_refused_as_a_pretraining_one(tmp_path):
+    """A ``--ckpt_path`` holding pickled objects is refused in one line that names what pretraining expects and
+    which command writes it (the message once said "calibration checkpoint ... loopq.fit"), and never runs."""
+    from loopq.commands.pretrain import main
+    from loopq.errors import LoopQError
+
+    marker, ckpt = tmp_path / "PAYLOAD-RAN", tmp_path / "planted.ckpt"
+    torch.save({"state_dict": {}, "payload": _Payload(marker)}, ckpt)
+    with pytest.raises(LoopQError, match=r"planted\.ckpt: not a LoopQ pretraining checkpoint .*loopq\.pretrain"):
+        main([*tiny_cli_args(tmp_path, 5), "--ckpt_path", str(ckpt)])
+    assert not marker.exists() and not (tmp_path / "t").exists()
+
+
 def test_val_windows_must_leave_training_windows(data):
     import re
 

@@ -76,21 +76,28 @@ class CheckpointError(LoopQError):
     """No checkpoint to resume from is readable; the message names the folder and what to do."""
 
 
-def load_weights_only(path: str | os.PathLike, map_location: Any = None, mmap: bool = False) -> dict[str, Any]:
+def load_weights_only(
+    path: str | os.PathLike,
+    map_location: Any = None,
+    mmap: bool = False,
+    kind: str = "calibration",
+    writer: str = "loopq.fit",
+) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)``; a file holding anything else (a pickle payload, another program's
     objects) is a :class:`CheckpointError` of one line naming the file and the first refused object, not
-    ``UnpicklingError``'s page of advice to load it unsafely."""
+    ``UnpicklingError``'s page of advice to load it unsafely (``kind`` / ``writer``: what the caller expects and
+    which command writes it, for that line)."""
     try:
         state = torch.load(path, map_location=map_location or "cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # UnpicklingError, RuntimeError (not a zip, bad storage), EOFError, ...
         first = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
         why = first or f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         raise CheckpointError(
-            f"{path}: not a LoopQ calibration checkpoint - it holds objects other than tensors and plain values "
-            f"({why.rstrip('.')}), and LoopQ never unpickles those; pass a checkpoint loopq.fit wrote"
+            f"{path}: not a LoopQ {kind} checkpoint - it holds objects other than tensors and plain values "
+            f"({why.rstrip('.')}), and LoopQ never unpickles those; pass a checkpoint {writer} wrote"
         ) from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a calibration checkpoint")
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a {kind} checkpoint")
     return state
 
 

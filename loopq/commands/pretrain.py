@@ -713,7 +713,7 @@ def check_resume_settings(
     DeepSpeed checkpoint directory is left to DeepSpeed's loader."""
     if Path(ckpt_path).is_dir():
         return
-    checkpoint = load_weights_only(ckpt_path, mmap=True)
+    checkpoint = load_weights_only(ckpt_path, mmap=True, kind="pretraining", writer="loopq.pretrain (or loopq.stress)")
     position = checkpoint.get(DATA_POSITION)
     recorded = run_settings(
         checkpoint.get("hyper_parameters") or {}, checkpoint.get("datamodule_hyper_parameters") or {}, position or {}
