@@ -136,6 +136,7 @@ def _gemm_kernel(
     sa_ptr,
     w_ptr,
     sw_ptr,
+    bias_ptr,
     out_ptr,
     M,
     N,
@@ -145,6 +146,7 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
     GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the row strides derive from G (K = 32 G): divisible by 16 when G is (Ouro: 64, 176 groups), so the
@@ -178,6 +180,8 @@ def _gemm_kernel(
             sa = _column(sa_tile, i, BLOCK_G).to(tl.float32)
             sw = _column(sw_tile, i, BLOCK_G).to(tl.float32)
             acc += (dot.to(tl.float32) * sa[:, None]) * sw[None, :]  # no [BLOCK_M, BLOCK_N] scale temporary
+    if HAS_BIAS:  # fp32, as the torch path adds it before the cast
+        acc += tl.load(bias_ptr + n0 + rn, mask=n_mask, other=0.0)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_off = rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out_ptr + m0 * N + n0 + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -208,9 +212,11 @@ def gemm(
     out_dtype: torch.dtype,
     a_int4: bool,
     config: PrefillConfig | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """Launch :func:`_gemm_kernel` (arguments already validated by :mod:`loopq.kernels.ops`); ``config`` overrides
-    :func:`prefill_config` (the tests force small tiles)."""
+    :func:`prefill_config` (the tests force small tiles). ``bias`` (fp32 ``[N]``) is added to the fp32 sums before
+    the cast to ``out_dtype``, as the torch path adds it."""
     m, n = a.shape[0], w_packed.shape[0]
     k = 2 * w_packed.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -222,6 +228,7 @@ def gemm(
         a_scales.contiguous(),
         w_packed.contiguous(),
         w_scales.contiguous(),
+        a_scales if bias is None else bias,  # fp32, unread without a bias
         out,
         m,
         n,
@@ -231,6 +238,7 @@ def gemm(
         BLOCK_N=cfg.block_n,
         BLOCK_G=block_g_for(cfg.block_g, k // 32),
         GROUP_M=cfg.group_m,
+        HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=True,  # acc + (dot s_a) s_w as one FMA: fewer roundings, inside the bound

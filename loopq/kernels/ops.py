@@ -137,7 +137,8 @@ def quantized_linear(
 
     ``"triton"`` with 1..16 tokens is two launches: the quantizer (input cast and diagonal folded in, int8 codes in
     the decode order) and the decode GEMM (bias and output dtype in its epilogue). More tokens run the quantizer
-    and the prefill tile kernel, which reads the natural layout (converted here, see docs/benchmarks.md). ``"torch"``
+    and the prefill tile kernel (bias and output dtype in its epilogue too), which reads the natural layout,
+    converted here from the stored one (see docs/benchmarks.md). ``"torch"``
     computes the reference: ``x.float() * inv_d``, :func:`reference.quantize_activation`, the ordered GEMM, ``+ bias``,
     cast - the operations (and bits) of the packed group before the kernel layout."""
     _check_matrix("x", x, (*FLOAT_DTYPES, torch.float64))
@@ -165,8 +166,8 @@ def quantized_linear(
         return decode_kernel.gemm_tiled(codes, scales, w_codes, w_scales, n, out_dtype, bias)
     codes, scales = quantize_kernel.quantize_activation(x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d)
     w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
-    y = gemm_kernel.gemm(codes, scales, w_packed.contiguous(), w_sc.contiguous(), torch.float32, a_bits == 4)
-    return (y if bias is None else y + bias.float()).to(out_dtype)
+    bias = None if bias is None else bias.float()
+    return gemm_kernel.gemm(codes, scales, w_packed, w_sc, out_dtype, a_bits == 4, bias=bias)
 
 
 def triton_interpreted() -> bool:

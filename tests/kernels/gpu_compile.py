@@ -109,12 +109,15 @@ def compile_quantizer(target: GPUTarget, m: int, k: int, factors: tuple[int, int
 
 
 def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig):
+    """The prefill tile kernel as ``ops.quantized_linear`` launches it for more than 16 tokens: a bias and a bf16
+    output."""
     sig = {"a_ptr": "*u8" if a_int4 else "*i8", "sa_ptr": "*fp32", "w_ptr": "*u8", "sw_ptr": "*fp16"}
-    sig |= {"out_ptr": "*fp32", "M": "i32", "N": "i32", "G": "i32"}
+    sig |= {"bias_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "G": "i32"}
     const = dict(A_INT4=a_int4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, GROUP_M=cfg.group_m)
+    const |= dict(HAS_BIAS=True)
     # what the launcher specializes on Ouro's shapes: 16-byte aligned pointers, N and the group count multiples of
-    # 16 (fp32 output: what ``ops`` asks of it)
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
+    # 16
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8)}
     src = ASTSource(gemm_kernel._gemm_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
     return triton.compile(src, target=target, options=options)

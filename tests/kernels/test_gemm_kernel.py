@@ -49,6 +49,20 @@ def test_within_the_fp32_bound(case, bits, device):
     assert torch.equal(half, out.half())  # one fixed summation order, rounded once to the output dtype
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("case", ["m33-n96-k160-small", "m130-n72-k128-default"])
+def test_bias_and_output_dtype_in_the_epilogue(case, bits, device):
+    """With a bias and a 16-bit output the kernel writes, bit for bit, its fp32 output plus the bias, cast: what the
+    torch epilogue it replaces (``(y + bias.float()).to(out_dtype)``, two more passes over the output) computed."""
+    m, n, k, config = CASES[case]
+    a, sa, w, sw = operands(m, n, k, bits, device)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device)
+    plain = gemm_kernel.gemm(a, sa, w, sw, torch.float32, bits == 4, config)
+    for dtype in (torch.float32, torch.float16):
+        fused = gemm_kernel.gemm(a, sa, w, sw, dtype, bits == 4, config, bias=bias)
+        assert fused.dtype == dtype and torch.equal(fused, (plain + bias).to(dtype))
+
+
 def test_extreme_codes(device):
     """All-(-8) / all-(-128) operands with unit scales: exact integers, the int32 group dot's largest values, over
     three groups (one per iteration, whatever the configured BLOCK_G)."""
