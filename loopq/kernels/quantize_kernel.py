@@ -270,7 +270,9 @@ def _transform_rows(
 def _split_tf32(x):
     """``(hi, lo)``: ``hi`` = ``x`` rounded to tf32 (10 fraction bits) to nearest, ties away from zero, as
     ``cvt.rna.tf32.f32`` (add half a tf32 unit to the magnitude bits, clear the 13 below; a carry moves into the
-    exponent as it should), ``lo = x - hi`` (exact in fp32)."""
+    exponent as it should), ``lo = x - hi`` (exact in fp32). For finite ``|x| < 2^128 (1 - 2^-12)``; above (within
+    one tf32 half-unit of fp32's largest value; no bf16 or fp16 input gets there) ``hi`` rounds to inf and the dot
+    gives NaN, where Triton's ``tf32x3`` masked it."""
     hi = ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
     return hi, x - hi
 
@@ -280,7 +282,7 @@ def _dot_tf32x3(a_hi, a_lo, b, acc):
     """``acc + a b`` from three tf32 MMAs chained through ``acc``, small products first: ``a_lo b_hi``,
     ``a_hi b_lo``, ``a_hi b_hi`` (``b`` split by :func:`_split_tf32`; the MMA reads each ``lo`` as a tf32, however
     it rounds). What ``input_precision="tf32x3"`` computes (:func:`tf32x3_sum_error` covers either), without its
-    per-element adds and NaN masks of the small products' sums (inputs here are finite)."""
+    per-element adds and NaN masks of the small products' sums (valid for the inputs of :func:`_split_tf32`)."""
     b_hi, b_lo = _split_tf32(b)
     acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
     acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
@@ -492,9 +494,10 @@ SPLIT_MAX_M = 16
 PREFILL_TOKENS = 8
 #: tokens sharing each dot of a prefill program where ``n2`` is a power of two (:func:`prefill_stack`)
 PREFILL_STACK = 4
-#: fp32 accumulators of a prefill program's Z tile at most: at K = 5632 (64 x 128 padded) a whole token spills
-#: (8 warps; tf32x3 holds two halves of every operand: 24 bytes on sm_80 under Triton 3.9, 600-700 under 3.6),
-#: half a token needs 218-255 registers (the limit), a quarter 166-224
+#: fp32 values of one token's rows of Z in a prefill program at most (before :func:`prefill_stack`): at K = 5632
+#: (64 x 128 padded) a whole token spilled (8 warps, Triton's tf32x3, no alignment specialization: 24 bytes on
+#: sm_80 under Triton 3.9, 600-700 under 3.6), half a token needed 218-255 registers; a quarter, stacked 2 tokens
+#: per dot, 163-254 (``scripts/ptx_stats.py --kernels quantize``)
 PREFILL_TILE = 2048
 NUM_WARPS = 8
 
@@ -540,10 +543,10 @@ def prefill_stack(n2: int, n2p: int) -> int:
     """Tokens sharing each dot of a prefill program (:func:`_transform_rows`): :data:`PREFILL_STACK` where ``n2`` is
     a power of two, half that where it is padded (its tile is ``n2p`` wide and its rows go through scratch).
     Compiled for sm_90 / sm_80 under Triton 3.9 and 3.6 as a launch specializes it (16-byte aligned pointers;
-    ``scripts/ptx_stats.py --kernels quantize``): at K = 2048 (32 x 64) 4 tokens per dot execute 70-99 SASS
-    instructions per transformed value and thread instead of 144-146, at K = 5632 (64 x 88) 2 tokens 216-257
-    instead of 334-338, without spills (up to 255 registers under 3.6); 4 tokens at K = 5632 spill 32 bytes under
-    3.6 on sm_90."""
+    ``scripts/ptx_stats.py --kernels quantize``), one token per dot executed 144-146 SASS instructions per
+    transformed value and thread at K = 2048 (32 x 64) and 334-338 at K = 5632 (64 x 88); 4 and 2 tokens per dot
+    70-99 and 216-257 (44-66 and 164-206 with the hand-made tf32x3 and the reciprocal), without spills (up to 255
+    registers under 3.6); 4 tokens at K = 5632 spilled 32 bytes under 3.6 on sm_90."""
     return PREFILL_STACK if n2p == n2 else PREFILL_STACK // 2
 
 

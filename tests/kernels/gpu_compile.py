@@ -82,7 +82,9 @@ def divisibility(args: tuple) -> dict:
     """The ``tt.divisibility`` attributes Triton's JIT gives a launch with these arguments (its specialization):
     16 for a tensor whose address is a multiple of 16 bytes (torch's allocations are) and for an integer that is a
     multiple of 16. Without them the compiler must assume unaligned pointers and emits scalar loads and stores,
-    which is not the code a GPU runs (the quantizer's ahead-of-time compile lacked them until session 23)."""
+    which is not the code a GPU runs (the quantizer's ahead-of-time compile lacked them until session 23). Not
+    copied: the JIT also makes an integer equal to 1 a constant (M = 1 at decode), and re-specializes every call
+    (a misaligned view gets unaligned code there)."""
     attrs = {}
     for i, arg in enumerate(args):
         aligned_tensor = isinstance(arg, torch.Tensor) and arg.data_ptr() % 16 == 0

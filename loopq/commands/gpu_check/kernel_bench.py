@@ -49,6 +49,8 @@ INT4_WEIGHT_BYTES = 0.5 + 2 / 32  # a packed int4 code + its share of one fp16 s
 GEMMS = ((4, gemm_w4a4), (8, gemm_w4a8))
 #: ``do_bench``'s warm-up and measured time per timed call (its defaults are 25 and 100 ms)
 BENCH_WARMUP_MS, BENCH_REP_MS = 50, 250
+#: ``do_bench_cudagraph``'s measured time for the warm quantizer (:func:`warm_table`; decode rows only)
+WARM_REP_MS = 100
 #: float64 working memory the GEMM reference may hold at once, whatever M and N (:func:`reference_rows`)
 REFERENCE_BYTES = 2**30
 #: [rows, N] float64 tensors alive at once in :func:`gemm_fp64_chunked`: value, magnitude, and per group the
@@ -223,8 +225,8 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
         quant, gemm = timed_calls(x, left, right, w, sw, bits)
         setattr(row, f"w4a{bits}_quant_ms", bench(quant))
         setattr(row, f"w4a{bits}_gemm_ms", bench(gemm))
-    quant4 = timed_calls(x, left, right, w, sw, 4)[0]
-    row.w4a4_quant_warm_ms = do_bench_cudagraph(quant4, rep=BENCH_REP_MS, return_mode="median")
+        if bits == 4 and row.m <= decode_kernel.MAX_M:  # decode-size calls, where launch and cold caches weigh
+            row.w4a4_quant_warm_ms = do_bench_cudagraph(quant, rep=WARM_REP_MS, return_mode="median")
     if row.m <= decode_kernel.MAX_M:
         _, gemm = timed_calls(x, left, right, w, sw, 4)
         mma = decode_kernel.uses_mma(row.m)
@@ -257,10 +259,11 @@ def format_splits(rows: list[KernelRow]) -> str:
 
 
 def warm_table(rows: list[KernelRow]) -> tuple[tuple[str, ...], list[list[str]]]:
-    """The W4A4 quantizer timed two ways (headers, cells): as in the main table, L2 flushed before each call, and
-    replayed in a CUDA graph with L2 warm, as in a decode step, where the previous kernel has just written ``x`` and
-    the transform's factors are read at every layer. The second GPU run timed decode-size quantizers at 8-37 us
-    with L2 flushed; their ratio says how much of that was cold caches (code included) and launch."""
+    """The W4A4 quantizer of the decode rows (M <= 16) timed two ways (headers, cells): as in the main table, L2
+    flushed before each call, and replayed in a CUDA graph with L2 warm, as in a decode step, where the previous
+    kernel has just written ``x`` and the transform's factors are read at every layer. The second GPU run timed
+    decode-size quantizers at 8-37 us with L2 flushed; their ratio says how much of that was cold caches (code
+    included) and launch."""
     headers = ("N", "K", "M", "A4 q us, L2 flushed", "A4 q us, warm graph", "flushed / warm")
     cells = [
         [str(r.n), str(r.k), str(r.m), _us(r.w4a4_quant_ms), _us(r.w4a4_quant_warm_ms),
