@@ -14,9 +14,9 @@ of the config table (W4A4 and W4A8): the ``cp.async.wait_group`` and ``wgmma.wai
 of them the ``I2F`` conversions (a quarter-rate unit before sm_90), the tensor-core MMAs and the rescale's
 ``FMUL`` + ``FFMA``; registers, spills. Per tensor-core quantizer variant at Ouro's two input widths (decode:
 compiled and launched for M = 1; prefill: for M = 4096): rows of Z, tokens per program and per dot, programs at
-that M, ``mma.sync`` / ``wgmma`` instructions inside its loops, for prefill the SASS instructions one iteration of
-its token loop executes (its chunk loop counted as often as it runs) per transformed value per thread, registers,
-spills.
+that M, ``mma.sync`` / ``wgmma`` instructions inside its loops (in the kernel, if it has none), for prefill the
+SASS instructions one iteration of its token loop executes (its chunk loop counted as often as it runs) per
+transformed value per thread, registers, spills.
 ``docs/benchmarks.md`` quotes its table;
 ``tests/kernels/test_ptx_stats.py`` asserts the acceptance limits on the same numbers.
 """
@@ -116,7 +116,8 @@ def quantizer_row(arch: int, k: int, n1: int, n2: int, m: int) -> dict:
     seconds = time.perf_counter() - start
     regs, spills = ptxas_usage(code, arch)
     launch = quantize_kernel.quantize_launch(m, k, (n1, n2), 4, True, False, True, True)
-    body = [line for loop in ptx.loops(code) for line in loop.body]
+    # the loops' instructions, or the whole kernel's where it is straight-line (a decode program at K = 2048)
+    body = [line for loop in ptx.loops(code) for line in loop.body] or ptx.instructions(code.splitlines())
     cfg = quantize_kernel.dot_config(n1, n2, m)
     per_value = None
     if cfg.tokens > 1:  # prefill: one iteration of the token loop transforms and quantizes `stack` tokens' rows

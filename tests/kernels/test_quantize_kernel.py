@@ -268,7 +268,7 @@ def test_fast_path_config():
     values = 11 groups, compacted through scratch), 16 programs per token either way. Prefill: whole tokens of
     32 x 64, 16-row quarters of 64 x 88 (a whole one spills), 8 tokens per program; all tiles padded to powers of
     two >= 16, 8 warps; at prefill 4 tokens share each dot where n2 is a power of two (no scratch), else 2."""
-    assert dot_config(32, 64, 1) == DotConfig(32, 64, 2, 16, 32, 32, 1, 8)
+    assert dot_config(32, 64, 1) == DotConfig(32, 64, 2, 16, 64, 32, 1, 8)  # n2 = 64 in one chunk at decode
     assert dot_config(64, 88, 16) == DotConfig(64, 128, 4, 16, 32, 16, 1, 8)
     assert dot_config(32, 64, 17) == DotConfig(32, 64, 32, 32, 32, 64, 8, 8, 4)
     assert dot_config(64, 88, 4096) == DotConfig(64, 128, 16, 16, 32, 64, 8, 8, 2)
