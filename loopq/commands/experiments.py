@@ -48,7 +48,7 @@ from loopq.commands import fit
 from loopq.commands.cli import Command
 from loopq.commands.evaluate import evaluate
 from loopq.commands.examine import slt_history
-from loopq.commands.run import MANIFEST, DeferredCLI, quiet_lm_eval
+from loopq.commands.run import MANIFEST, parse, quiet_lm_eval
 from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError
 from loopq.files import atomic_write, read_json
@@ -145,9 +145,13 @@ class Sweep(StageRunner):
         return out
 
     def tag(self, path: Path, **fields: object) -> Path:
-        """:func:`_tag` a row's JSON and record its new stamps as the row's own (else the row's outputs would look
-        rewritten, and every tagged row ran again on the next call)."""
-        _tag(path, **fields)
+        """Add the swept ``fields`` (those not None) to a row's JSON (atomically) and record its new stamps as the
+        row's own (else the row's outputs would look rewritten, and every tagged row ran again on the next call)."""
+        fields = {k: v for k, v in fields.items() if v is not None}
+        data = read_json(path)
+        if any(data.get(k) != v for k, v in fields.items()):
+            data.update(fields)
+            atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
         self.manifest.restamp(path.stem, [path])
         return path
 
@@ -175,14 +179,9 @@ def teacher_sha256(model: str) -> str:
     return teacher_fingerprint(resolve_model_dir(model))
 
 
-def parse(calibration: Calibration) -> DeferredCLI:
-    """``loopq.fit``'s CLI for ``calibration``, parsed (its run directory locked), not built."""
-    return fit.build_cli(calibration.args(), DeferredCLI)  # type: ignore[return-value]
-
-
 def calibration_settings(calibration: Calibration) -> dict[str, Any]:
     """What makes the row's student (``loopq.run``'s calibration inputs): the resolved config and the teacher's hash."""
-    cli = parse(calibration)
+    cli = parse(calibration.args())
     cli.release_lock()
     return {**fit.fit_settings(cli.config), "teacher_sha256": teacher_sha256(calibration.model)}
 
@@ -191,7 +190,7 @@ def calibrate(calibration: Calibration) -> Path:
     """The row's student, calibrated in this process by ``loopq.fit``'s CLI, unless the run directory holds one of
     the same teacher and config (the row re-runs for its evaluation only). A calibration stopped midway resumes from
     the run's newest intact checkpoint if that records the same teacher and config."""
-    cli = parse(calibration)
+    cli = parse(calibration.args())  # loopq.fit's CLI (run.parse), its run directory locked, not built
     try:
         current = flat_record(record(teacher_sha256(calibration.model), fit.fit_settings(cli.config)))
         if recorded(json_object(calibration.student / STUDENT_META)) == current:
@@ -293,7 +292,7 @@ class CalibrationData:
 
 def calibration_data(model: str, fit_config: str, extra: tuple[FitOption, ...]) -> CalibrationData:
     """The ``data`` section of ``fit_config`` with ``extra`` as ``loopq.fit`` resolves it for the LoopQ rows."""
-    cli = parse(Calibration(model, Path("runs") / "unused", fit_config, 4, extra))
+    cli = parse(Calibration(model, Path("runs") / "unused", fit_config, 4, extra).args())
     cli.release_lock()
     data = cli.config.data
     sources = None if data.sources is None else [str(s) for s in data.sources]
@@ -328,22 +327,22 @@ def table1(
     shared = calibration_data(model, fit_config, tuple(extra or []))  # LoopQ's windows, for every row
     sweep = Sweep(out, device)
     configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
-    written = [sweep.row("fp", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
+    common = {"limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
+    written = [sweep.row("fp", model=model, method="FP", **common)]
     for width in widths:
         for row in chosen:
-            common = {"method": row.label, "bits": width, "limit": limit, "tasks": tasks}
-            common["ppl_windows"] = ppl_windows
+            evaluation = {"method": row.label, "bits": width, **common}
             if row.calibration is None:
                 data = shared.evaluate_options() if row.slug != "rtn" else {}  # RTN reads no data
-                written.append(sweep.row(f"{row.slug}-{width}", model=model, **common, **data))
+                written.append(sweep.row(f"{row.slug}-{width}", model=model, **evaluation, **data))
                 continue
+            same_data = shared.fit_options() if row.calibration != "fit_config" else []
+            config = configs[row.calibration]
             for seed in seeds or [None]:
                 slug = seeded(f"{row.slug}-{width}", seed)
-                same_data = shared.fit_options() if row.calibration != "fit_config" else []
                 args = (*same_data, *seed_args(seed), *(extra or []))
-                config = configs[row.calibration]
                 calibration = Calibration(model, sweep.root / "runs" / slug, config, BITS[width], args)
-                written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))
+                written.append(sweep.tag(sweep.row(slug, calibration, **evaluation), seed=seed))
     return written
 
 
@@ -360,24 +359,14 @@ def ablations(
 ) -> list[Path]:
     """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``."""
     sweep, written = Sweep(out, device), []
+    common = {"bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
     for name, switch in ABLATIONS.items():
         for seed in seeds or [None]:
             slug = seeded(name.lower().replace(" ", "-").replace("/", ""), seed)
             args = (*switch, *seed_args(seed), *(extra or []))
             calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, 4, args)
-            common = {"method": name, "bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
-            written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))
+            written.append(sweep.tag(sweep.row(slug, calibration, method=name, **common), seed=seed))
     return written
-
-
-def _tag(path: Path, **fields: object) -> Path:
-    """Add the swept ``fields`` (those not None) to a result JSON (atomically)."""
-    fields = {k: v for k, v in fields.items() if v is not None}
-    data = read_json(path)
-    if any(data.get(k) != v for k, v in fields.items()):
-        data.update(fields)
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
-    return path
 
 
 def slt_budget(
@@ -402,12 +391,12 @@ def slt_budget(
     """
     bits, budgets = bit_label(bits), given(budgets, [0, 2, 4, 8], "--budgets")
     sweep, written = Sweep(out, device), []
+    common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
     for budget in budgets:
         for seed in seeds or [None]:
             slug = seeded(with_bits(f"slt-{budget}", bits), seed)
             args = ("--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or []))
             calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, BITS[bits], args)
-            common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
             path = sweep.row(slug, calibration, **common)
             written.append(sweep.tag(path, slt_budget=budget, seed=seed, **promotion_record(calibration.run)))
     return written
@@ -452,9 +441,8 @@ def num_samples(
     sweep, written = Sweep(out, device), []
     for size in sizes:
         slug = with_bits(f"samples-{size}", bits)
-        calibration = Calibration(
-            model, sweep.root / "runs" / slug, fit_config, BITS[bits], ("--data.num_samples", str(size))
-        )
+        args = ("--data.num_samples", str(size))
+        calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, BITS[bits], args)
         path = sweep.row(slug, calibration, method="LoopQ", bits=bits, limit=limit, tasks=tasks or [])
         written.append(sweep.tag(path, num_samples=size))
     return written
