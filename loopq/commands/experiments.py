@@ -2,32 +2,17 @@
 
     python -m loopq.experiments table1 --model loopq/assets/tiny-ouro --out results/tiny-ouro --limit 200
 
-``table1``: the paper's Table 1 rows - FP, then every method of :data:`TABLE1` (Symmetric, SmoothQuant, QuaRot,
-SpinQuant, FlatQuant, LoopQ) at W4A4 and W4A8 - each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ
-perplexity per loop + the lm-eval tasks with ``limit`` examples per task). The training-free baselines are built
-from the teacher inside the evaluation; the trained ones (SpinQuant, FlatQuant, LoopQ) are calibrated by
-``loopq.fit``'s CLI with their calibration config (LoopQ: ``fit_config``, default ``configs/tiny.yaml``; the
-baselines: ``configs/baselines/*-tiny.yaml``) in this process, one after another, each under ``<out>/runs/<row>/``.
-Every row calibrates on the same set, ``fit_config``'s ``data.sources``/``num_samples``/``seq_len`` (with ``extra``):
-the training-free rows through ``evaluate``'s ``calib_*`` options, SpinQuant and FlatQuant through ``--data.*``
-overrides of their configs (:class:`CalibrationData`).
-``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
-``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
-calibration samples (Fig. 6); ``loops``: FP, Symmetric RTN and a calibrated student at T ... 2T loops (Fig. 5).
-Sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their swept field to each JSON, which
-is what ``python -m loopq.report --sweeps`` plots.
-
-Re-runs resume by ``loopq.run``'s rule (:class:`Sweep`, on :mod:`loopq.stages`): ``<out>/pipeline.json`` records each
-row's inputs, and a row is skipped only if its JSON exists and its inputs did not change; a row whose calibration
-config, teacher or evaluation settings changed runs again (its calibration is reused if the student in its run
-directory was made from the same teacher and config, and resumed from its newest checkpoint if that one was).
-
-``--seeds 0 1 2`` (``table1``, ``ablations``, ``slt_budget``) calibrates every trained row once per seed
-(``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and ``data.seed``, so the
-calibration windows differ too). Training-free rows are deterministic and run once. ``summary`` turns a results
-folder into the mean ± std table with the log-gap recovery R and which rows are separated from LoopQ by more than
-2 std (:mod:`loopq.stats`), written to ``<out>/summary.md``. ``--ppl_windows N`` evaluates WikiText-2 on its first N
-windows (for teachers too slow for all 1771 on a CPU; the JSON records the count).
+``table1``: the paper's Table 1 rows - FP, then every method of :data:`TABLE1` at W4A4 and W4A8 - each evaluated by
+:func:`loopq.evaluate.evaluate`. The trained rows (SpinQuant, FlatQuant, LoopQ) are calibrated by ``loopq.fit``'s CLI
+in this process, one after another, each under ``<out>/runs/<row>/``; every row calibrates on ``fit_config``'s data,
+as the paper's methods share one calibration set (:class:`CalibrationData`; docs/usage.md, "Export, evaluation,
+report"). ``ablations`` (Table 2), ``slt_budget`` (Fig. 4), ``num_samples`` (Fig. 6) and ``loops`` (Fig. 5) are
+described by their ``--help``; sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their
+swept field to each JSON, which is what ``python -m loopq.report --sweeps`` plots. ``--seeds 0 1 2`` calibrates every
+trained row once per seed (``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and
+``data.seed``, so the calibration windows differ too); training-free rows are deterministic and run once. ``summary``
+turns a results folder into the mean ± std table (:mod:`loopq.stats`). Re-runs resume by ``loopq.run``'s rule
+(:class:`Sweep`).
 """
 
 from __future__ import annotations
