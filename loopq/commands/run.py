@@ -67,7 +67,8 @@ from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.metrics.tasks import check_tasks
-from loopq.models.loading import architecture_for, read_config, resolve_model_dir
+from loopq.models.base import LoopLM
+from loopq.models.loading import resolve_model_dir
 from loopq.planning.guards import meta_teacher
 from loopq.provenance import describe, flat_record, teacher_fingerprint
 from loopq.quant import QuantConfig
@@ -167,9 +168,7 @@ class Pipeline(StageRunner):
         self.report_dir = self.root / "report"
         self.report_path = self.report_dir / "report.md"
         self.quant = asked_quant(config)
-        teacher_model = meta_teacher(resolve_model_dir(self.teacher))
-        if teacher_model is None:
-            raise PipelineError(f"--model.teacher {self.teacher}: no such model directory (a folder with config.json)")
+        teacher_model = check_teacher(self.teacher)
         #: the teacher's architecture (the report and the summary name it) and every WikiText-2 window's length
         self.arch, self.context = teacher_model.arch, teacher_model.max_positions
         self.window = window_length(self.context, options.ppl_seq_len)
@@ -436,11 +435,12 @@ def quiet_lm_eval() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def check_teacher(teacher: str) -> None:
-    directory = resolve_model_dir(teacher)
-    if not (directory / "config.json").is_file():
+def check_teacher(teacher: str) -> LoopLM:
+    """The teacher's model on the meta device (:func:`~loopq.planning.guards.meta_teacher`), or a refusal."""
+    model = meta_teacher(resolve_model_dir(teacher))
+    if model is None:
         raise PipelineError(f"--model.teacher {teacher}: no such model directory (a folder with config.json)")
-    architecture_for(read_config(directory), str(directory / "config.json"))
+    return model
 
 
 def check_before_calibration(config: Any, options: Options) -> None:
@@ -465,8 +465,7 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> Path:
     cli = parse(argv)
-    try:
-        check_teacher(str(cli.config.model.teacher))
+    try:  # the teacher was checked while parsing (DeferredCLI.check_teacher)
         options = Options.of(cli.config)
         check_before_calibration(cli.config, options)
         return Pipeline(cli, options).run()
