@@ -101,7 +101,8 @@ def gpu_check(
                 "TRITON_INTERPRET=0 (scripts/gpu_check.sh sets it)"
             )
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    meta = {"device": device, **commits(commit(), _carried_commit())}
+    carried = os.environ.get("LOOPQ_CARRY_COMMIT") or None  # set by scripts/gpu_check.sh --carry from its manifest
+    meta = {"device": device, **commits(commit(), carried)}
     with tempfile.TemporaryDirectory(prefix="loopq-gpu-check-") as scratch:
         results = driver.run_check(
             module.LIMITS,
@@ -131,9 +132,3 @@ def commits(here: str | None, carried: str | None) -> dict[str, str | None]:
     if carried and here and here != carried:
         return {"commit": carried, "git_there": here}
     return {"commit": carried or here}
-
-
-def _carried_commit() -> str | None:
-    """The commit the carry was built from (``LOOPQ_CARRY_COMMIT``, set by ``scripts/gpu_check.sh --carry`` from the
-    carry's manifest)."""
-    return os.environ.get("LOOPQ_CARRY_COMMIT") or None
