@@ -17,6 +17,7 @@ Exactness). The Python API is :func:`loopq.models.generation.generate` (re-expor
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -120,9 +121,8 @@ def streamer(tokenizer: Tokenizer, out: Callable[[str], object]) -> Callable[[to
     return on_token
 
 
-def write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+#: stream text to stdout as it comes
+write = functools.partial(print, end="", flush=True)
 
 
 def generate_text(
