@@ -504,13 +504,8 @@ def loop_sweep_top(max_loops: int | None, calibrated: int) -> int:
 def per_loop_result(source: Path, n: int) -> Path:
     """The result at ``n`` loops read off the per-loop perplexities of a longer WikiText-2 evaluation."""
     data = read_json(source)
-    ppl = data["wikitext2_per_loop_ppl"][n - 1]
-    derived = {
-        **data,
-        "num_loops": n,
-        "wikitext2_ppl": ppl,
-        "wikitext2_per_loop_ppl": data["wikitext2_per_loop_ppl"][:n],
-    }
+    per_loop = data["wikitext2_per_loop_ppl"]
+    derived = {**data, "num_loops": n, "wikitext2_ppl": per_loop[n - 1], "wikitext2_per_loop_ppl": per_loop[:n]}
     derived["per_loop_of"] = str(source)
     path = source.with_name(source.name.replace(f"loops{data['num_loops']}", f"loops{n}"))
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(derived, indent=2)))
