@@ -140,10 +140,7 @@ def training_token_ids(tokenizer: Tokenizer) -> Tensor:
     return torch.tensor([i for enc in tokenizer.encode_batch(docs) for i in enc.ids])
 
 
-def measure(
-    model_dir: Path, tokenizer: Tokenizer, model: LoopLM | None = None, windows: int | None = None
-) -> dict[str, Any]:
-    model = model or load_looplm(model_dir)
+def measure(model_dir: Path, tokenizer: Tokenizer, model: LoopLM, windows: int | None = None) -> dict[str, Any]:
     stream = torch.tensor(wikitext2_stream(tokenizer))
     probe = token_windows(stream, SEQ_LEN)[:8]
     if windows is not None:
