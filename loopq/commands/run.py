@@ -145,7 +145,7 @@ class Pipeline(StageRunner):
         config = cli.config
         self.root = Path(config.trainer.default_root_dir)
         self.teacher = str(config.model.teacher)
-        self.student_dir = Path(config.model.output_dir) if config.model.output_dir else self.root / "student"
+        self.student_dir = fit.student_dir(config)
         self.exported_dir = self.root / "exported"
         self.results_dir = self.root / "results"
         self.report_dir = self.root / "report"
