@@ -55,14 +55,11 @@ class Command:
     renames: Renames = field(default_factory=dict)
     shared_help: Mapping[str, str] = field(default_factory=dict)
 
-    @property
-    def settings(self) -> dict[str, Any]:
-        prog, description = f"python -m {self.name}", self.doc.split("\n\n")[0]
-        return {"as_positional": self.positional, "prog": prog, "description": description, **PARSER_SETTINGS}
-
     def parser(self) -> ArgumentParser:
         """The parser: the component's parameters as options, ``--config``, errors raised (not printed)."""
-        parser = auto_parser(self.component, **self.settings)
+        prog, description = f"python -m {self.name}", self.doc.split("\n\n")[0]
+        settings = {"as_positional": self.positional, "prog": prog, "description": description, **PARSER_SETTINGS}
+        parser = auto_parser(self.component, **settings)
         for action in actions(parser):
             action.help = action.help or self.shared_help.get(action.dest.rpartition(".")[2])
         return parser

@@ -2,32 +2,17 @@
 
     python -m loopq.experiments table1 --model loopq/assets/tiny-ouro --out results/tiny-ouro --limit 200
 
-``table1``: the paper's Table 1 rows - FP, then every method of :data:`TABLE1` (Symmetric, SmoothQuant, QuaRot,
-SpinQuant, FlatQuant, LoopQ) at W4A4 and W4A8 - each evaluated by :func:`loopq.evaluate.evaluate` (WikiText-2 PTQ
-perplexity per loop + the lm-eval tasks with ``limit`` examples per task). The training-free baselines are built
-from the teacher inside the evaluation; the trained ones (SpinQuant, FlatQuant, LoopQ) are calibrated by
-``loopq.fit``'s CLI with their calibration config (LoopQ: ``fit_config``, default ``configs/tiny.yaml``; the
-baselines: ``configs/baselines/*-tiny.yaml``) in this process, one after another, each under ``<out>/runs/<row>/``.
-Every row calibrates on the same set, ``fit_config``'s ``data.sources``/``num_samples``/``seq_len`` (with ``extra``):
-the training-free rows through ``evaluate``'s ``calib_*`` options, SpinQuant and FlatQuant through ``--data.*``
-overrides of their configs (:class:`CalibrationData`).
-``ablations``: LoopQ W4A4 without LAS, without SLT, without CTA (paper Table 2).
-``slt_budget``: LoopQ W4A4 with 0/2/4/8 SLT-promoted groups (Fig. 4); ``num_samples``: with 32 ... 1024
-calibration samples (Fig. 6); ``loops``: FP, Symmetric RTN and a calibrated student at T ... 2T loops (Fig. 5).
-Sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their swept field to each JSON, which
-is what ``python -m loopq.report --sweeps`` plots.
-
-Re-runs resume by ``loopq.run``'s rule (:class:`Sweep`, on :mod:`loopq.stages`): ``<out>/pipeline.json`` records each
-row's inputs, and a row is skipped only if its JSON exists and its inputs did not change; a row whose calibration
-config, teacher or evaluation settings changed runs again (its calibration is reused if the student in its run
-directory was made from the same teacher and config, and resumed from its newest checkpoint if that one was).
-
-``--seeds 0 1 2`` (``table1``, ``ablations``, ``slt_budget``) calibrates every trained row once per seed
-(``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and ``data.seed``, so the
-calibration windows differ too). Training-free rows are deterministic and run once. ``summary`` turns a results
-folder into the mean ± std table with the log-gap recovery R and which rows are separated from LoopQ by more than
-2 std (:mod:`loopq.stats`), written to ``<out>/summary.md``. ``--ppl_windows N`` evaluates WikiText-2 on its first N
-windows (for teachers too slow for all 1771 on a CPU; the JSON records the count).
+``table1``: the paper's Table 1 rows - FP, then every method of :data:`TABLE1` at W4A4 and W4A8 - each evaluated by
+:func:`loopq.evaluate.evaluate`. The trained rows (SpinQuant, FlatQuant, LoopQ) are calibrated by ``loopq.fit``'s CLI
+in this process, one after another, each under ``<out>/runs/<row>/``; every row calibrates on ``fit_config``'s data,
+as the paper's methods share one calibration set (:class:`CalibrationData`; docs/usage.md, "Export, evaluation,
+report"). ``ablations`` (Table 2), ``slt_budget`` (Fig. 4), ``num_samples`` (Fig. 6) and ``loops`` (Fig. 5) are
+described by their ``--help``; sweeps record WikiText-2 perplexity only (``tasks`` defaults to none) and add their
+swept field to each JSON, which is what ``python -m loopq.report --sweeps`` plots. ``--seeds 0 1 2`` calibrates every
+trained row once per seed (``<slug>-s<seed>.json``; the seed sets ``seed_everything``, ``model.quant.seed`` and
+``data.seed``, so the calibration windows differ too); training-free rows are deterministic and run once. ``summary``
+turns a results folder into the mean ± std table (:mod:`loopq.stats`). Re-runs resume by ``loopq.run``'s rule
+(:class:`Sweep`).
 """
 
 from __future__ import annotations
@@ -48,7 +33,7 @@ from loopq.commands import fit
 from loopq.commands.cli import Command
 from loopq.commands.evaluate import evaluate
 from loopq.commands.examine import slt_history
-from loopq.commands.run import MANIFEST, DeferredCLI, quiet_lm_eval
+from loopq.commands.run import MANIFEST, parse, quiet_lm_eval
 from loopq.devices import AUTO, resolve_device
 from loopq.errors import UsageError
 from loopq.files import atomic_write, read_json
@@ -145,9 +130,13 @@ class Sweep(StageRunner):
         return out
 
     def tag(self, path: Path, **fields: object) -> Path:
-        """:func:`_tag` a row's JSON and record its new stamps as the row's own (else the row's outputs would look
-        rewritten, and every tagged row ran again on the next call)."""
-        _tag(path, **fields)
+        """Add the swept ``fields`` (those not None) to a row's JSON (atomically) and record its new stamps as the
+        row's own (else the row's outputs would look rewritten, and every tagged row ran again on the next call)."""
+        fields = {k: v for k, v in fields.items() if v is not None}
+        data = read_json(path)
+        if any(data.get(k) != v for k, v in fields.items()):
+            data.update(fields)
+            atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
         self.manifest.restamp(path.stem, [path])
         return path
 
@@ -175,14 +164,9 @@ def teacher_sha256(model: str) -> str:
     return teacher_fingerprint(resolve_model_dir(model))
 
 
-def parse(calibration: Calibration) -> DeferredCLI:
-    """``loopq.fit``'s CLI for ``calibration``, parsed (its run directory locked), not built."""
-    return fit.build_cli(calibration.args(), DeferredCLI)  # type: ignore[return-value]
-
-
 def calibration_settings(calibration: Calibration) -> dict[str, Any]:
     """What makes the row's student (``loopq.run``'s calibration inputs): the resolved config and the teacher's hash."""
-    cli = parse(calibration)
+    cli = parse(calibration.args())
     cli.release_lock()
     return {**fit.fit_settings(cli.config), "teacher_sha256": teacher_sha256(calibration.model)}
 
@@ -191,7 +175,7 @@ def calibrate(calibration: Calibration) -> Path:
     """The row's student, calibrated in this process by ``loopq.fit``'s CLI, unless the run directory holds one of
     the same teacher and config (the row re-runs for its evaluation only). A calibration stopped midway resumes from
     the run's newest intact checkpoint if that records the same teacher and config."""
-    cli = parse(calibration)
+    cli = parse(calibration.args())  # loopq.fit's CLI (run.parse), its run directory locked, not built
     try:
         current = flat_record(record(teacher_sha256(calibration.model), fit.fit_settings(cli.config)))
         if recorded(json_object(calibration.student / STUDENT_META)) == current:
@@ -293,7 +277,7 @@ class CalibrationData:
 
 def calibration_data(model: str, fit_config: str, extra: tuple[FitOption, ...]) -> CalibrationData:
     """The ``data`` section of ``fit_config`` with ``extra`` as ``loopq.fit`` resolves it for the LoopQ rows."""
-    cli = parse(Calibration(model, Path("runs") / "unused", fit_config, 4, extra))
+    cli = parse(Calibration(model, Path("runs") / "unused", fit_config, 4, extra).args())
     cli.release_lock()
     data = cli.config.data
     sources = None if data.sources is None else [str(s) for s in data.sources]
@@ -328,22 +312,22 @@ def table1(
     shared = calibration_data(model, fit_config, tuple(extra or []))  # LoopQ's windows, for every row
     sweep = Sweep(out, device)
     configs = {"fit_config": fit_config, "spinquant_config": spinquant_config, "flatquant_config": flatquant_config}
-    written = [sweep.row("fp", model=model, method="FP", limit=limit, tasks=tasks, ppl_windows=ppl_windows)]
+    common = {"limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
+    written = [sweep.row("fp", model=model, method="FP", **common)]
     for width in widths:
         for row in chosen:
-            common = {"method": row.label, "bits": width, "limit": limit, "tasks": tasks}
-            common["ppl_windows"] = ppl_windows
+            evaluation = {"method": row.label, "bits": width, **common}
             if row.calibration is None:
                 data = shared.evaluate_options() if row.slug != "rtn" else {}  # RTN reads no data
-                written.append(sweep.row(f"{row.slug}-{width}", model=model, **common, **data))
+                written.append(sweep.row(f"{row.slug}-{width}", model=model, **evaluation, **data))
                 continue
+            same_data = shared.fit_options() if row.calibration != "fit_config" else []
+            config = configs[row.calibration]
             for seed in seeds or [None]:
                 slug = seeded(f"{row.slug}-{width}", seed)
-                same_data = shared.fit_options() if row.calibration != "fit_config" else []
                 args = (*same_data, *seed_args(seed), *(extra or []))
-                config = configs[row.calibration]
                 calibration = Calibration(model, sweep.root / "runs" / slug, config, BITS[width], args)
-                written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))
+                written.append(sweep.tag(sweep.row(slug, calibration, **evaluation), seed=seed))
     return written
 
 
@@ -360,24 +344,14 @@ def ablations(
 ) -> list[Path]:
     """LoopQ W4A4 with one component switched off at a time (paper Table 2), per seed with ``seeds``."""
     sweep, written = Sweep(out, device), []
+    common = {"bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
     for name, switch in ABLATIONS.items():
         for seed in seeds or [None]:
             slug = seeded(name.lower().replace(" ", "-").replace("/", ""), seed)
             args = (*switch, *seed_args(seed), *(extra or []))
             calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, 4, args)
-            common = {"method": name, "bits": "w4a4", "limit": limit, "tasks": tasks, "ppl_windows": ppl_windows}
-            written.append(sweep.tag(sweep.row(slug, calibration, **common), seed=seed))
+            written.append(sweep.tag(sweep.row(slug, calibration, method=name, **common), seed=seed))
     return written
-
-
-def _tag(path: Path, **fields: object) -> Path:
-    """Add the swept ``fields`` (those not None) to a result JSON (atomically)."""
-    fields = {k: v for k, v in fields.items() if v is not None}
-    data = read_json(path)
-    if any(data.get(k) != v for k, v in fields.items()):
-        data.update(fields)
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
-    return path
 
 
 def slt_budget(
@@ -402,12 +376,12 @@ def slt_budget(
     """
     bits, budgets = bit_label(bits), given(budgets, [0, 2, 4, 8], "--budgets")
     sweep, written = Sweep(out, device), []
+    common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
     for budget in budgets:
         for seed in seeds or [None]:
             slug = seeded(with_bits(f"slt-{budget}", bits), seed)
             args = ("--model.quant.slt_budget", str(budget), *seed_args(seed), *(extra or []))
             calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, BITS[bits], args)
-            common = {"method": "LoopQ", "bits": bits, "limit": limit, "tasks": tasks or [], "ppl_windows": ppl_windows}
             path = sweep.row(slug, calibration, **common)
             written.append(sweep.tag(path, slt_budget=budget, seed=seed, **promotion_record(calibration.run)))
     return written
@@ -452,9 +426,8 @@ def num_samples(
     sweep, written = Sweep(out, device), []
     for size in sizes:
         slug = with_bits(f"samples-{size}", bits)
-        calibration = Calibration(
-            model, sweep.root / "runs" / slug, fit_config, BITS[bits], ("--data.num_samples", str(size))
-        )
+        args = ("--data.num_samples", str(size))
+        calibration = Calibration(model, sweep.root / "runs" / slug, fit_config, BITS[bits], args)
         path = sweep.row(slug, calibration, method="LoopQ", bits=bits, limit=limit, tasks=tasks or [])
         written.append(sweep.tag(path, num_samples=size))
     return written
@@ -531,13 +504,8 @@ def loop_sweep_top(max_loops: int | None, calibrated: int) -> int:
 def per_loop_result(source: Path, n: int) -> Path:
     """The result at ``n`` loops read off the per-loop perplexities of a longer WikiText-2 evaluation."""
     data = read_json(source)
-    ppl = data["wikitext2_per_loop_ppl"][n - 1]
-    derived = {
-        **data,
-        "num_loops": n,
-        "wikitext2_ppl": ppl,
-        "wikitext2_per_loop_ppl": data["wikitext2_per_loop_ppl"][:n],
-    }
+    per_loop = data["wikitext2_per_loop_ppl"]
+    derived = {**data, "num_loops": n, "wikitext2_ppl": per_loop[n - 1], "wikitext2_per_loop_ppl": per_loop[:n]}
     derived["per_loop_of"] = str(source)
     path = source.with_name(source.name.replace(f"loops{data['num_loops']}", f"loops{n}"))
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(derived, indent=2)))

@@ -3,20 +3,16 @@
     python -m loopq.generate --model loopq/assets/tiny-ouro --prompt "The loop" --max_new_tokens 24
     python -m loopq.generate --exported runs/tiny/exported --prompts_file prompts.txt --temperature 0.8 --top_p 0.9
 
-``--exit_threshold X`` (Ouro) stops looping each decoded token at its threshold exit and reports the average loops per
-token at the end; ``--kv_bits 8|4`` stores the cache quantized (:mod:`loopq.models.kv_quant`).
-Greedy by default; ``--temperature`` > 0 samples (``--top_p`` keeps the nucleus, ``--seed`` fixes the draws).
-Decoding uses the looped KV cache (:mod:`loopq.models.kv_cache`: one K/V entry per (loop, layer)); ``--no_cache``
-re-runs the full looped forward for every token, for comparison. Both compute the same logits up to float rounding
-(attention over a cache rounds differently from attention over the whole sequence). For the FP teacher that is all; a
-quantized student or export agrees as closely except where an activation sits at a rounding tie of its quantizer, where
-a 1e-5 difference in the input can move a 4-bit code, so the greedy tokens of the two can differ (docs/generation.md,
-Exactness). The Python API is :func:`loopq.models.generation.generate` (re-exported here); prompts of a
-``--prompts_file`` (one per line) are generated one after the other so that each streams.
+The options, the looped KV cache (``--no_cache``: the full forward per token), early exit (``--exit_threshold``), the
+quantized cache (``--kv_bits``) and why a quantized model's greedy tokens with and without the cache can differ (a
+rounding tie of a 4-bit quantizer): docs/generation.md. The Python API is :func:`loopq.models.generation.generate`
+(re-exported here); prompts of a ``--prompts_file`` (one per line) are generated one after the other so that each
+streams.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -120,9 +116,8 @@ def streamer(tokenizer: Tokenizer, out: Callable[[str], object]) -> Callable[[to
     return on_token
 
 
-def write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+#: stream text to stdout as it comes
+write = functools.partial(print, end="", flush=True)
 
 
 def generate_text(

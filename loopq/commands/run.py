@@ -3,37 +3,19 @@
     python -m loopq.run --config configs/tiny.yaml [--limit 10] [--tasks ...] [--ppl_windows N] [--force]
                         [any python -m loopq.fit option: --trainer.max_steps 100, --model.quant.a_bits 8, ...]
 
-Everything is written under the run directory ``trainer.default_root_dir`` (``runs/tiny`` for the tiny config)::
+Everything is written under the run directory ``trainer.default_root_dir``: ``student/`` (``loopq.fit`` with the same
+config, in this process), ``exported/`` (checked against the student on the first WikiText-2 windows), ``results/``
+(the FP teacher, plain RTN at the student's bits and LoopQ, each :func:`loopq.evaluate.evaluate`) and ``report/``
+(``loopq.report``); the table of stages and the re-run rules are in docs/usage.md, "The main command". Every
+WikiText-2 window is sized from the teacher's own context (:func:`window_length`), so a LoopFormer with ``block_size``
+64 is evaluated on 64-token windows.
 
-    1 calibrate       student/                     python -m loopq.fit with the same config, in this process
-    2 export          exported/                    packed int model (loopq.export), checked against the student
-                                                   on the first WikiText-2 windows
-    3 evaluate FP     results/fp.json              the teacher
-    4 evaluate RTN    results/rtn-<bits>.json      plain symmetric round-to-nearest at the student's bits
-    5 evaluate LoopQ  results/loopq-<bits>.json    the fake-quant student (--eval_exported: the int model)
-    6 report          report/report.md + figures   Table 1, per-loop perplexity, figures (loopq.report)
-
-An evaluation is :func:`loopq.evaluate.evaluate`: WikiText-2 perplexity under the PTQ protocol, per loop (all
-windows unless ``--ppl_windows``), plus the paper's lm-eval suite on the first ``--limit`` examples of each task.
-Every WikiText-2 window (the export check's and the evaluations') is sized from the teacher's own context length:
-``--ppl_seq_len``, else :func:`window_length` = min(256, the positions its config.json gives it), so a LoopFormer
-with ``block_size`` 64 is evaluated on 64-token windows; the RTN baseline's calibration samples are min(128, context)
-tokens. LoopQ's calibration windows are ``data.seq_len`` (checked against the same context before anything runs).
-The default limit keeps the embedded default under ten minutes on two CPU cores; ``--limit full`` runs everything.
-
-Re-running is safe and cheap. ``pipeline.json`` in the run directory records every stage's inputs (its settings and
-the modification times of the files it reads from earlier stages) and its summary; a stage whose outputs exist and
-whose inputs did not change is skipped (its outputs must still be the files it wrote: same modification time and
-size), so an interrupted run continues where it stopped - a calibration from the newest intact ``checkpoints/*.ckpt``
-written since it first started (never from an earlier run's; a finished calibration whose student was lost resumes
-from its last checkpoint and writes it again). A student is not recalibrated silently either: if the calibration
-config differs from the one that made it or started it (``pipeline.json``'s record and the student's own provenance;
-options in :data:`loopq.fit.COSMETIC` aside, records read as :func:`loopq.provenance.flat_record` reads them) or the
-teacher's content differs (a teacher rebuilt in place), the run stops and names the keys; a student that
-``python -m loopq.fit`` wrote is adopted if it was calibrated with this teacher and config (a line says so).
-``--force`` reruns every stage from scratch (files are replaced, nothing is deleted). All files are written
-atomically. The stage bookkeeping (``pipeline.json``, skipping, re-running) is the generic runner of
-:mod:`loopq.stages`; this module defines LoopQ's stages on it.
+Re-running is safe and cheap: ``pipeline.json`` records every stage's inputs, and a stage whose inputs did not change
+and whose outputs are still the files it wrote is skipped, so an interrupted run continues where it stopped (a
+calibration from the newest intact checkpoint written since it first started: :meth:`Pipeline.own_last_checkpoint`).
+A student is never recalibrated silently: another config or teacher content stops the run naming the keys
+(:meth:`Pipeline.check_calibration`); ``--force`` reruns every stage from scratch. The stage bookkeeping is the generic
+runner of :mod:`loopq.stages`; this module defines LoopQ's stages on it.
 """
 
 from __future__ import annotations
@@ -67,7 +49,8 @@ from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.metrics.perplexity import perplexity, wikitext2_stream
 from loopq.metrics.tasks import check_tasks
-from loopq.models.loading import architecture_for, read_config, resolve_model_dir
+from loopq.models.base import LoopLM
+from loopq.models.loading import resolve_model_dir
 from loopq.planning.guards import meta_teacher
 from loopq.provenance import describe, flat_record, teacher_fingerprint
 from loopq.quant import QuantConfig
@@ -76,6 +59,7 @@ from loopq.quant.config import Bits
 from loopq.quant.packed import check_kernel_support
 from loopq.stages import MANIFEST, Manifest, Stage, StageRunner, clock, differing_keys, normalised, say
 
+#: lm-eval examples per task: keeps the embedded default under ten minutes on two CPU cores (``--limit full``: all)
 DEFAULT_LIMIT = 10
 EXPORT_CHECK_WINDOWS = 8
 #: the PTQ protocol's window here (the paper's 2048, scaled to the tiny teachers), cut to a shorter model's context
@@ -161,15 +145,13 @@ class Pipeline(StageRunner):
         config = cli.config
         self.root = Path(config.trainer.default_root_dir)
         self.teacher = str(config.model.teacher)
-        self.student_dir = Path(config.model.output_dir) if config.model.output_dir else self.root / "student"
+        self.student_dir = fit.student_dir(config)
         self.exported_dir = self.root / "exported"
         self.results_dir = self.root / "results"
         self.report_dir = self.root / "report"
         self.report_path = self.report_dir / "report.md"
         self.quant = asked_quant(config)
-        teacher_model = meta_teacher(resolve_model_dir(self.teacher))
-        if teacher_model is None:
-            raise PipelineError(f"--model.teacher {self.teacher}: no such model directory (a folder with config.json)")
+        teacher_model = check_teacher(self.teacher)
         #: the teacher's architecture (the report and the summary name it) and every WikiText-2 window's length
         self.arch, self.context = teacher_model.arch, teacher_model.max_positions
         self.window = window_length(self.context, options.ppl_seq_len)
@@ -436,11 +418,12 @@ def quiet_lm_eval() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def check_teacher(teacher: str) -> None:
-    directory = resolve_model_dir(teacher)
-    if not (directory / "config.json").is_file():
+def check_teacher(teacher: str) -> LoopLM:
+    """The teacher's model on the meta device (:func:`~loopq.planning.guards.meta_teacher`), or a refusal."""
+    model = meta_teacher(resolve_model_dir(teacher))
+    if model is None:
         raise PipelineError(f"--model.teacher {teacher}: no such model directory (a folder with config.json)")
-    architecture_for(read_config(directory), str(directory / "config.json"))
+    return model
 
 
 def check_before_calibration(config: Any, options: Options) -> None:
@@ -465,8 +448,7 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> Path:
     cli = parse(argv)
-    try:
-        check_teacher(str(cli.config.model.teacher))
+    try:  # the teacher was checked while parsing (DeferredCLI.check_teacher)
         options = Options.of(cli.config)
         check_before_calibration(cli.config, options)
         return Pipeline(cli, options).run()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,23 +58,9 @@ RTN_SETTINGS: dict[str, dict[str, int]] = {
 }
 
 
-def rtn_config(w_bits: int, a_bits: int, group_size: int) -> QuantConfig:
-    return QuantConfig.rtn(w_bits, a_bits, group_size)
-
-
-@dataclass
-class OutlierSpec:
-    channels: list[int]
-    factor: float
-    seed: int
-
-
-def outlier_reparameterize(
-    model: LoopLM, channels: int = 4, factor: float = 32.0, seed: int = 0
-) -> tuple[LoopLM, OutlierSpec]:
-    """A function-preserving copy of ``model`` with ``channels`` massive-activation channels (see module doc)."""
-    if not model.norm_feeds:
-        raise ValueError(f"{model.arch}: no RMSNorm feeds a quantized group (norm_feeds is empty)")
+def outlier_reparameterize(model: LoopLM, channels: int, factor: float, seed: int) -> tuple[LoopLM, list[int]]:
+    """A function-preserving copy of ``model`` with ``channels`` massive-activation channels (see module doc), and
+    the channels chosen; ``model`` has ``norm_feeds`` (:func:`check_has_stress_variant`)."""
     dim = model.state_dim
     chosen = sorted(torch.randperm(dim, generator=torch.Generator().manual_seed(seed))[:channels].tolist())
     out = copy.deepcopy(model)
@@ -86,7 +71,7 @@ def outlier_reparameterize(
                 layer.get_submodule(norm_name).weight[idx] *= factor
                 for linear in layer.get_submodule(group_name).children():
                     linear.weight[:, idx] /= factor
-    return out, OutlierSpec(chosen, factor, seed)
+    return out, chosen
 
 
 def check_outlier_options(channels: int, factor: float, width: int | None = None) -> None:
@@ -140,7 +125,7 @@ def fragility(model: LoopLM, stream: Tensor, probe: Tensor) -> dict[str, dict[st
     fp = perplexity(model, stream, SEQ_LEN, batch_size=8, per_loop=True)
     rows["FP"] = {"ppl": fp.ppl, "per_loop_ppl": list(fp.per_loop), "state_error": [0.0] * len(fp.per_loop)}
     for name, setting in RTN_SETTINGS.items():
-        student = prepare(model, rtn_config(**setting)).eval()
+        student = prepare(model, QuantConfig.rtn(**setting)).eval()
         res = perplexity(student, stream, SEQ_LEN, batch_size=8, per_loop=True)
         rows[name] = {
             "ppl": res.ppl,
@@ -155,15 +140,11 @@ def training_token_ids(tokenizer: Tokenizer) -> Tensor:
     return torch.tensor([i for enc in tokenizer.encode_batch(docs) for i in enc.ids])
 
 
-def measure(
-    model_dir: Path, tokenizer: Tokenizer, model: LoopLM | None = None, windows: int | None = None
-) -> dict[str, Any]:
-    model = model or load_looplm(model_dir)
+def measure(model_dir: Path, tokenizer: Tokenizer, model: LoopLM, windows: int | None = None) -> dict[str, Any]:
     stream = torch.tensor(wikitext2_stream(tokenizer))
     probe = token_windows(stream, SEQ_LEN)[:8]
     if windows is not None:
         stream = stream[: windows * SEQ_LEN]
-    vocab = tokenizer.get_vocab_size()
     table = fragility(model, stream, probe)
     fp_loops = table["FP"]["per_loop_ppl"]
     subset = stream[: QUICK_WINDOWS * SEQ_LEN]
@@ -176,7 +157,7 @@ def measure(
         },
         "wikitext2_windows": int(stream.numel() // SEQ_LEN),
         "seq_len": SEQ_LEN,
-        "unigram_ppl": unigram_perplexity(training_token_ids(tokenizer), stream, vocab),
+        "unigram_ppl": unigram_perplexity(training_token_ids(tokenizer), stream, tokenizer.get_vocab_size()),
         "last_over_first_loop_ppl": fp_loops[-1] / fp_loops[0],
         "activation_p99": activation_p99(model, probe),
         "fragility": table,
@@ -249,9 +230,11 @@ def regime_markdown(regime: dict[str, Any], gaps: dict[str, float], loops: int) 
 
 
 def write(model_dir: Path, name: str, result: dict[str, Any], extra: str = "") -> None:
+    """``testbed.json`` and ``TESTBED.md`` in ``model_dir``; the record printed without its :data:`BULKY` entries."""
     text = json.dumps(result, indent=2) + "\n"
     atomic_write(model_dir / "testbed.json", lambda p: p.write_text(text))
     atomic_write(model_dir / "TESTBED.md", lambda p: p.write_text(markdown(name, result, extra)))
+    print(json.dumps({k: v for k, v in result.items() if k not in BULKY}, indent=1))
 
 
 def testbed(
@@ -282,23 +265,21 @@ def testbed(
         check_outlier_options(channels, factor, teacher.state_dim)
     result = measure(model, tokenizer, teacher, windows)
     write(model, model.name, result)
-    print(json.dumps({k: v for k, v in result.items() if k not in BULKY}, indent=1))
     if outliers_out:
-        stressed, spec = outlier_reparameterize(teacher, channels, factor, seed)
-        outliers = {"channels": spec.channels, "factor": spec.factor, "seed": spec.seed}
+        stressed, chosen = outlier_reparameterize(teacher, channels, factor, seed)
+        outliers = {"channels": chosen, "factor": factor, "seed": seed}
         # the record first: a run stopped while measuring leaves a folder a re-run recognises as its own
         atomic_write(outliers_out / "testbed.json", lambda p: p.write_text(json.dumps({"outliers": outliers})))
         stressed.save_pretrained(outliers_out)
         atomic_write(outliers_out / "tokenizer.json", lambda p: tokenizer.save(str(p)))
         note = (
-            f"Stress variant of `{model}`: channels {spec.channels} of every RMSNorm in `norm_feeds` "
-            f"multiplied by {spec.factor:g}, the consuming input columns divided by it (seed {spec.seed}; "
+            f"Stress variant of `{model}`: channels {chosen} of every RMSNorm in `norm_feeds` "
+            f"multiplied by {factor:g}, the consuming input columns divided by it (seed {seed}; "
             f"`python -m loopq.testbed --model {model} --outliers_out {outliers_out}`)."
         )
         res = measure(outliers_out, tokenizer, stressed, windows)
         res["outliers"] = outliers
         write(outliers_out, outliers_out.name, res, note)
-        print(json.dumps({k: v for k, v in res.items() if k not in BULKY}, indent=1))
 
 
 COMMAND = Command(testbed, "loopq.testbed", __doc__, renames={"--outliers-out": "--outliers_out"})

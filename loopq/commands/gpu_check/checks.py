@@ -250,8 +250,7 @@ def calibration(ctx: Context, compare_cpu: bool = True) -> StageResult:
         proc = cuda_run.result()
         cpu_proc = cpu_run.result() if cpu_run is not None else None
     if cpu_proc is not None and cpu_proc.returncode != 0:
-        print(tail(cpu_proc.stderr, 40))
-        return StageResult("calibration", FAIL, failure("loopq.fit on the cpu", cpu_proc.returncode, cpu_proc.stderr))
+        return flow.failed("calibration", "loopq.fit on the cpu", cpu_proc)
     cpu_losses = read_losses(cpu_root) if cpu_proc is not None else None
     result = calibration_result(proc.returncode, root, steps, proc.stderr, cpu_losses)
     if result.status == FAIL:
@@ -376,7 +375,6 @@ def step_result(times: dict[str, float], details: dict[str, object], layers: int
     return StageResult("profile", OK if finite else FAIL, "; ".join(parts), details=details)
 
 
-# ------------------------------------------------------------------------------------------------------- helpers
 # ------------------------------------------------------------------------------------ 6-7 the user's flow
 def pipeline_stage(ctx: Context) -> StageResult:
     """:func:`loopq.commands.gpu_check.flow.pipeline` on the student the ``calibration`` stage wrote (calibrated now if

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loopq.commands.gpu_check.proc import pythonpath
+from loopq.commands.gpu_check.proc import child_env
 from loopq.commands.gpu_check.stage import read_progress, write_text
 from loopq.commands.gpu_check.table import CUT, FAIL, RUNNING, SKIPPED, StageResult, exit_status, markdown_table
 from loopq.paths import REPO_ROOT
@@ -164,8 +164,7 @@ def run_stage(
     cmd += ["--full"] * full
     print(f"[gpu_check] {name} (limit {limit_s:.0f} s) ...", flush=True)
     began = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": pythonpath()}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=child_env(), start_new_session=True)
     last_write = began
     try:
         while (returncode := proc.poll()) is None:

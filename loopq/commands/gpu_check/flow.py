@@ -70,7 +70,7 @@ def no_limit() -> float:
 def failed(stage: str, what: str, proc: subprocess.CompletedProcess[str]) -> StageResult:
     """The stage's failure for a command that exited non-zero (:func:`~loopq.commands.gpu_check.proc.failure`; its
     last 40 lines printed)."""
-    print("\n".join(proc.stderr.strip().splitlines()[-40:]))
+    print(tail(proc.stderr, 40))
     return StageResult(stage, FAIL, failure(what, proc.returncode, proc.stderr))
 
 

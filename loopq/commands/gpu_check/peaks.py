@@ -50,10 +50,7 @@ PEAKS: tuple[tuple[str, DevicePeaks], ...] = (
 
 def peaks_for(device_name: str) -> DevicePeaks | None:
     """The peaks of the first :data:`PEAKS` row whose pattern matches ``device_name`` (case-insensitive)."""
-    for pattern, peaks in PEAKS:
-        if re.search(pattern, device_name, flags=re.IGNORECASE):
-            return peaks
-    return None
+    return next((peaks for pattern, peaks in PEAKS if re.search(pattern, device_name, flags=re.IGNORECASE)), None)
 
 
 def gemm_tera_ops(m: int, n: int, k: int, ms: float) -> float:

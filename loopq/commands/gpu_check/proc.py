@@ -13,9 +13,11 @@ from typing import IO
 from loopq.paths import REPO_ROOT
 
 
-def pythonpath() -> str:
-    """``PYTHONPATH`` for a child process: this checkout first, so it runs the same ``loopq`` as this one."""
-    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A child process's environment: this one with ``env`` added and this checkout first on ``PYTHONPATH``, so it
+    runs the same ``loopq`` as this one."""
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
 
 
 def tail(text: str, lines: int) -> str:
@@ -30,13 +32,11 @@ def run_watched(
     poll: Callable[[str, str], None] | None = None,
     every: float = 2.0,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` from the repository root (``env`` added to this environment, ``PYTHONPATH`` as
-    :func:`pythonpath`), calling ``poll`` with its standard output and error so far every ``every`` seconds while it
-    runs and once at its end; its output captured. Beyond ``timeout`` seconds it is killed and
-    ``subprocess.TimeoutExpired`` raised."""
-    full_env = {**os.environ, "PYTHONPATH": pythonpath(), **(env or {})}
+    """Run ``cmd`` from the repository root in :func:`child_env` of ``env``, calling ``poll`` with its standard output
+    and error so far every ``every`` seconds while it runs and once at its end; its output captured. Beyond
+    ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=child_env(env), stdout=out, stderr=err, text=True)
         deadline = time.monotonic() + timeout
         while True:
             try:

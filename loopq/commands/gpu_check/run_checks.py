@@ -4,15 +4,11 @@
                          [--skip STAGE ...]
     python -m loopq.gpu_check [the same options but --carry]   # from a checkout, TRITON_INTERPRET unset or 0
 
-Stages, most important first (described in :mod:`loopq.commands.gpu_check.checks`): ``environment``, ``calibration``,
-``kernel-tests``, ``kernel-bench``, ``e2e``, ``pipeline``, ``paper-shape`` and ``profile``. Quick by default;
-``--full`` runs more steps, layers and shapes. Each stage runs in its own process under its own time limit, inside a
-total ``--budget`` (default 480 s): a stage that would not finish in what is left is skipped, one that reaches its
-limit is cut and keeps what it had measured (:mod:`loopq.commands.gpu_check.driver`). ``--out DIR`` gets
-``gpu_check.json`` and ``gpu_check.md`` after every stage. It prints one table (stage, status, seconds, key numbers)
-and exits 1 if a stage failed or was cut - a kernel mismatch, an error, a non-finite loss, a time limit - else 0; a
-missed speed goal is ``below goal`` without failing.
-Without a CUDA GPU it prints one line saying so and exits 0.
+The stages are :mod:`loopq.commands.gpu_check.checks`' (quick by default, ``--full``: more steps, layers and
+shapes), run by :mod:`loopq.commands.gpu_check.driver` (a process and a time limit each, inside ``--budget``;
+``--out DIR`` gets the results after every stage); the one table it prints and its exit status (1: a stage failed or
+was cut; a missed speed goal does not fail) are :mod:`loopq.commands.gpu_check.table`'s. Without a CUDA GPU it prints
+one line saying so and exits 0. The whole procedure: docs/benchmarks.md, "GPU check".
 """
 
 from __future__ import annotations
@@ -102,7 +98,8 @@ def gpu_check(
                 "TRITON_INTERPRET=0 (scripts/gpu_check.sh sets it)"
             )
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    meta = {"device": device, **commits(commit(), _carried_commit())}
+    carried = os.environ.get("LOOPQ_CARRY_COMMIT") or None  # set by scripts/gpu_check.sh --carry from its manifest
+    meta = {"device": device, **commits(commit(), carried)}
     with tempfile.TemporaryDirectory(prefix="loopq-gpu-check-") as scratch:
         results = driver.run_check(
             module.LIMITS,
@@ -132,9 +129,3 @@ def commits(here: str | None, carried: str | None) -> dict[str, str | None]:
     if carried and here and here != carried:
         return {"commit": carried, "git_there": here}
     return {"commit": carried or here}
-
-
-def _carried_commit() -> str | None:
-    """The commit the carry was built from (``LOOPQ_CARRY_COMMIT``, set by ``scripts/gpu_check.sh --carry`` from the
-    carry's manifest)."""
-    return os.environ.get("LOOPQ_CARRY_COMMIT") or None

@@ -94,21 +94,10 @@ def read_progress(path: Path) -> dict[str, Any]:
     return payload if isinstance(payload, dict) else {}
 
 
-def run(module: str, name: str, ctx: Context) -> StageResult:
-    """Run stage ``name`` of ``module.STAGES``; an exception is the stage's failure (traceback on stderr)."""
-    stages = importlib.import_module(module).STAGES
-    try:
-        result = stages[name](ctx)
-    except Exception as err:
-        traceback.print_exc()
-        result = StageResult(name, FAIL, f"{type(err).__name__}: {one_line(err)}")
-    ctx.finish(result)
-    return result
-
-
 def stage(module: str, name: str, *, workdir: Path, progress: Path, seconds: float, full: bool = False) -> int:
-    """Run stage ``name`` of ``module`` under a deadline; returns 0 (a failure is in the progress file). The two
-    positional arguments come first, the rest are options (keyword-only).
+    """Run stage ``name`` of ``module`` under a deadline; returns 0: its result, an exception as its failure
+    (traceback on stderr), is in the progress file. The two positional arguments come first, the rest are options
+    (keyword-only).
 
     Args:
         module: the module whose STAGES mapping holds the stage functions
@@ -118,7 +107,14 @@ def stage(module: str, name: str, *, workdir: Path, progress: Path, seconds: flo
         seconds: the stage's time limit
         full: the long mode (more steps, layers and shapes)
     """
-    run(module, name, Context(not full, workdir, progress, time.monotonic() + seconds))
+    ctx = Context(not full, workdir, progress, time.monotonic() + seconds)
+    stages = importlib.import_module(module).STAGES
+    try:
+        result = stages[name](ctx)
+    except Exception as err:
+        traceback.print_exc()
+        result = StageResult(name, FAIL, f"{type(err).__name__}: {one_line(err)}")
+    ctx.finish(result)
     return 0
 
 

@@ -50,6 +50,10 @@ TABLE1_HELP = (
     "(lower is better). *Italic*: full precision, repeated in each block. **Bold**: best quantized method "
     f"of a model per column (where two or more report it). {DASH}: not evaluated. T: loops at inference."
 )
+#: how to read the evaluation subsets
+SUBSETS_HELP = (
+    "lm-eval numbers are on the first `limit` examples of each task (`full`: all); WT2-PTQ uses the windows listed."
+)
 #: how to read the held-out validation (loopq.calib.validation)
 VALIDATION_HELP = (
     "KL: the student's full-vocabulary KL to the teacher per token on windows no calibration step saw (`heldout`: "
@@ -173,26 +177,17 @@ def tables_markdown(
     runs: Sequence[Run],
 ) -> list[str]:
     """The markdown of the report up to its figures: Table 1, per-loop perplexity, subsets, runs, validation."""
-    md = ["# LoopQ report", ""]
-    md += ["## Table 1", ""]
+    md = ["# LoopQ report", "", "## Table 1", ""]
     if table:
-        md += table1(table, loops, blocks)
-        md += ["", TABLE1_HELP]
+        md += [*table1(table, loops, blocks), "", TABLE1_HELP]
     else:
         md += ["_No results._"]
     md += ["", "## WikiText-2 perplexity per loop", "", "Perplexity when exiting after loop t (PTQ protocol).", ""]
     md += per_loop_table(table)
-    md += ["", "## Evaluation subsets", ""]
-    md += [
-        "lm-eval numbers are on the first `limit` examples of each task (`full`: all); WT2-PTQ uses the windows "
-        "listed.",
-        "",
-    ]
-    md += subset_table(results)
+    md += ["", "## Evaluation subsets", "", SUBSETS_HELP, "", *subset_table(results)]
     if runs:
         md += ["", "## Calibration runs", "", *runs_table(runs)]
-    if any(val_sets(run) for run in runs):
-        validated = [r for r in runs if val_sets(r)]
+    if validated := [run for run in runs if val_sets(run)]:
         md += ["", "## Held-out validation", "", VALIDATION_HELP, "", *validation_table(validated)]
     return md
 

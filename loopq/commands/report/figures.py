@@ -48,9 +48,10 @@ def figure_files(run_names: Sequence[str]) -> list[str]:
 
 
 def save(fig: Figure, out: StagedFiles, name: str) -> Path:
-    """Stage ``fig`` as the PNG ``name`` of the report (renamed into place with the report itself); returns the path
-    it will have."""
+    """Stage ``fig``, laid out tight, as the PNG ``name`` of the report (renamed into place with the report itself);
+    returns the path it will have."""
     FigureCanvasAgg(fig)
+    fig.tight_layout()
     out.write(name, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     return out.directory / name
 
@@ -84,7 +85,6 @@ def plot_loop_errors(run: Run, out: StagedFiles) -> Path:
     ax.set_xlabel("shared layer")
     ax.set_ylabel("loop")
     ax.set_title(f"{run.name}: layer x loop error (step {run.errors_step})", fontsize=9)
-    fig.tight_layout()
     return save(fig, out, run_figures(run.name)["errors"])
 
 
@@ -118,7 +118,6 @@ def plot_slt(run: Run, out: StagedFiles) -> Path:
     ax.set_yticks(range(matrix.shape[0]))
     ax.set_ylabel("layer")
     ax.set_title(f"{run.name}: SLT selection ({len(run.promoted)} groups)", fontsize=9)
-    fig.tight_layout()
     return save(fig, out, run_figures(run.name)["slt"])
 
 
@@ -134,7 +133,6 @@ def plot_mu(run: Run, out: StagedFiles) -> Path:
     ax.set_title(f"{run.name}: adaptive mu_t", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     return save(fig, out, run_figures(run.name)["mu"])
 
 
@@ -154,7 +152,6 @@ def plot_validation(run: Run, out: StagedFiles) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"{run.name}: held-out validation", fontsize=9)
-    fig.tight_layout()
     return save(fig, out, run_figures(run.name)["validation"])
 
 
@@ -210,7 +207,6 @@ def plot_loop_sweep(
         ax.legend(fontsize=7)
         ax.set_xlabel("loops at inference")
         ax.set_title(model, fontsize=9)
-    fig.tight_layout()
     return save(fig, out, LOOP_SWEEP_FIGURE)
 
 
@@ -228,5 +224,4 @@ def plot_sweep(
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"perplexity vs {key}", fontsize=9)
-    fig.tight_layout()
     return save(fig, out, SWEEP_FIELDS[key][0])

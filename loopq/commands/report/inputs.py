@@ -302,27 +302,22 @@ def read_series(
 def read_rows(path: Path, pattern: str, what: str) -> dict[int, dict[str, float]]:
     """``{step: {column: value}}`` of one ``metrics.csv``: the rows where every column matching ``pattern`` is set
     (a file that is not UTF-8 CSV text is a :class:`ReportInputError` naming it)."""
+    rows: dict[int, dict[str, float]] = {}
     try:
-        return parse_rows(path, pattern, what)
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            cols = [c for c in reader.fieldnames or [] if re.fullmatch(pattern, c)]
+            for line_no, row in enumerate(reader, start=2):
+                if not cols or any(row.get(c) in (None, "") for c in cols):
+                    continue
+                try:
+                    rows[int(float(row["step"]))] = {c: float(row[c]) for c in cols}
+                except (KeyError, TypeError, ValueError):
+                    raise ReportInputError(f"{path}: line {line_no}: bad 'step' or '{what}' value") from None
     except UnicodeDecodeError as err:
         raise ReportInputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {RUN_FIX}") from None
     except csv.Error as err:
         raise ReportInputError(f"{path}: not readable CSV ({err}); {RUN_FIX}") from None
-
-
-def parse_rows(path: Path, pattern: str, what: str) -> dict[int, dict[str, float]]:
-    """:func:`read_rows` without the decoding errors."""
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        cols = [c for c in reader.fieldnames or [] if re.fullmatch(pattern, c)]
-        rows: dict[int, dict[str, float]] = {}
-        for line_no, row in enumerate(reader, start=2):
-            if not cols or any(row.get(c) in (None, "") for c in cols):
-                continue
-            try:
-                rows[int(float(row["step"]))] = {c: float(row[c]) for c in cols}
-            except (KeyError, TypeError, ValueError):
-                raise ReportInputError(f"{path}: line {line_no}: bad 'step' or '{what}' value") from None
     return rows
 
 
