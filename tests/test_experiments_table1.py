@@ -151,6 +151,8 @@ def test_every_row_calibrates_on_the_fit_configs_data(recorded, monkeypatch, tmp
         ("configs/tiny.yaml", ("--data.num_samples", "64"), (None, 64, 128)),
     ],
 )
-def test_calibration_data_is_the_fit_configs_data_section(config, extra, expected):
+def test_calibration_data_is_the_fit_configs_data_section(config, extra, expected, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # parsing once left runs/ (the run directory's lock) in the working directory
     data = experiments.calibration_data(str(ASSETS / "tiny-ouro"), str(REPO_ROOT / config), extra)
     assert (data.sources, data.num_samples, data.seq_len) == expected
+    assert list(tmp_path.iterdir()) == []

@@ -22,6 +22,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -276,9 +277,12 @@ class CalibrationData:
 
 
 def calibration_data(model: str, fit_config: str, extra: tuple[FitOption, ...]) -> CalibrationData:
-    """The ``data`` section of ``fit_config`` with ``extra`` as ``loopq.fit`` resolves it for the LoopQ rows."""
-    cli = parse(Calibration(model, Path("runs") / "unused", fit_config, 4, extra).args())
-    cli.release_lock()
+    """The ``data`` section of ``fit_config`` with ``extra`` as ``loopq.fit`` resolves it for the LoopQ rows (parsed
+    with a throwaway run directory: the parse takes the run directory's lock, which made ``runs/`` in the caller's
+    working directory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cli = parse(Calibration(model, Path(tmp) / "unused", fit_config, 4, extra).args())
+        cli.release_lock()
     data = cli.config.data
     sources = None if data.sources is None else [str(s) for s in data.sources]
     return CalibrationData(sources, int(data.num_samples), int(data.seq_len))
