@@ -158,13 +158,14 @@ def test_triton_backend_matches_torch_backend(exported, monkeypatch):
 
 
 def _checked(gemm, calls: list):
-    """The prefill ``gemm`` recording (M, whether its output is within ``gemm_fp64``'s bound of its codes) per call."""
+    """The prefill ``gemm`` recording (M, whether its bias-free fp32 output is within ``gemm_fp64``'s bound of its
+    codes) per call; it returns the kernel's own output with the bias and the output dtype."""
 
-    def run(a, sa, w, sw, out_dtype, a_int4):
-        out = gemm(a, sa, w, sw, out_dtype, a_int4)
+    def run(a, sa, w, sw, out_dtype, a_int4, bias=None):
+        out = gemm(a, sa, w, sw, torch.float32, a_int4)
         ref, bound = gemm_fp64(unpack_int4(a) if a_int4 else a, sa, unpack_int4(w), sw)
         calls.append((a.shape[0], bool(((out.double() - ref).abs() <= bound).all())))
-        return out
+        return gemm(a, sa, w, sw, out_dtype, a_int4, bias=bias)
 
     return run
 
