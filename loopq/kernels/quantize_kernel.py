@@ -10,7 +10,7 @@ One program quantizes ``BLOCK_M`` tokens end to end, in registers except for the
    scratch row in global memory (store, CTA barrier, reload). ``tl.gather`` would avoid the round trip but
    lowers to ~130k warp shuffles per token at K = 5632.
 2. per 32-element group: ``s = max(clip * absmax / q_max, 1e-8)`` with IEEE division (``div_rn``; plain ``/``
-   is approximate on NVIDIA GPUs);
+   is approximate on NVIDIA GPUs), a NaN in the group giving a NaN scale as in torch (``max.NaN``);
 3. codes = round-half-to-even of ``clamp(x / s, q_min, q_max)``, written by hand without libdevice:
    ``(v + 1.5 * 2^23) - 1.5 * 2^23``. Every fp32 in [2^23, 2^24) is an integer, so the addition itself rounds
    ``v`` to the nearest integer with ties to even (1.5 * 2^23 is even), and the subtraction is exact; valid for
@@ -195,7 +195,7 @@ def _quantize_store(
     """Steps 2-4 on transformed tokens ``z [BLOCK_M, KP]`` (K order, zero past K): scales, codes, packing.
     ``DECODE``: int8 codes in the decode GEMM's order (per group 16 even k, then 16 odd k), whatever ``BITS``."""
     groups = tl.reshape(z, [BLOCK_M, KP // 32, 32])
-    scale = _group_scale(tl.max(tl.abs(groups), axis=2), clip, QMAX)
+    scale = _group_scale(_absmax(groups), clip, QMAX)
     g = tl.arange(0, KP // 32)
     g_mask = row_mask[:, None] & (g < K // 32)[None, :]
     tl.store(scales_ptr + rows[:, None] * (K // 32) + g[None, :], scale, mask=g_mask)
@@ -326,9 +326,21 @@ def _span_groups(
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _absmax(groups):
+    """Per group (last axis) ``max |x|``, NaN if any ``x`` is NaN, as torch's ``amax`` (``max.NaN.f32``: no extra
+    instruction; a plain ``tl.max`` drops NaNs, so a NaN activation gave a finite scale and finite garbage)."""
+    return tl.reduce(tl.abs(groups), len(groups.shape) - 1, _max_nan)
+
+
+@triton.jit
 def _group_scale(absmax, clip, QMAX: tl.constexpr):
-    """``max(clip * absmax / q_max, 1e-8)`` with IEEE division (step 2)."""
-    return tl.maximum(tl.math.div_rn(absmax * clip, QMAX), 1e-8)
+    """``max(clip * absmax / q_max, 1e-8)`` with IEEE division (step 2); NaN stays NaN, as torch's ``clamp_min``."""
+    return tl.maximum(tl.math.div_rn(absmax * clip, QMAX), 1e-8, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -364,7 +376,7 @@ def _store_groups(
     IEEE division, once per group), not ``groups / scale`` (an IEEE division per value, ~11 SASS instructions):
     within 2^-23 of it, relative, which shifts codes only at values that close to a .5 tie, as the transform's
     own bound already does (``test_fast_transform_within_its_bound`` allows for both)."""
-    scale = _group_scale(tl.max(tl.abs(groups), axis=2), clip, QMAX)
+    scale = _group_scale(_absmax(groups), clip, QMAX)
     g = g0 + tl.arange(0, GP)[None, :]
     tok = tok[:, None]
     tl.store(scales_ptr + tok * (K // 32) + g, scale, mask=valid)

@@ -192,6 +192,25 @@ def test_fast_path_folds_the_diagonal_and_writes_the_decode_order(m, device):
     assert all(torch.equal(a, b) for a, b in zip(folded, premultiplied, strict=True))
 
 
+@pytest.mark.parametrize("transform", [False, True])
+def test_nan_and_inf_inputs_give_the_references_scales(transform, device):
+    """A NaN (or inf) activation gives the torch reference's NaN (inf) scales in the exact Triton path, and a NaN
+    a NaN scale in the tensor-core one: ``tl.max`` dropped NaNs, so a broken activation quantized to finite scales
+    and finite garbage where the student's quantizer gave NaN."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 128, generator=gen)
+    x[0, 3], x[5, 70] = float("nan"), float("inf")
+    left, right = random_transform(128, gen) if transform else (None, None)
+    x, left, right = (None if t is None else t.to(device) for t in (x, left, right))
+    ref = quantize_activation(x, left, right, 0.9, 4, backend="torch")[1].cpu()
+    exact = quantize_activation(x, left, right, 0.9, 4, backend="triton", exact=True)[1].cpu()
+    torch.testing.assert_close(exact, ref, rtol=0, atol=0, equal_nan=True)
+    assert bool(ref[0].isnan().any()) and bool(torch.isfinite(ref[1:5]).all())
+    if transform:
+        fast = quantize_activation(x, left, right, 0.9, 4, backend="triton", exact=False)[1].cpu()
+        assert bool(fast[0].isnan().all()) and bool(torch.isfinite(fast[1:5]).all())
+
+
 @triton.jit
 def _split_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
