@@ -1,11 +1,17 @@
-"""Parameter accounting of a LoopQ student, as in the paper's Table 5.
+"""Parameter accounting of a LoopQ student, the columns of the paper's Table 5 (App. C).
 
-* **shared**: quantization parameters used by every loop - transforms and weight clips of unpromoted
+* **shared**: learned quantization parameters used by every loop - transforms and weight clips of unpromoted
   groups, activation clips without LAS, CTA's shared directions U and V;
 * **loop-dependent**: LAS activation clips c_{t,l}, promoted groups' per-loop transforms and weight clips,
-  CTA's a_t, b_t, eta_t.
+  CTA's a_t, b_t, eta_t;
+* **weight scales**: the per-group weight scales the quantized student stores (one per ``group_size`` weights and
+  slot: a promoted group has one set per loop). Not learned, so not in ``shared``; but the paper's "Shared"
+  column counts them: for Ouro-1.4B its 40.65M is 38,535,168 group-32 weight scales + 1,598,784 transform
+  parameters (P1, P2, d) + 516,096 weight-clip rows = 40,650,048 (:attr:`ParameterReport.table5_shared`, which
+  leaves CTA's U, V out as the paper's count does; ``tests/quant/test_student.py`` rebuilds it on the meta device).
+  The paper's "Loop-Dep" column (649.5K at SLT budget 4) is not reproduced by any counting we found.
 
-Ratios are relative to the total = the model's own parameters + all quantization parameters in use. The
+Ratios are relative to the total = the model's own parameters + all learned quantization parameters in use. The
 shared parameters of a promoted group are no longer used and are not counted.
 
 :func:`parameter_report` counts a fake-quant student's parameters; :func:`footprint` is the same table in bytes for
@@ -33,6 +39,14 @@ class ParameterReport:
     model: int
     shared: int
     loop_dependent: int
+    weight_scales: int = 0  # per-group weight scales of every slot (stored, not learned)
+    cta_shared: int = 0  # CTA's U and V (part of ``shared``)
+
+    @property
+    def table5_shared(self) -> int:
+        """The paper's Table 5 "Shared" count: learned shared parameters without CTA's U, V, plus the weight scales
+        of the unpromoted groups (see the module docstring)."""
+        return self.shared - self.cta_shared + self.weight_scales
 
     @property
     def shared_ratio(self) -> float:
@@ -43,7 +57,8 @@ class ParameterReport:
         return self.loop_dependent / self.total
 
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "shared_ratio": self.shared_ratio, "loop_dependent_ratio": self.loop_dependent_ratio}
+        ratios = {"shared_ratio": self.shared_ratio, "loop_dependent_ratio": self.loop_dependent_ratio}
+        return {**asdict(self), **ratios, "table5_shared": self.table5_shared}
 
 
 def _numel(p: torch.Tensor) -> int:
@@ -73,22 +88,35 @@ def group_split(group: QuantLinearGroup) -> tuple[int, int]:
     return shared, loop
 
 
+def weight_scale_count(group: QuantLinearGroup) -> int:
+    """The per-group weight scales ``group`` stores: ``N K / group_size`` per weight (``N`` per channel with
+    ``group_size = -1``, none for unquantized 16-bit weights), times the slots of a promoted group."""
+    if group.w_bits >= 16:
+        return 0
+    per_slot = sum(
+        _numel(w) // w.shape[-1] if group.group_size == -1 else _numel(w) // group.group_size for w in group.weights()
+    )
+    return per_slot * (group.slots if group.promoted else 1)
+
+
 def parameter_report(student: nn.Module) -> ParameterReport:
-    """Counts of model, shared-quantization and loop-dependent parameters of ``student``."""
-    shared = loop = 0
+    """Counts of model, shared-quantization and loop-dependent parameters of ``student``, and its weight scales."""
+    shared = loop = scales = cta_shared = 0
     quant_ids: set[int] = set()
     for module in student.modules():
         if isinstance(module, QuantLinearGroup):
             s, lp = group_split(module)
             shared, loop = shared + s, loop + lp
+            scales += weight_scale_count(module)
             quant_ids.update(id(p) for p in module.parameters())
         elif isinstance(module, TransitionAdapters):
-            shared += _count(module.shared_parameters())
+            cta_shared += _count(module.shared_parameters())
             loop += _count(module.loop_dependent_parameters())
             quant_ids.update(id(p) for p in module.parameters())
+    shared += cta_shared
     model = sum(_numel(p) for p in student.parameters() if id(p) not in quant_ids)
     model += sum(b.numel() for m in student.modules() if isinstance(m, QuantLinearGroup) for b in m.weights())
-    return ParameterReport(total=model + shared + loop, model=model, shared=shared, loop_dependent=loop)
+    return ParameterReport(model + shared + loop, model, shared, loop, scales, cta_shared)
 
 
 def packed_groups(model: nn.Module) -> Iterator[tuple[str, PackedLinearGroup]]:
