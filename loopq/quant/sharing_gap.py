@@ -23,16 +23,20 @@ def sharing_gap(phi: Tensor, psi: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 def fisher_diagonal(phi: Tensor) -> Tensor:
-    """Diagonal empirical Fisher of the shared transform from one batch: (sum_t phi_t)^2, shape [J].
+    """The curvature term of Eq. 6 from one batch's gradient: (sum_t phi_t)^2, shape [J].
 
-    The gradient w.r.t. the *shared* parameter is the sum of its per-loop contributions.
+    The gradient w.r.t. the *shared* parameter is the sum of its per-loop contributions. ``phi`` is the gradient of
+    the batch's *mean* loss, so this is the square of a mini-batch gradient - a proxy of the paper's diagonal Fisher
+    E_x[g(x)^2] (per sample), whose expectation is E[g]^2 + Var(g) / B; a documented deviation
+    (docs/design-notes.md, "SLT and the sharing gap").
     """
     return phi.sum(dim=0).pow(2)
 
 
 class SharingGapAccumulator:
     """Averages gradients over batches: phi_t = E_batch[phi_{b,t}] (the gradient of the expected loss) and
-    psi = E_batch[(sum_t phi_{b,t})^2] (empirical diagonal Fisher); ``score()`` is S_l on those."""
+    psi = E_batch[(sum_t phi_{b,t})^2] (the squared mini-batch gradient, see :func:`fisher_diagonal`); ``score()``
+    is S_l on those."""
 
     def __init__(self) -> None:
         self.phi: Tensor | None = None
