@@ -59,7 +59,7 @@ from loopq.models.loading import architecture_for, read_config, resolve_model_di
 from loopq.quant.accounting import packed_groups
 from loopq.quant.config import QuantConfig
 from loopq.quant.cta import TransitionAdapters
-from loopq.quant.packed import ExportError, PackedGroupSpec, PackedLinearGroup
+from loopq.quant.packed import ExportError, PackedGroupSpec, PackedLinearGroup, fold_feeding_norms
 from loopq.quant.prepare import quant_groups
 
 REEXPORT = "export it again with python -m loopq.export"
@@ -242,6 +242,7 @@ def load_quantized(
         setattr(model.get_submodule(parent), attr, model.get_parameter(name))
     model.quant_config = QuantConfig.from_dict(meta["quant"])
     model.calibrated_loops = meta["calibrated_loops"]
+    fold_feeding_norms(model)
     return model.to(device).requires_grad_(False).eval()
 
 

@@ -49,6 +49,8 @@ class DecodePlan:
     sizes: tuple[int, int, int]  # M, N, groups
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
+    norm_weight: Tensor | None = None  # the folded RMSNorm's weight (a view), or None
+    norm_eps: float = 0.0  # its fp32 eps
 
     def __call__(self, x: Tensor) -> Tensor:
         """``y [*x.shape[:-1], N]`` for ``x`` of the planned shape, dtype and device (not checked here)."""
@@ -62,7 +64,10 @@ class DecodePlan:
             if self.gemm.split > 1:
                 fresh = fresh._replace(part=torch.empty(self.gemm.split, m, n, dtype=torch.float32, device=x.device))
             s = self.scratches.setdefault(threading.get_ident(), fresh)
-        self.quantize.run(x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip)
+        self.quantize.run(
+            x, self.inv_d, self.left, self.right, s.transform, s.codes, s.scales, self.clip, self.norm_weight,
+            self.norm_eps,
+        )  # fmt: skip
         out = x.new_empty(self.out_shape, dtype=self.out_dtype)  # x is on the planned device
         g = self.gemm
         if s.part is None:
@@ -115,6 +120,9 @@ def plan_decode(
     bias: Tensor | None,
     out_dtype: torch.dtype | None,
     backend: str | None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float | None = None,
+    *,
     out_shape: tuple[int, ...],
 ) -> DecodePlan | None:
     """The plan of ``quantized_linear`` with these arguments (which that call has checked), for inputs of ``x``'s
@@ -131,10 +139,11 @@ def plan_decode(
         return None  # a plan holds views, never copies: in-place writes to its tensors reach it
     fast = left is not None and quantize_kernel.uses_fast_path(None, x.device)
     factors = None if left is None else (left.shape[0], right.shape[0])
-    launch = quantize_kernel.quantize_launch(m, k, factors, a_bits, inv_d is not None, True, fast, x.is_cuda)
+    norm = quantize_kernel.norm_code(x.dtype, norm_weight)
+    launch = quantize_kernel.quantize_launch(m, k, factors, a_bits, inv_d is not None, True, fast, x.is_cuda, norm)
     gemm = decode_kernel.gemm_launch(m, n, w_codes.shape[0], k // GROUP_SIZE, bias is not None, x.device)
     return DecodePlan(
         launch, inv_d, left, right, quantize_kernel.fp32_value(clip), {},
         gemm, w_codes.view(torch.int32) if gemm.words else w_codes, w_scales, bias, (m, n, k // GROUP_SIZE),
-        out_shape, out_dtype,
+        out_shape, out_dtype, norm_weight, quantize_kernel.norm_eps(norm_eps),
     )  # fmt: skip

@@ -130,10 +130,14 @@ def quantized_linear(
     bias: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     backend: str | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> Tensor:
     """A whole quantized linear ``y [M, n] = Q_a((x * inv_d) (left (x) right)) W^T + bias`` from the weight in the
     export layout (``w_codes``, ``w_scales`` of :func:`loopq.kernels.packing.tile_weight`), in ``out_dtype``
-    (default ``x``'s).
+    (default ``x``'s). With ``norm_weight`` ``[K]``, ``x`` is first normalised by the RMSNorm that feeds the group,
+    :func:`loopq.models.base.rms_norm` ``(x, norm_weight, norm_eps)`` (folded into the quantizer's launch on the
+    Triton path, where its ``1 / rms`` is summed in another order: the last bits may differ from the torch path's).
 
     ``"triton"`` with 1..16 tokens is two launches: the quantizer (input cast and diagonal folded in, int8 codes in
     the decode order) and the decode GEMM (bias and output dtype in its epilogue). More tokens run the quantizer
@@ -153,18 +157,28 @@ def quantized_linear(
         )
     out_dtype = x.dtype if out_dtype is None else out_dtype
     left, right = _transform_factors(left, right, k, x.device)
+    _check_norm(norm_weight, k, x.device)
     backend = _resolve_backend(backend, x, "group_size", GROUP_SIZE, out_dtype)
     m = x.shape[0]
+    norm = None if norm_weight is None else (norm_weight, norm_eps)
     if backend == "torch" or m == 0:
+        if norm is not None:
+            from loopq.models.base import rms_norm  # models imports the kernels (KV-cache quantization)
+
+            x = rms_norm(x, *norm)
         z = x.float() if inv_d is None else x.float() * inv_d
         codes, scales = reference.quantize_activation(z, left, right, clip, a_bits, GROUP_SIZE)
         w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
         y = (reference.gemm_w4a4 if a_bits == 4 else reference.gemm_w4a8)(codes, scales, w_packed, w_sc, torch.float32)
         return (y if bias is None else y + bias.float()).to(out_dtype)
     if m <= decode_kernel.MAX_M:
-        codes, scales = quantize_kernel.quantize_activation(x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True)
+        codes, scales = quantize_kernel.quantize_activation(
+            x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True, norm
+        )
         return decode_kernel.gemm_tiled(codes, scales, w_codes, w_scales, n, out_dtype, bias)
-    codes, scales = quantize_kernel.quantize_activation(x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d)
+    codes, scales = quantize_kernel.quantize_activation(
+        x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, False, norm
+    )
     w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
     bias = None if bias is None else bias.float()
     return gemm_kernel.gemm(codes, scales, w_packed, w_sc, out_dtype, a_bits == 4, bias=bias)
@@ -181,6 +195,17 @@ def _check_matrix(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> None
         raise ValueError(f"{name} must be a 2-D tensor [rows, K] (got {shape}); flatten leading dims first")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]} (got {t.dtype}); convert it first")
+
+
+def _check_norm(weight: Tensor | None, k: int, device: torch.device) -> None:
+    """The folded RMSNorm's weight: a floating ``[K]`` vector on ``x``'s device."""
+    if weight is None:
+        return
+    if not isinstance(weight, Tensor) or weight.shape != (k,) or weight.dtype not in (*FLOAT_DTYPES, torch.float64):
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"norm_weight must be a floating [K={k}] vector (got {shape}); pass the RMSNorm's weight")
+    if weight.device != device:
+        raise ValueError(f"norm_weight is on {weight.device} but x is on {device}; move it to x's device")
 
 
 def _transform_factors(

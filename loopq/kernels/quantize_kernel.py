@@ -97,6 +97,38 @@ def _scaled(x, d_ptr, cols, col_mask, HAS_D: tl.constexpr):
 
 
 @triton.jit
+def _rms_inverse(x_blk, ok, K: tl.constexpr, eps, TOKENS: tl.constexpr, KC: tl.constexpr):
+    """``1 / sqrt(mean(x^2) + eps)`` per token of ``TOKENS`` consecutive ones from ``x_blk`` (&X[t0, 0]; ``ok``:
+    which exist), in fp32 as :func:`loopq.models.base.rms_norm`'s ``rsqrt`` (IEEE square root and division), summed
+    over K in ``KC``-wide chunks (a power of two; another order than torch's, so the last bits of ``r`` may
+    differ: the codes then differ only at rounding ties of the normed values)."""
+    c = tl.arange(0, KC)
+    t = tl.arange(0, TOKENS)
+    acc = tl.zeros([TOKENS, KC], dtype=tl.float32)
+    for k0 in range(0, K, KC):
+        mask = ok[:, None] & (k0 + c < K)[None, :]
+        x = tl.load(x_blk + t[:, None] * K + (k0 + c)[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = acc + x * x
+    mean = tl.math.div_rn(tl.sum(acc, axis=1), tl.full([TOKENS], K, tl.float32))
+    return tl.math.div_rn(tl.full([TOKENS], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+
+
+@triton.jit
+def _normed(x, r, x_ptr, g_ptr, cols, col_mask, NORM: tl.constexpr):
+    """The RMSNorm of :func:`loopq.models.base.rms_norm` on fp32 values ``x`` loaded from ``x_ptr`` (``r``
+    broadcast to ``x``): ``(x r).to(x's dtype) * gamma`` with the reference's roundings. ``NORM``: 0 no norm;
+    1 the product rounded to the input's dtype (weight and input of one dtype: torch rounds ``y * weight`` to it);
+    2 the product kept in fp32 (their dtypes differ: torch promotes to fp32)."""
+    if NORM != 0:
+        y = (x * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+        g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = y * g
+        if NORM == 1:
+            x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _transform_tokens(
     x_ptr,
     d_ptr,
@@ -113,6 +145,9 @@ def _transform_tokens(
     N2P: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_D: tl.constexpr,
+    r,
+    g_ptr,
+    NORM: tl.constexpr,
 ):
     a = tl.arange(0, N1P)
     b = tl.arange(0, N2P)
@@ -121,6 +156,7 @@ def _transform_tokens(
     xr = tl.zeros([BLOCK_M, N1P, N2P], dtype=tl.float32)
     for j in range(N2):
         x_col = tl.load(x_rows + j, mask=x_mask, other=0.0).to(tl.float32)  # X[m, :, j]
+        x_col = _normed(x_col, r[:, None], x_ptr, g_ptr, (a * N2 + j)[None, :], (a < N1)[None, :], NORM)
         x_col = _scaled(x_col, d_ptr, (a * N2 + j)[None, :], (a < N1)[None, :], HAS_D)
         r_row = tl.load(right_ptr + j * N2 + b, mask=b < N2, other=0.0)  # R[j, :]
         xr = xr + x_col[:, :, None] * r_row[None, None, :]
@@ -147,8 +183,10 @@ def _quantize_kernel(
     scratch_ptr,
     codes_ptr,
     scales_ptr,
+    g_ptr,
     M,
     clip,
+    eps,
     K: tl.constexpr,
     KP: tl.constexpr,
     N1: tl.constexpr,
@@ -162,16 +200,23 @@ def _quantize_kernel(
     BLOCK_M: tl.constexpr,
     HAS_D: tl.constexpr = False,
     DECODE: tl.constexpr = False,
+    NORM: tl.constexpr = 0,
+    NORM_KC: tl.constexpr = 1024,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may exceed 2^31
     row_mask = rows < M
+    r = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM != 0:
+        r = _rms_inverse(x_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M * K, row_mask, K, eps, BLOCK_M, NORM_KC)
     if HAS_TRANSFORM:
         z = _transform_tokens(
-            x_ptr, d_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M, HAS_D
-        )
+            x_ptr, d_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M, HAS_D,
+            r, g_ptr, NORM,
+        )  # fmt: skip
     else:
         cols = tl.arange(0, KP)[None, :]
-        z = _scaled(_load_tokens(x_ptr, rows, row_mask, K, KP), d_ptr, cols, cols < K, HAS_D)
+        x = _normed(_load_tokens(x_ptr, rows, row_mask, K, KP), r[:, None], x_ptr, g_ptr, cols, cols < K, NORM)
+        z = _scaled(x, d_ptr, cols, cols < K, HAS_D)
 
     _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M, DECODE)
 
@@ -236,6 +281,9 @@ def _transform_rows(
     CJ: tl.constexpr,
     STACK: tl.constexpr,
     HAS_D: tl.constexpr,
+    r,
+    g_ptr,
+    NORM: tl.constexpr,
 ):
     """Rows ``a`` of ``Z = L^T X R`` for ``STACK`` consecutive tokens from ``x_blk`` (&X[t0, 0, 0]; ``ok [STACK]``:
     which exist), given ``left_t [ROWSP, N1P] = L[:, a]^T`` (zero outside the program's rows), as
@@ -248,6 +296,7 @@ def _transform_rows(
     q = tl.arange(0, STACK * CJ)  # token q // CJ, column q % CJ of the chunk
     b = tl.arange(0, N2P)
     tok_ok = tl.reshape(tl.broadcast_to(ok[:, None], [STACK, CJ]), [STACK * CJ])
+    tok_r = tl.reshape(tl.broadcast_to(r[:, None], [STACK, CJ]), [STACK * CJ])  # each column's token's 1 / rms
     left_hi, left_lo = _split_tf32(left_t)
     z = tl.zeros([STACK * ROWSP, N2P], dtype=tl.float32)
     for j0 in range(0, N2, CJ):
@@ -255,6 +304,7 @@ def _transform_rows(
         x_mask = (c < N1)[:, None] & (tok_ok & (j < N2))[None, :]
         x_offs = (q // CJ)[None, :] * K + c[:, None] * N2 + j[None, :]
         x = tl.load(x_blk + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+        x = _normed(x, tok_r[None, :], x_blk, g_ptr, c[:, None] * N2 + j[None, :], x_mask, NORM)
         x = _scaled(x, d_ptr, c[:, None] * N2 + j[None, :], x_mask, HAS_D)
         y = tl.zeros([ROWSP, STACK * CJ], dtype=tl.float32)
         y = _dot_tf32x3(left_hi, left_lo, x, y)  # [a, (t, j)] = sum_c L[c, a] X_t[c, j]
@@ -406,8 +456,10 @@ def _quantize_dot_kernel(
     scratch_ptr,
     codes_ptr,
     scales_ptr,
+    g_ptr,
     M,
     clip,
+    eps,
     K: tl.constexpr,
     N1: tl.constexpr,
     N2: tl.constexpr,
@@ -424,6 +476,8 @@ def _quantize_dot_kernel(
     HAS_D: tl.constexpr = False,
     DECODE: tl.constexpr = False,
     STACK: tl.constexpr = 1,
+    NORM: tl.constexpr = 0,
+    NORM_KC: tl.constexpr = 1024,
 ):
     """The tensor-core path: program ``i * row_blocks + j`` (the row blocks of a token block run side by side, so X
     is read from memory once) computes rows ``j * ROWS ..`` of Z (whole 32-groups of the K order) for tokens
@@ -443,7 +497,12 @@ def _quantize_dot_kernel(
         tok = block * TOKENS + t0 + tl.arange(0, STACK)
         ok = tok < M
         x_blk = x_ptr + (block * TOKENS + t0) * K
-        z = _transform_rows(x_blk, d_ptr, right_ptr, left_t, ok, K, N1, N2, N1P, N2P, ROWSP, CJ, STACK, HAS_D)
+        r = tl.full([STACK], 1.0, tl.float32)
+        if NORM != 0:
+            r = _rms_inverse(x_blk, ok, K, eps, STACK, NORM_KC)
+        z = _transform_rows(
+            x_blk, d_ptr, right_ptr, left_t, ok, K, N1, N2, N1P, N2P, ROWSP, CJ, STACK, HAS_D, r, g_ptr, NORM
+        )
         groups, valid = _span_groups(z, scratch_blk, a0, ok, K, N1, N2, N2P, ROWS, ROWSP, GP, STACK)
         g0 = a0 * N2 // 32
         _store_groups(groups, valid, tok, g0, codes_ptr, scales_ptr, clip, K, GP, BITS, QMIN, QMAX, DECODE)
@@ -459,9 +518,12 @@ def quantize_activation(
     exact: bool | None = None,
     inv_d: Tensor | None = None,
     decode: bool = False,
+    norm: tuple[Tensor, float | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the quantizer (arguments already validated by :mod:`loopq.kernels.ops`): one launch, which reads
     ``x`` in its own dtype and multiplies it by ``inv_d`` (fp32 ``[K]``, the transform's diagonal) on load.
+    ``norm = (weight, eps)``: ``x`` is first normalised as :func:`loopq.models.base.rms_norm` does (the RMSNorm
+    that feeds the group, folded in: :func:`norm_code`), each program computing its tokens' ``1 / rms``.
 
     ``exact=True`` runs :func:`_quantize_kernel` (the reference's operation order, bit-exact), ``False`` the
     tensor-core transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
@@ -469,8 +531,31 @@ def quantize_activation(
     Without a transform both are the same kernel. ``decode``: int8 codes ``[M, K]`` in the decode GEMM's order
     (:func:`loopq.kernels.packing.deinterleave_groups`) for either ``bits``, instead of the packed format."""
     if left is None or right is None or not uses_fast_path(exact, x.device):
-        return _quantize_exact(x, left, right, clip, bits, inv_d, decode)
-    return _quantize_fast(x, left, right, clip, bits, inv_d, decode)
+        return _quantize_exact(x, left, right, clip, bits, inv_d, decode, norm)
+    return _quantize_fast(x, left, right, clip, bits, inv_d, decode, norm)
+
+
+def _quantize_exact(*args: object) -> tuple[Tensor, Tensor]:
+    """Launch :func:`_quantize_kernel` (``x, left, right, clip, bits, inv_d, decode, norm``)."""
+    return _quantize(*args[:7], fast=False, norm=args[7])  # type: ignore[arg-type]
+
+
+def _quantize_fast(*args: object) -> tuple[Tensor, Tensor]:
+    """Launch :func:`_quantize_dot_kernel` (the fast path; the arguments of :func:`_quantize_exact`)."""
+    return _quantize(*args[:7], fast=True, norm=args[7])  # type: ignore[arg-type]
+
+
+def norm_code(x_dtype: torch.dtype, weight: Tensor | None) -> int:
+    """The kernels' ``NORM`` constexpr: 0 no norm, 1 the product with the weight rounded to the input's dtype (one
+    dtype: torch's ``y * weight`` rounds to it), 2 kept in fp32 (two dtypes: torch promotes to fp32)."""
+    if weight is None:
+        return 0
+    return 1 if weight.dtype == x_dtype else 2
+
+
+def norm_eps(eps: float | None) -> float:
+    """The fp32 value of the RMSNorm's eps (None: fp32 machine epsilon, :func:`loopq.models.base.rms_norm`'s)."""
+    return fp32_value(torch.finfo(torch.float32).eps if eps is None else eps)
 
 
 def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
@@ -594,6 +679,8 @@ class QuantizeLaunch(NamedTuple):
         codes: Tensor,
         scales: Tensor,
         clip32: float,
+        norm_weight: Tensor | None = None,
+        eps32: float = 0.0,
     ) -> None:
         """Launch on contiguous ``x`` (``M * K`` elements), fp32 contiguous factors (None without a transform),
         ``clip32`` already an fp32 value (:func:`fp32_value`). An absent operand's pointer is ``scales``' (fp32,
@@ -603,21 +690,32 @@ class QuantizeLaunch(NamedTuple):
         none = scales  # the fp32 stand-in for an absent operand
         kernel[self.grid](
             x, none if inv_d is None else inv_d, none if left is None else left, none if right is None else right,
-            none if scratch is None else scratch, codes, scales, self.m, clip32, **self.constexprs,
+            none if scratch is None else scratch, codes, scales, x if norm_weight is None else norm_weight, self.m,
+            clip32, eps32, **self.constexprs,
         )  # fmt: skip
 
 
 def quantize_launch(
-    m: int, k: int, factors: tuple[int, int] | None, bits: int, has_d: bool, decode: bool, fast: bool, cuda: bool
+    m: int,
+    k: int,
+    factors: tuple[int, int] | None,
+    bits: int,
+    has_d: bool,
+    decode: bool,
+    fast: bool,
+    cuda: bool,
+    norm: int = 0,
 ) -> QuantizeLaunch:
     """The launch of the exact kernel (``fast=False``, or no transform) or the tensor-core one for ``m >= 1`` tokens
-    of ``k`` channels, Kronecker factor sizes ``factors`` (None: no transform)."""
+    of ``k`` channels, Kronecker factor sizes ``factors`` (None: no transform), ``norm`` :func:`norm_code`."""
     if fast and factors is not None:
         grid, num_warps, scratch, shape = _fast_shape(m, *factors)
     else:
         grid, num_warps, scratch, shape = _exact_shape(m, k, factors, cuda)
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     constexprs = dict(K=k, BITS=bits, HAS_D=has_d, QMIN=float(qmin), QMAX=float(qmax), DECODE=decode, **shape)
+    if norm:  # a launch without the norm keeps the kernels' defaults (and their compiled variants)
+        constexprs |= dict(NORM=norm, NORM_KC=min(1024, next_pow2(k)))
     constexprs |= dict(num_warps=num_warps, enable_fp_fusion=False)  # the quantization steps round like the reference
     return QuantizeLaunch(fast and factors is not None, grid, m, scratch, constexprs)
 
@@ -638,13 +736,6 @@ def _fast_shape(m: int, n1: int, n2: int) -> tuple[tuple[int], int, bool, dict]:
     cfg = dot_config(n1, n2, m)
     shape = dict(N1=n1, N2=n2, N1P=cfg.n1p, N2P=cfg.n2p, ROWS=cfg.rows, ROWSP=cfg.rows_p, CJ=cfg.cj, GP=cfg.gp)
     return cfg.grid(m, n1), cfg.num_warps, cfg.n2p != n2, shape | dict(TOKENS=cfg.tokens, STACK=cfg.stack)
-
-
-def _quantize_fast(
-    x: Tensor, left: Tensor, right: Tensor, clip: float, bits: int, inv_d: Tensor | None = None, decode: bool = False
-) -> tuple[Tensor, Tensor]:
-    """Launch :func:`_quantize_dot_kernel` (the fast path)."""
-    return _quantize(x, left, right, clip, bits, inv_d, decode, fast=True)
 
 
 #: fp32 accumulation inside and between tensor-core MMAs: at most one unit in the last place (2^-23) per addition,
@@ -702,19 +793,6 @@ def _gamma(n: int, u: float) -> float:
     return n * u / (1 - n * u)
 
 
-def _quantize_exact(
-    x: Tensor,
-    left: Tensor | None,
-    right: Tensor | None,
-    clip: float,
-    bits: int,
-    inv_d: Tensor | None = None,
-    decode: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Launch :func:`_quantize_kernel` (the exact path)."""
-    return _quantize(x, left, right, clip, bits, inv_d, decode, fast=False)
-
-
 def _quantize(
     x: Tensor,
     left: Tensor | None,
@@ -724,17 +802,21 @@ def _quantize(
     inv_d: Tensor | None,
     decode: bool,
     fast: bool,
+    norm: tuple[Tensor, float | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """Launch :func:`_quantize_dot_kernel` (``fast``, with a transform) or :func:`_quantize_kernel`."""
     codes, scales = _outputs(x, bits, decode)
     if x.shape[0] == 0:
         return codes, scales
     factors = (left.shape[0], right.shape[0]) if left is not None and right is not None else None
-    launch = quantize_launch(*x.shape, factors, bits, inv_d is not None, decode, fast, x.is_cuda)
+    weight, eps = norm if norm is not None else (None, None)
+    code = norm_code(x.dtype, weight)
+    launch = quantize_launch(*x.shape, factors, bits, inv_d is not None, decode, fast, x.is_cuda, code)
     x = x.contiguous()
     rows = launch.scratch_rows()
     scratch = torch.empty(rows, x.shape[1], dtype=torch.float32, device=x.device) if launch.needs_scratch else None
     left, right = (left.float().contiguous(), right.float().contiguous()) if factors else (None, None)
-    launch.run(x, inv_d, left, right, scratch, codes, scales, fp32_value(clip))
+    launch.run(x, inv_d, left, right, scratch, codes, scales, fp32_value(clip), weight, norm_eps(eps))
     return codes, scales
 
 

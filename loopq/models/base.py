@@ -219,6 +219,9 @@ class LoopLM(nn.Module):
     fp_module_patterns: ClassVar[tuple[str, ...]] = ()
     #: per layer: RMSNorm (with a weight) -> the group whose input it produces (outlier/smoothing folds)
     norm_feeds: ClassVar[dict[str, str]] = {}
+    #: the part of ``norm_feeds`` whose norm output feeds nothing but its group: an exported model folds those norms
+    #: into the group's quantizer launch (:func:`loopq.quant.packed.fold_feeding_norms`)
+    exclusive_norm_feeds: ClassVar[dict[str, str]] = {}
     #: the config dataclass (native ``config.json`` keys as fields, all other keys kept in its ``extra`` field)
     config_class: ClassVar[type[Any]]
     #: keys that mark a native ``config.json`` as this architecture's; written on save, checked by :meth:`matches`

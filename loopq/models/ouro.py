@@ -198,6 +198,7 @@ class OuroLM(LoopLM):
         "input_layernorm": "self_attn.qkv_proj",
         "post_attention_layernorm": "mlp.up_gate",
     }
+    exclusive_norm_feeds: ClassVar[dict[str, str]] = norm_feeds  # each norm's output is its group's input only
 
     def __init__(self, config: OuroConfig) -> None:
         super().__init__(config)

@@ -409,6 +409,8 @@ class ParcaeLM(LoopLM):
         "*.ve_gate",
     )
     norm_feeds: ClassVar[dict[str, str]] = {"norm_1": "attn.qkv", "norm_2": "mlp.up"}
+    #: norm_1's output also feeds the value-embedding gate (``ve_gate``, some configs): only norm_2 is exclusive
+    exclusive_norm_feeds: ClassVar[dict[str, str]] = {"norm_2": "mlp.up"}
     rope_key = "freqs_cis"
 
     def __init__(self, config: ParcaeConfig) -> None:

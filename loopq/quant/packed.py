@@ -46,6 +46,7 @@ from loopq.kernels import GROUP_SIZE, quantize_weight
 from loopq.kernels.decode_plan import DecodePlan, plan_decode
 from loopq.kernels.ops import quantized_linear
 from loopq.kernels.packing import tile_weight, tiled_shapes
+from loopq.models.base import RMSNorm
 from loopq.qspec import KERNEL_ACT_BITS, KERNEL_WEIGHT_BITS
 from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.slots import loop_slot
@@ -241,8 +242,15 @@ class PackedLinearGroup(nn.Module):
         ts = loop_slot(slot, spec.transform_slots) if spec.transform_slots else 0
         left, right, inv_d = (None if b is None else b[ts] for b in (self.left, self.right, self.inv_d))
         clip = self.host_clip(slot)
+        norm = self.folded_norm
         return (x, self.weight[ws], self.weight_scale[ws], self._n, left, right, inv_d, clip, spec.a_bits, self.bias,
-                x.dtype, self.backend)  # fmt: skip
+                x.dtype, self.backend, None if norm is None else norm.weight,
+                None if norm is None else norm.eps)  # fmt: skip
+
+    @property
+    def folded_norm(self) -> FoldedNorm | None:
+        """The RMSNorm feeding this group, folded into its quantizer (:func:`fold_feeding_norms`), or None."""
+        return self.__dict__.get("_folded_norm")
 
     def _split(self, y: Tensor) -> tuple[Tensor, ...]:
         """The group's outputs ``[..., N]`` -> one per linear."""
@@ -290,3 +298,40 @@ def concat_bias(group: QuantLinearGroup) -> Tensor | None:
         torch.zeros(n, device=device) if b is None else b.float() for b, n in zip(biases, group.splits, strict=True)
     ]
     return torch.cat(parts)
+
+
+class FoldedNorm(nn.Module):
+    """An RMSNorm whose output feeds one packed group only, folded into that group: it passes its input through,
+    and the group normalises it inside its quantizer's launch (:func:`quantized_linear`'s ``norm_weight``). It keeps
+    the norm's ``weight`` (same state-dict key) and ``eps``."""
+
+    def __init__(self, weight: nn.Parameter, eps: float | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+def fold_feeding_norms(model: nn.Module) -> int:
+    """Fold every RMSNorm of ``model.exclusive_norm_feeds`` (its output feeds one packed group and nothing else)
+    into that group: a decode step's norm is then no launch of its own (about 8 operators at bf16: the casts,
+    pow, mean, + eps, rsqrt, two multiplies) but a prologue of the group's quantizer. The torch backend computes
+    the same :func:`~loopq.models.base.rms_norm` it replaced (bit for bit); the Triton one within the last bits of
+    ``1 / rms`` (its sum runs in another order). Returns the number of norms folded."""
+    feeds = getattr(model, "exclusive_norm_feeds", {})
+    folded = 0
+    for name, group in list(model.named_modules()):
+        if not isinstance(group, PackedLinearGroup) or group.folded_norm is not None:
+            continue
+        for norm_name, group_suffix in feeds.items():
+            if name == group_suffix or name.endswith("." + group_suffix):
+                path = name[: len(name) - len(group_suffix)] + norm_name
+                norm = model.get_submodule(path)
+                if isinstance(norm, RMSNorm) and norm.weight is not None:
+                    fold = FoldedNorm(norm.weight, norm.eps)
+                    model.set_submodule(path, fold)
+                    group.__dict__["_folded_norm"] = fold
+                    folded += 1
+    return folded

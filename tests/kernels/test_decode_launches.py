@@ -1,12 +1,16 @@
 """Kernel launches of one static decode step, W4A4 export against its FP teacher (``bench/decode_launches.py``).
 
-Issue 43 asks for "W4A4 decode step launches <= bf16's"; this pins where the count stands, by hand: a quantized group
-is two launches (quantizer + GEMM) where the teacher has one ``linear`` per projection, so per layer application
-Ouro's 7 projections (q, k, v, o, gate, up, down) become 4 groups x 2 = 8 launches (+1), and each of the T - 1
-cross-loop transition adapters (CTA, paper 4.3) adds 15: the cast in, its weightless RMSNorm (pow, mean, + eps, rsqrt,
-mul), (a - 1) * n, + h, + b, n V, * eta, (.) U^T, + and the cast out. Counted as a GPU launches them: Triton kernels
-stubbed (each launch recorded), torch operators through a dispatch mode (views, allocations and same-dtype casts
-launch nothing). float16 stands in for bfloat16 (the same casts; the interpreter refuses bfloat16 on a CPU).
+Issue 43 asks for "W4A4 decode step launches <= bf16's"; by hand: a quantized group is two launches (quantizer +
+GEMM) where the teacher has one ``linear`` per projection, so per layer application Ouro's 7 projections (q, k, v, o,
+gate, up, down) become 4 groups x 2 = 8 launches (+1); the two RMSNorms that feed a group and nothing else
+(``input_layernorm``, ``post_attention_layernorm``) are folded into the group's quantizer, 8 launches each at 16 bits
+(the cast to fp32, pow, mean, + eps, rsqrt, * rsqrt, the cast back, * weight): -16; and each of the T - 1 cross-loop
+transition adapters (CTA, paper 4.3) adds 15: the cast in, its weightless RMSNorm (pow, mean, + eps, rsqrt, mul),
+(a - 1) * n, + h, + b, n V, * eta, (.) U^T, + and the cast out. At Ouro-1.4B's 24 layers x 4 loops that is
+4535 launches against BF16's 5930 (``bench/decode_launches.py``, docs/benchmarks.md). Counted as a GPU launches
+them: Triton kernels stubbed (each launch recorded), torch operators through a dispatch mode (views, allocations and
+same-dtype casts launch nothing). float16 stands in for bfloat16 (the same casts; the interpreter refuses bfloat16
+on a CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from loopq.paths import REPO_ROOT
 from tests.export.conftest import export_student
 
 CTA_LAUNCHES = 15
+NORM_LAUNCHES = 8  # one rms_norm at 16 bits
 
 
 def bench_module():
@@ -31,7 +36,7 @@ def bench_module():
     return module
 
 
-def test_w4a4_step_is_the_teachers_plus_one_per_layer_application_and_the_adapters(fixtures, tmp_path):
+def test_w4a4_step_launches_fewer_kernels_than_the_teacher(fixtures, tmp_path):
     bench = bench_module()
     export_student(fixtures / "ouro-tiny", 4, tmp_path)
     packed = load_quantized(tmp_path / "export", dtype=torch.float16).eval()
@@ -46,4 +51,5 @@ def test_w4a4_step_is_the_teachers_plus_one_per_layer_application_and_the_adapte
     }
     assert Counter(fp_torch)["linear.default"] - Counter(q_torch)["linear.default"] == 7 * applications
     extra = len(q_torch) + len(q_triton) - len(fp_torch)
-    assert extra == applications + CTA_LAUNCHES * (loops - 1), Counter(q_torch) - Counter(fp_torch)
+    assert extra == applications * (1 - 2 * NORM_LAUNCHES) + CTA_LAUNCHES * (loops - 1), Counter(q_torch)
+    assert len(q_torch) + len(q_triton) < len(fp_torch)  # issue 43: W4A4 decode step launches <= bf16's

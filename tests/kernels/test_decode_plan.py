@@ -214,7 +214,7 @@ def test_a_split_plan_repeats_the_checked_bits_and_leaves_the_counters_zero(devi
     wt, swt, x = wt.to(device), swt.to(device), torch.randn(m, k, generator=gen).to(device)
     args = (x, wt, swt, n, None, None, None, 0.9, 4, None, torch.float32)
     want = ops.quantized_linear(*args, backend="triton")
-    plan = plan_decode(*args, "triton", (m, n))
+    plan = plan_decode(*args, "triton", out_shape=(m, n))
     assert plan is not None and plan.gemm.split == 8
     counters = decode_kernel.arrival_counters(x.device, 3)
     for _ in range(3):
@@ -235,7 +235,7 @@ def test_split_plans_in_cuda_graphs_replay_in_any_order():
     want = ops.quantized_linear(*args, backend="triton")
     outs, graphs = [], []
     for _ in range(2):
-        plan = plan_decode(*args, "triton", (m, n))
+        plan = plan_decode(*args, "triton", out_shape=(m, n))
         assert plan is not None and plan.gemm.split > 1
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
