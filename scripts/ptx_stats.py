@@ -111,11 +111,14 @@ OURO_FACTORS = ((2048, 32, 64), (5632, 64, 88))
 
 
 def quantizer_row(arch: int, k: int, n1: int, n2: int, m: int) -> dict:
+    """K = 2048 is compiled as the exported Ouro launches it for its QKV and gate/up groups, with the feeding RMSNorm
+    folded in (:func:`loopq.quant.packed.fold_feeding_norms`); K = 5632 (down_proj) has no norm before it."""
+    norm = k == 2048
     start = time.perf_counter()
-    code = compile_quantizer(GPUTarget("cuda", arch, 32), m, k, (n1, n2), 4, fast=True).asm["ptx"]
+    code = compile_quantizer(GPUTarget("cuda", arch, 32), m, k, (n1, n2), 4, fast=True, norm=norm).asm["ptx"]
     seconds = time.perf_counter() - start
     regs, spills = ptxas_usage(code, arch)
-    launch = quantize_kernel.quantize_launch(m, k, (n1, n2), 4, True, False, True, True)
+    launch = quantize_kernel.quantize_launch(m, k, (n1, n2), 4, True, False, True, True, int(norm))
     # the loops' instructions, or the whole kernel's where it is straight-line (a decode program at K = 2048)
     body = [line for loop in ptx.loops(code) for line in loop.body] or ptx.instructions(code.splitlines())
     cfg = quantize_kernel.dot_config(n1, n2, m)
@@ -126,7 +129,7 @@ def quantizer_row(arch: int, k: int, n1: int, n2: int, m: int) -> dict:
     return {
         "kernel": f"quantize K={k} M={m}",
         "arch": arch,
-        "variant": f"{cfg.rows} rows x {cfg.tokens} tokens, {cfg.stack} per dot",
+        "variant": f"{cfg.rows} rows x {cfg.tokens} tokens, {cfg.stack} per dot" + (", RMSNorm folded" if norm else ""),
         "sass_per_value": per_value,
         "compile_s": round(seconds, 1),
         "grid": launch.grid[0],

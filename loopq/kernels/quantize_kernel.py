@@ -27,7 +27,10 @@ split into a tf32 high half and the fp32 remainder, three tf32 MMAs chained thro
 zero-padded to powers of two >= 16; a program owns rows of Z whose flattened span is whole 32-groups, so it
 quantizes and stores its own codes and scales (compacted through its token block's scratch row when ``n2`` is
 not a power of two, as above). The input cast and the diagonal happen on load: a quantized linear stays two
-launches. Two program splits (:func:`dot_config`):
+launches. So does the RMSNorm that feeds the group, where the exported model folds it in (``NORM``,
+:func:`loopq.quant.packed.fold_feeding_norms`): each program first sums its tokens' squares
+(:func:`_rms_inverse`), then normalises every value it loads with the reference's roundings (:func:`_normed`).
+Two program splits (:func:`dot_config`):
 
 * decode (M <= 16): 32 / gcd(n2, 32) rows per program, widened while a token keeps 16 programs: Ouro's K = 2048
   (32 x 64) runs 2 rows, K = 5632 (64 x 88) 4 rows (352 values, 11 groups): **16 programs per token** at M = 1
@@ -129,6 +132,22 @@ def _normed(x, r, x_ptr, g_ptr, cols, col_mask, NORM: tl.constexpr):
 
 
 @triton.jit
+def _stacked(v, N1P: tl.constexpr, STACK: tl.constexpr, CJ: tl.constexpr):
+    """``[N1P, CJ]`` per-channel values repeated for the ``STACK`` tokens of a chunk: ``[N1P, STACK * CJ]``."""
+    return tl.reshape(tl.broadcast_to(v[:, None, :], [N1P, STACK, CJ]), [N1P, STACK * CJ])
+
+
+@triton.jit
+def _normed_by(x, r, x_ptr, g, NORM: tl.constexpr):
+    """:func:`_normed` with the weight ``g`` already loaded (fp32, broadcast to ``x``)."""
+    y = (x * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x = y * g
+    if NORM == 1:
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _transform_tokens(
     x_ptr,
     d_ptr,
@@ -145,7 +164,7 @@ def _transform_tokens(
     N2P: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_D: tl.constexpr,
-    r,
+    inv_rms,
     g_ptr,
     NORM: tl.constexpr,
 ):
@@ -156,7 +175,7 @@ def _transform_tokens(
     xr = tl.zeros([BLOCK_M, N1P, N2P], dtype=tl.float32)
     for j in range(N2):
         x_col = tl.load(x_rows + j, mask=x_mask, other=0.0).to(tl.float32)  # X[m, :, j]
-        x_col = _normed(x_col, r[:, None], x_ptr, g_ptr, (a * N2 + j)[None, :], (a < N1)[None, :], NORM)
+        x_col = _normed(x_col, inv_rms[:, None], x_ptr, g_ptr, (a * N2 + j)[None, :], (a < N1)[None, :], NORM)
         x_col = _scaled(x_col, d_ptr, (a * N2 + j)[None, :], (a < N1)[None, :], HAS_D)
         r_row = tl.load(right_ptr + j * N2 + b, mask=b < N2, other=0.0)  # R[j, :]
         xr = xr + x_col[:, :, None] * r_row[None, None, :]
@@ -205,17 +224,19 @@ def _quantize_kernel(
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may exceed 2^31
     row_mask = rows < M
-    r = tl.full([BLOCK_M], 1.0, tl.float32)
+    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM != 0:
-        r = _rms_inverse(x_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M * K, row_mask, K, eps, BLOCK_M, NORM_KC)
+        x_blk = x_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M * K
+        inv_rms = _rms_inverse(x_blk, row_mask, K, eps, BLOCK_M, NORM_KC)
     if HAS_TRANSFORM:
         z = _transform_tokens(
             x_ptr, d_ptr, left_ptr, right_ptr, scratch_ptr, rows, row_mask, K, KP, N1, N2, N1P, N2P, BLOCK_M, HAS_D,
-            r, g_ptr, NORM,
+            inv_rms, g_ptr, NORM,
         )  # fmt: skip
     else:
         cols = tl.arange(0, KP)[None, :]
-        x = _normed(_load_tokens(x_ptr, rows, row_mask, K, KP), r[:, None], x_ptr, g_ptr, cols, cols < K, NORM)
+        x = _load_tokens(x_ptr, rows, row_mask, K, KP)
+        x = _normed(x, inv_rms[:, None], x_ptr, g_ptr, cols, cols < K, NORM)
         z = _scaled(x, d_ptr, cols, cols < K, HAS_D)
 
     _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M, DECODE)
@@ -281,7 +302,7 @@ def _transform_rows(
     CJ: tl.constexpr,
     STACK: tl.constexpr,
     HAS_D: tl.constexpr,
-    r,
+    inv_rms,
     g_ptr,
     NORM: tl.constexpr,
 ):
@@ -296,7 +317,7 @@ def _transform_rows(
     q = tl.arange(0, STACK * CJ)  # token q // CJ, column q % CJ of the chunk
     b = tl.arange(0, N2P)
     tok_ok = tl.reshape(tl.broadcast_to(ok[:, None], [STACK, CJ]), [STACK * CJ])
-    tok_r = tl.reshape(tl.broadcast_to(r[:, None], [STACK, CJ]), [STACK * CJ])  # each column's token's 1 / rms
+    tok_r = tl.reshape(tl.broadcast_to(inv_rms[:, None], [STACK, CJ]), [STACK * CJ])  # each column's token's 1 / rms
     left_hi, left_lo = _split_tf32(left_t)
     z = tl.zeros([STACK * ROWSP, N2P], dtype=tl.float32)
     for j0 in range(0, N2, CJ):
@@ -304,8 +325,15 @@ def _transform_rows(
         x_mask = (c < N1)[:, None] & (tok_ok & (j < N2))[None, :]
         x_offs = (q // CJ)[None, :] * K + c[:, None] * N2 + j[None, :]
         x = tl.load(x_blk + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        x = _normed(x, tok_r[None, :], x_blk, g_ptr, c[:, None] * N2 + j[None, :], x_mask, NORM)
-        x = _scaled(x, d_ptr, c[:, None] * N2 + j[None, :], x_mask, HAS_D)
+        # the norm's weight and the diagonal once per chunk, shared by the STACK tokens
+        jc = j0 + tl.arange(0, CJ)
+        col_offs = c[:, None] * N2 + jc[None, :]
+        col_mask = (c < N1)[:, None] & (jc < N2)[None, :]
+        if NORM != 0:
+            g = tl.load(g_ptr + col_offs, mask=col_mask, other=0.0).to(tl.float32)
+            x = _normed_by(x, tok_r[None, :], x_blk, _stacked(g, N1P, STACK, CJ), NORM)
+        if HAS_D:
+            x = x * _stacked(tl.load(d_ptr + col_offs, mask=col_mask, other=0.0), N1P, STACK, CJ)
         y = tl.zeros([ROWSP, STACK * CJ], dtype=tl.float32)
         y = _dot_tf32x3(left_hi, left_lo, x, y)  # [a, (t, j)] = sum_c L[c, a] X_t[c, j]
         y = tl.reshape(tl.permute(tl.reshape(y, [ROWSP, STACK, CJ]), (1, 0, 2)), [STACK * ROWSP, CJ])
@@ -497,11 +525,11 @@ def _quantize_dot_kernel(
         tok = block * TOKENS + t0 + tl.arange(0, STACK)
         ok = tok < M
         x_blk = x_ptr + (block * TOKENS + t0) * K
-        r = tl.full([STACK], 1.0, tl.float32)
+        inv_rms = tl.full([STACK], 1.0, tl.float32)
         if NORM != 0:
-            r = _rms_inverse(x_blk, ok, K, eps, STACK, NORM_KC)
+            inv_rms = _rms_inverse(x_blk, ok, K, eps, STACK, NORM_KC)
         z = _transform_rows(
-            x_blk, d_ptr, right_ptr, left_t, ok, K, N1, N2, N1P, N2P, ROWSP, CJ, STACK, HAS_D, r, g_ptr, NORM
+            x_blk, d_ptr, right_ptr, left_t, ok, K, N1, N2, N1P, N2P, ROWSP, CJ, STACK, HAS_D, inv_rms, g_ptr, NORM
         )
         groups, valid = _span_groups(z, scratch_blk, a0, ok, K, N1, N2, N2P, ROWS, ROWSP, GP, STACK)
         g0 = a0 * N2 // 32
@@ -714,8 +742,7 @@ def quantize_launch(
         grid, num_warps, scratch, shape = _exact_shape(m, k, factors, cuda)
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     constexprs = dict(K=k, BITS=bits, HAS_D=has_d, QMIN=float(qmin), QMAX=float(qmax), DECODE=decode, **shape)
-    if norm:  # a launch without the norm keeps the kernels' defaults (and their compiled variants)
-        constexprs |= dict(NORM=norm, NORM_KC=min(1024, next_pow2(k)))
+    constexprs |= dict(NORM=norm, NORM_KC=min(1024, next_pow2(k)))
     constexprs |= dict(num_warps=num_warps, enable_fp_fusion=False)  # the quantization steps round like the reference
     return QuantizeLaunch(fast and factors is not None, grid, m, scratch, constexprs)
 

@@ -93,18 +93,23 @@ def divisibility(args: tuple) -> dict:
     return attrs
 
 
-def compile_quantizer(target: GPUTarget, m: int, k: int, factors: tuple[int, int] | None, bits: int, fast: bool):
+def compile_quantizer(
+    target: GPUTarget, m: int, k: int, factors: tuple[int, int] | None, bits: int, fast: bool, norm: bool = False
+):
     """The quantizer as :meth:`quantize_kernel.QuantizeLaunch.run` launches it on a GPU for ``m`` bf16 tokens: the
     diagonal folded in (the exported model multiplies by 1/d in the quantizer), packed int4 or int8 codes; ``fast``:
-    the tensor-core path (:func:`~quantize_kernel.dot_config`: the decode split up to 16 tokens, whole tokens above)."""
-    launch = quantize_kernel.quantize_launch(m, k, factors, bits, True, False, fast, True)
+    the tensor-core path (:func:`~quantize_kernel.dot_config`: the decode split up to 16 tokens, whole tokens above);
+    ``norm``: with the feeding RMSNorm folded in (a bf16 weight, as the exported Ouro's QKV and gate/up groups)."""
+    code = quantize_kernel.norm_code(torch.bfloat16, torch.empty(0, dtype=torch.bfloat16)) if norm else 0
+    launch = quantize_kernel.quantize_launch(m, k, factors, bits, True, False, fast, True, code)
     x, inv_d = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k)
+    weight = torch.empty(k, dtype=torch.bfloat16) if norm else None
     left, right = (torch.empty(f, f) for f in factors) if factors else (None, None)
     scratch = torch.empty(launch.scratch_rows(), k) if launch.needs_scratch else None
     codes, scales = quantize_kernel._outputs(x, bits)
 
     def run() -> None:
-        launch.run(x, inv_d, left, right, scratch, codes, scales, 1.0)
+        launch.run(x, inv_d, left, right, scratch, codes, scales, 1.0, weight, 1e-6)
 
     kernel, sig, const, options, attrs = as_launched(quantize_kernel, ("_quantize_kernel", "_quantize_dot_kernel"), run)
     return triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=target, options=options)

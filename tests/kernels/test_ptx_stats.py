@@ -6,8 +6,9 @@ TRITON_INTERPRET=1): every variant's main loop contains no ``shfl`` or ``bar.syn
 their scales 16 bytes at a time, nothing spills (``ptxas -v``), each compiles in seconds, and at M = 1 the loop
 executes at most 8 PTX instructions per weight byte per thread. The prefill GEMM's tiles: no ``cp.async`` wait for
 depth 0 inside the K loop, at most 168 registers, no spills. The quantizer's two program splits: tensor-core
-instructions in their loops, no spills, at least 16 programs at M = 1, and at prefill at most 75 SASS
-instructions per transformed value at K = 2048 (4 tokens per dot), 225 at K = 5632 (2). All under the pinned
+instructions in their loops, no spills, at least 16 programs at M = 1, and at prefill at most 90 SASS
+instructions per transformed value at K = 2048 (4 tokens per dot, the feeding RMSNorm folded in), 210 at K = 5632
+(2). All under the pinned
 Triton and, where ``LOOPQ_EXTRA_TRITON`` names a folder holding another (the GPU image's 3.6), under that one too.
 """
 
@@ -201,9 +202,10 @@ def test_quantizer_proxies(triton_dir, tmp_path):
         assert r["spills"] == 0 and r["loop_mma"] + r["loop_wgmma"] > 0, r
         assert r["compile_s"] <= COMPILE_S, r
         assert r["grid"] >= (16 if r["kernel"].endswith("M=1") else 512), r
-    # prefill: 43.8-66.1 SASS instructions per transformed value and thread at K = 2048 (4 tokens per dot) and
-    # 163.5-205.5 at K = 5632 (2 per dot) under both Tritons; one token per dot with Triton's tf32x3 and a division
-    # per value executed 144-146 and 334-338 (docs/benchmarks.md)
-    for k, limit in ((2048, 75), (5632, 225)):
+    # prefill: 59.1-79.1 SASS instructions per transformed value and thread at K = 2048 (4 tokens per dot, the
+    # feeding RMSNorm folded in as the exported Ouro launches it: 43.8-66.1 without) and 169.5-186.4 at K = 5632 (2
+    # per dot) under both Tritons; one token per dot with Triton's tf32x3 and a division per value executed 144-146
+    # and 334-338 (docs/benchmarks.md)
+    for k, limit in ((2048, 90), (5632, 210)):
         stacked = [r for r in rows if r["kernel"] == f"quantize K={k} M=4096"]
         assert len(stacked) == 2 and all(r["sass_per_value"] <= limit for r in stacked), stacked
