@@ -33,7 +33,8 @@ can be cast to BF16 as a whole: its FP modules follow, the packed groups do not.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -222,7 +223,7 @@ class PackedLinearGroup(nn.Module):
         """Quantizer (cast and 1/d folded in) + GEMM (bias, output dtype): two launches on CUDA at decode. A call of
         1..16 tokens repeats the plan (:mod:`loopq.kernels.decode_plan`) that the first checked call of its
         (loop, shape, dtype, device, backend) built, while its :class:`BufferStamp` holds."""
-        key = (t, x.shape, x.dtype, x.device, self.backend)
+        key = (t, x.shape, x.dtype, x.device, self.backend, self.folded_norm is not None)
         entry = self._decode_plans.get(key)
         if entry is not None:
             if entry[0].holds(self._buffers):
@@ -303,7 +304,8 @@ def concat_bias(group: QuantLinearGroup) -> Tensor | None:
 class FoldedNorm(nn.Module):
     """An RMSNorm whose output feeds one packed group only, folded into that group: it passes its input through,
     and the group normalises it inside its quantizer's launch (:func:`quantized_linear`'s ``norm_weight``). It keeps
-    the norm's ``weight`` (same state-dict key) and ``eps``."""
+    the norm's ``weight`` (same state-dict key) and ``eps``. Such a group takes the norm's *input*: to call it on
+    the norm's output (as the fake-quant group is called), use :func:`norm_unfolded`."""
 
     def __init__(self, weight: nn.Parameter, eps: float | None) -> None:
         super().__init__()
@@ -312,6 +314,18 @@ class FoldedNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x
+
+
+@contextmanager
+def norm_unfolded(group: PackedLinearGroup) -> Iterator[PackedLinearGroup]:
+    """``group`` called on its norm's *output* while inside (the call contract of a group without a folded norm),
+    e.g. to feed it the inputs recorded from the fake-quant student; its folded norm is back on exit."""
+    norm = group.__dict__.pop("_folded_norm", None)
+    try:
+        yield group
+    finally:
+        if norm is not None:
+            group.__dict__["_folded_norm"] = norm
 
 
 def fold_feeding_norms(model: nn.Module) -> int:

@@ -24,11 +24,12 @@ from torch import nn
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_activation, triton_interpreted, unpack_int4
 from loopq.kernels.packing import interleave_groups, untile_weight
 from loopq.kernels.reference import gemm_fp64
-from loopq.models.base import LinearGroup
+from loopq.models import load_looplm
+from loopq.models.base import LinearGroup, rms_norm
 from loopq.qspec import quantize_codes
 from loopq.quant import QuantConfig, quant_groups
 from loopq.quant.modules import QuantLinearGroup
-from loopq.quant.packed import ExportError, PackedLinearGroup, concat_bias, fold_weight
+from loopq.quant.packed import ExportError, FoldedNorm, PackedLinearGroup, concat_bias, fold_weight, norm_unfolded
 from loopq.quant.primitives import fake_quant
 from loopq.quant.transforms import KroneckerTransform
 
@@ -94,8 +95,8 @@ def test_teacher_forced_codes_and_outputs(exported):
     moved = total = 0
     for name, group in quant_groups(exported.student).items():
         packed = exported.model.get_submodule(name)
-        for x, t in calls[name]:
-            with torch.no_grad():
+        for x, t in calls[name]:  # the student's group inputs: the norm's output, where a norm is folded
+            with torch.no_grad(), norm_unfolded(packed):
                 diff = activation_code_moves(group, packed, x, t)
                 assert int(diff.max()) <= 1, (name, t)
                 moved, total = moved + int((diff > 0).sum()), total + diff.numel()
@@ -257,3 +258,28 @@ def test_input_dimension_not_a_multiple_of_32_is_rejected():
     group = QuantLinearGroup(LinearGroup(proj=nn.Linear(48, 16)), QuantConfig(group_size=32), 2, looped=True)
     with pytest.raises(ExportError, match="input dimension 48"):
         PackedLinearGroup.from_quant_group(group, "layers.0.proj")
+
+
+def test_exclusive_feeding_norms_are_folded_into_their_groups(exported):
+    """Ouro folds both norms of a layer (input -> QKV, post-attention -> gate/up), Parcae its ``norm_2`` (its
+    ``norm_1`` also feeds the value-embedding gate), LoopFormer none (weightless, modulated norms). The state dict
+    keeps the norms' keys; a folded group normalises its input itself: called on the norm's input it gives what the
+    unfolded group gives on the norm's output, bit for bit on the torch backend."""
+    model = exported.model
+    groups = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinearGroup)}
+    suffixes = {"ouro": (".qkv_proj", ".up_gate"), "parcae": (".mlp.up",), "loopformer": ()}[exported.arch]
+    expected = {n for n in groups if suffixes and n.endswith(suffixes)}
+    folded = {n: g.folded_norm for n, g in groups.items() if g.folded_norm is not None}
+    assert set(folded) == expected and (expected or exported.arch == "loopformer")
+    assert sorted(map(id, folded.values())) == sorted(id(m) for m in model.modules() if isinstance(m, FoldedNorm))
+    teacher_keys = set(load_looplm(exported.teacher_dir).state_dict())
+    assert {k for k in teacher_keys if "norm" in k} <= set(model.state_dict())
+    for name, norm in folded.items():
+        group = groups[name]
+        h = 3 * torch.randn(3, group.spec.in_features, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            got = group(h, 0)
+            with norm_unfolded(group):
+                want = group(rms_norm(h, norm.weight, norm.eps), 0)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), name
+        assert group.folded_norm is norm  # back after the context
