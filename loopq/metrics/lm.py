@@ -148,9 +148,13 @@ class LoopQLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LoopQLM:
-        """lm-eval's constructor from ``model_args`` (``pretrained=<dir>,num_loops=4``), keys checked first."""
-        check_model_args(simple_parse_args_string(arg_string))
-        return super().create_from_arg_string(arg_string, additional_config)
+        """lm-eval's constructor from ``model_args`` (``pretrained=<dir>,num_loops=4``), keys checked first. A key
+        given in ``model_args`` wins over lm-eval's own flag for it (``device=cpu`` there and ``--device``, which
+        ``python -m loopq.eval`` always passes: lm-eval would pass both and fail with a TypeError)."""
+        args = simple_parse_args_string(arg_string)
+        check_model_args(args)
+        extra = {k: v for k, v in (additional_config or {}).items() if k not in args}
+        return super().create_from_arg_string(arg_string, extra)
 
     @classmethod
     def from_model(cls, model: LoopLM, tokenizer: str | os.PathLike[str] | Tokenizer, **kwargs: Any) -> LoopQLM:

@@ -53,6 +53,14 @@ def test_registered_and_built_from_arg_string(ouro_dir):
     assert (lm.num_loops, lm.max_length, lm.batch_size) == (2, 48, 4)
 
 
+def test_a_model_arg_wins_over_lm_evals_flag_for_it(ouro_dir):
+    """``python -m loopq.eval`` always passes ``--device``; a ``device=`` in ``model_args`` too made lm-eval call the
+    model with it twice (a TypeError traceback). The ``model_args`` value wins, as does ``batch_size`` there."""
+    args = f"pretrained={ouro_dir},device=cpu,batch_size=2"
+    lm = LoopQLM.create_from_arg_string(args, {"device": "meta", "batch_size": 4, "max_length": None})
+    assert lm.batch_size == 2 and next(lm.model.parameters()).device.type == "cpu"
+
+
 CASES = [
     ("First Citizen:\nBefore we proceed", " any further"),
     ("Speak, speak. ", "You are all resolved"),  # trailing space moves into the continuation
