@@ -219,8 +219,9 @@ class LoopLM(nn.Module):
     fp_module_patterns: ClassVar[tuple[str, ...]] = ()
     #: per layer: RMSNorm (with a weight) -> the group whose input it produces (outlier/smoothing folds)
     norm_feeds: ClassVar[dict[str, str]] = {}
-    #: the part of ``norm_feeds`` whose norm output feeds nothing but its group: an exported model folds those norms
-    #: into the group's quantizer launch (:func:`loopq.quant.packed.fold_feeding_norms`)
+    #: the part of ``norm_feeds`` whose norm output may feed nothing but its group: an exported model folds those
+    #: norms into the group's quantizer launch where :meth:`feeds_only_its_group` holds
+    #: (:func:`loopq.quant.packed.fold_feeding_norms`)
     exclusive_norm_feeds: ClassVar[dict[str, str]] = {}
     #: the config dataclass (native ``config.json`` keys as fields, all other keys kept in its ``extra`` field)
     config_class: ClassVar[type[Any]]
@@ -400,6 +401,11 @@ class LoopLM(nn.Module):
         return out, calls, context["ctx"]
 
     # ----------------------------------------------------------------- quantization metadata
+    def feeds_only_its_group(self, norm_path: str) -> bool:
+        """Whether the norm at ``norm_path`` (an ``exclusive_norm_feeds`` entry) feeds its group and nothing else in
+        this instance (an architecture whose layers differ overrides it)."""
+        return True
+
     def feeding_norm(self, group_name: str) -> nn.Module | None:
         """The RMSNorm whose output is group ``group_name``'s input (from ``norm_feeds``), or None."""
         for norm, group in self.norm_feeds.items():

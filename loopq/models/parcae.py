@@ -409,9 +409,14 @@ class ParcaeLM(LoopLM):
         "*.ve_gate",
     )
     norm_feeds: ClassVar[dict[str, str]] = {"norm_1": "attn.qkv", "norm_2": "mlp.up"}
-    #: norm_1's output also feeds the value-embedding gate (``ve_gate``, some configs): only norm_2 is exclusive
-    exclusive_norm_feeds: ClassVar[dict[str, str]] = {"norm_2": "mlp.up"}
+    #: norm_1's output also feeds the value-embedding gate in the blocks that own one (:meth:`feeds_only_its_group`)
+    exclusive_norm_feeds: ClassVar[dict[str, str]] = norm_feeds
     rope_key = "freqs_cis"
+
+    def feeds_only_its_group(self, norm_path: str) -> bool:
+        """``norm_2`` always; ``norm_1`` where its block's attention has no ``ve_gate`` (which reads its output)."""
+        block, _, name = norm_path.rpartition(".")
+        return name != "norm_1" or self.get_submodule(f"{block}.attn").ve_gate is None
 
     def __init__(self, config: ParcaeConfig) -> None:
         super().__init__(config)

@@ -343,7 +343,7 @@ def fold_feeding_norms(model: nn.Module) -> int:
             if name == group_suffix or name.endswith("." + group_suffix):
                 path = name[: len(name) - len(group_suffix)] + norm_name
                 norm = model.get_submodule(path)
-                if isinstance(norm, RMSNorm) and norm.weight is not None:
+                if isinstance(norm, RMSNorm) and norm.weight is not None and model.feeds_only_its_group(path):
                     fold = FoldedNorm(norm.weight, norm.eps)
                     model.set_submodule(path, fold)
                     group.__dict__["_folded_norm"] = fold

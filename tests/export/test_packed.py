@@ -261,14 +261,19 @@ def test_input_dimension_not_a_multiple_of_32_is_rejected():
 
 
 def test_exclusive_feeding_norms_are_folded_into_their_groups(exported):
-    """Ouro folds both norms of a layer (input -> QKV, post-attention -> gate/up), Parcae its ``norm_2`` (its
-    ``norm_1`` also feeds the value-embedding gate), LoopFormer none (weightless, modulated norms). The state dict
+    """Ouro folds both norms of a layer (input -> QKV, post-attention -> gate/up), Parcae its ``norm_2`` and the
+    ``norm_1`` of blocks without a value-embedding gate (which also reads it), LoopFormer none (weightless, modulated
+    norms). The state dict
     keeps the norms' keys; a folded group normalises its input itself: called on the norm's input it gives what the
     unfolded group gives on the norm's output, bit for bit on the torch backend."""
     model = exported.model
     groups = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinearGroup)}
     suffixes = {"ouro": (".qkv_proj", ".up_gate"), "parcae": (".mlp.up",), "loopformer": ()}[exported.arch]
     expected = {n for n in groups if suffixes and n.endswith(suffixes)}
+    if exported.arch == "parcae":  # blocks whose attention has no value-embedding gate fold norm_1 too
+        gated = [n for n, m in model.named_modules() if n.endswith(".attn") and m.ve_gate is not None]
+        assert 0 < len(gated) < len([n for n in groups if n.endswith(".attn.qkv")])  # the fixture has both kinds
+        expected |= {n for n in groups if n.endswith(".attn.qkv") and n[: -len(".qkv")] not in gated}
     folded = {n: g.folded_norm for n, g in groups.items() if g.folded_norm is not None}
     assert set(folded) == expected and (expected or exported.arch == "loopformer")
     assert sorted(map(id, folded.values())) == sorted(id(m) for m in model.modules() if isinstance(m, FoldedNorm))
