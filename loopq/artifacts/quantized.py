@@ -221,9 +221,15 @@ def verify_export_files(directory: Path, meta: dict[str, Any]) -> None:
 
 
 def load_quantized(
-    directory: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    directory: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    fold_norms: bool = True,
 ) -> LoopLM:
-    """Rebuild an exported model; ``dtype`` casts the FP modules only (packed tensors keep their formats)."""
+    """Rebuild an exported model; ``dtype`` casts the FP modules only (packed tensors keep their formats).
+    ``fold_norms``: fold each RMSNorm that feeds one group only into that group's quantizer
+    (:func:`~loopq.quant.packed.fold_feeding_norms`: fewer launches per decode step); ``False`` keeps the norms as
+    modules of their own (e.g. to hook their outputs)."""
     directory = Path(directory)
     meta = read_export_meta(directory)
     verify_export_files(directory, meta)
@@ -242,7 +248,8 @@ def load_quantized(
         setattr(model.get_submodule(parent), attr, model.get_parameter(name))
     model.quant_config = QuantConfig.from_dict(meta["quant"])
     model.calibrated_loops = meta["calibrated_loops"]
-    fold_feeding_norms(model)
+    if fold_norms:
+        fold_feeding_norms(model)
     return model.to(device).requires_grad_(False).eval()
 
 

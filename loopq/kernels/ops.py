@@ -137,7 +137,8 @@ def quantized_linear(
     export layout (``w_codes``, ``w_scales`` of :func:`loopq.kernels.packing.tile_weight`), in ``out_dtype``
     (default ``x``'s). With ``norm_weight`` ``[K]``, ``x`` is first normalised by the RMSNorm that feeds the group,
     :func:`loopq.models.base.rms_norm` ``(x, norm_weight, norm_eps)`` (folded into the quantizer's launch on the
-    Triton path, where its ``1 / rms`` is summed in another order: the last bits may differ from the torch path's).
+    Triton path, where its ``1 / rms`` is summed in another order: the last bits may differ from the torch path's;
+    a float64 weight is read there in fp32).
 
     ``"triton"`` with 1..16 tokens is two launches: the quantizer (input cast and diagonal folded in, int8 codes in
     the decode order) and the decode GEMM (bias and output dtype in its epilogue). More tokens run the quantizer

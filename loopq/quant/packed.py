@@ -223,7 +223,10 @@ class PackedLinearGroup(nn.Module):
         """Quantizer (cast and 1/d folded in) + GEMM (bias, output dtype): two launches on CUDA at decode. A call of
         1..16 tokens repeats the plan (:mod:`loopq.kernels.decode_plan`) that the first checked call of its
         (loop, shape, dtype, device, backend) built, while its :class:`BufferStamp` holds."""
-        key = (t, x.shape, x.dtype, x.device, self.backend, self.folded_norm is not None)
+        norm = self.folded_norm
+        # the folded norm's weight is not one of this group's buffers: its identity, address and dtype are in the key
+        weight = None if norm is None else (id(norm.weight), norm.weight.data_ptr(), norm.weight.dtype)
+        key = (t, x.shape, x.dtype, x.device, self.backend, weight)
         entry = self._decode_plans.get(key)
         if entry is not None:
             if entry[0].holds(self._buffers):

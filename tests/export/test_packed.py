@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from loopq.artifacts import load_quantized
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_activation, triton_interpreted, unpack_int4
 from loopq.kernels.packing import interleave_groups, untile_weight
 from loopq.kernels.reference import gemm_fp64
@@ -288,3 +289,39 @@ def test_exclusive_feeding_norms_are_folded_into_their_groups(exported):
                 want = group(rms_norm(h, norm.weight, norm.eps), 0)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), name
         assert group.folded_norm is norm  # back after the context
+
+
+def test_folded_model_equals_the_unfolded_one(exported):
+    """The whole model: logits of the export loaded with its norms folded (the default) and with ``fold_norms=False``
+    are bit for bit equal on the torch backend - each folded group normalises with its own norm's weight and eps
+    (a fold that paired a group with another norm, or lost the eps, would differ)."""
+    unfolded = load_quantized(exported.out, fold_norms=False)
+    assert not any(isinstance(m, FoldedNorm) for m in unfolded.modules())
+    assert any(isinstance(m, FoldedNorm) for m in exported.model.modules()) == (exported.arch != "loopformer")
+    ids = exported.ids(seed=3)
+    with torch.no_grad():
+        assert torch.equal(exported.model(ids).logits, unfolded(ids).logits)
+
+
+@pytest.mark.skipif(not triton_interpreted(), reason="needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
+def test_a_decode_plan_follows_a_replaced_norm_weight(exported):
+    """A folded norm's weight is not a buffer of its group, so a decode plan keys on its identity, address and
+    dtype: assigning a new Parameter (e.g. ``load_state_dict(assign=True)``) must not leave a plan on the old one."""
+    folded = [(n, m) for n, m in exported.model.named_modules() if getattr(m, "folded_norm", None)]
+    if not folded:
+        pytest.skip(f"{exported.arch} folds no norm")
+    name, group = folded[0]
+    norm = group.folded_norm
+    x = torch.randn(1, group.spec.in_features, generator=torch.Generator().manual_seed(2))
+    old = norm.weight
+    group.backend = "triton"
+    try:
+        with torch.no_grad():
+            group(x, 0)  # builds the plan
+            norm.weight = nn.Parameter(old.detach() * 2, requires_grad=False)
+            got = torch.cat(group(x, 0), -1)
+            with norm_unfolded(group):
+                want = torch.cat(group(rms_norm(x, norm.weight, norm.eps), 0), -1)
+    finally:
+        group.backend, norm.weight = None, old
+    assert torch.equal(got, want), name
