@@ -123,11 +123,7 @@ def _normed(x, r, x_ptr, g_ptr, cols, col_mask, NORM: tl.constexpr):
     1 the product rounded to the input's dtype (weight and input of one dtype: torch rounds ``y * weight`` to it);
     2 the product kept in fp32 (their dtypes differ: torch promotes to fp32)."""
     if NORM != 0:
-        y = (x * r).to(x_ptr.dtype.element_ty).to(tl.float32)
-        g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        x = y * g
-        if NORM == 1:
-            x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = _normed_by(x, r, x_ptr, tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32), NORM)
     return x
 
 
