@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -18,7 +19,7 @@ from packaging.requirements import Requirement
 
 from loopq.commands.gpu_check import carry
 from loopq.commands.gpu_check.flow import PIPELINE_WINDOWS
-from loopq.paths import ASSETS, REPO_ROOT, data_dir
+from loopq.paths import ASSETS, REPO_ROOT, data_dir, fixtures_dir
 
 BUILT = (carry.CARRY_DIR / "wheels").is_dir() and (carry.CARRY_DIR / "data.tar.xz").is_file()
 needs_carry = pytest.mark.skipif(not BUILT, reason="no .gpu-carry: build it with scripts/gpu_carry.sh")
@@ -127,6 +128,23 @@ def test_carried_data_is_enough_for_the_stages(tmp_path, monkeypatch):
     check_enough_tokens(calibration_stream(str(smollm2), None, str(root)).numel(), 64, 8, 256)  # paper-shape
     monkeypatch.setenv("LOOPQ_DATA", str(root))
     assert len(wikitext2_stream(load_tokenizer(ASSETS / "tiny-ouro"))) >= PIPELINE_WINDOWS * 256
+
+
+def test_carried_fixtures_are_the_ones_the_kernel_tests_read(tmp_path):
+    """Every shared fixture a kernel test names (``fixtures / "<name>"``) is carried whole, byte for byte, under the
+    archive's ``fixtures/`` (the second GPU check of session 25 errored on ``test_decode_launches``, whose tiny Ouro
+    the carry lacked); the kernel tests' ``fixtures`` fixture then finds it at ``LOOPQ_SHARED/fixtures``."""
+    named = set()
+    for path in (REPO_ROOT / "tests" / "kernels").glob("*.py"):
+        named |= set(re.findall(r'fixtures\s*/\s*"([^"]+)"', path.read_text()))
+    assert named and named <= set(carry.FIXTURES), sorted(named - set(carry.FIXTURES))
+    with tarfile.open(fileobj=io.BytesIO(carry.data_archive(data_dir(), fixtures_dir())), mode="r:xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    for name in carry.FIXTURES:
+        source = sorted(p.relative_to(fixtures_dir()) for p in (fixtures_dir() / name).rglob("*") if p.is_file())
+        got = sorted(p.relative_to(tmp_path / "fixtures") for p in (tmp_path / "fixtures" / name).rglob("*"))
+        assert got == source
+        assert all((tmp_path / "fixtures" / p).read_bytes() == (fixtures_dir() / p).read_bytes() for p in source)
 
 
 @needs_carry

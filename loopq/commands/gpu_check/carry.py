@@ -12,8 +12,8 @@ need beyond the machine's image (:data:`IMAGE_LIST`, recorded there):
 * ``data.tar.xz``: the slices of the shared data the stages read (:data:`DATA`): the start of each calibration text
   (``calibration``, ``paper-shape``), the start of WikiText-2's test text (``pipeline`` reads its first
   ``PIPELINE_WINDOWS`` windows) and of its valid text (``configs/tiny.yaml``'s validation set, ``calibration``) and
-  the SmolLM2 tokenizer (``paper-shape``), unpacked there into the folder
-  ``LOOPQ_SHARED`` points at.
+  the SmolLM2 tokenizer (``paper-shape``), and the :data:`FIXTURES` the kernel tests read, unpacked there into the
+  folder ``LOOPQ_SHARED`` points at.
 * ``MANIFEST.json``: the commit it was built from, each file's size and SHA-256.
 
 ``python -m loopq.commands.gpu_check.carry pins`` prints the pins, ``data --out DIR`` writes the data and the
@@ -34,7 +34,7 @@ from pathlib import Path
 from loopq.commands.cli import Command
 from loopq.errors import UsageError, run_cli
 from loopq.files import atomic_write
-from loopq.paths import REPO_ROOT, data_dir
+from loopq.paths import REPO_ROOT, data_dir, fixtures_dir
 
 IMAGE_LIST = Path(__file__).with_name("gpu_image.txt")
 CONSTRAINTS = REPO_ROOT / "constraints.txt"
@@ -63,6 +63,9 @@ DATA: tuple[tuple[str, int | None], ...] = (
     ("wikitext2/wiki.valid.tokens", 64 * 1024),  # configs/tiny.yaml's data.val_sources (the calibration stage)
     ("tokenizers/smollm2/SmolLM2-135M-Instruct-Tokenizer.json", None),
 )
+#: the shared fixtures the ``kernel-tests`` stage reads (``tests/kernels``: the tiny Ouro of the decode-launch count),
+#: carried whole under ``fixtures/`` beside ``data/``
+FIXTURES: tuple[str, ...] = ("ouro-tiny",)
 
 
 def canonical(name: str) -> str:
@@ -103,17 +106,23 @@ def head(data: bytes, limit: int | None) -> bytes:
     return data[: cut + 1] if cut >= 0 else data[:limit]
 
 
-def data_archive(source: Path) -> bytes:
-    """The :data:`DATA` slices of ``source`` (a data folder) as an xz tar under ``data/`` (so that its parent is a
-    ``LOOPQ_SHARED``), deterministic: fixed order, times and owners."""
+def data_archive(source: Path, fixtures: Path | None = None) -> bytes:
+    """The :data:`DATA` slices of ``source`` (a data folder) as an xz tar under ``data/`` and, given ``fixtures``
+    (the shared fixtures folder), the :data:`FIXTURES` folders whole under ``fixtures/`` (so that the archive's root
+    is a ``LOOPQ_SHARED``); deterministic: fixed order, times and owners."""
+    entries = [(source / relative, f"data/{relative}", limit) for relative, limit in DATA]
+    for name in FIXTURES if fixtures is not None else ():
+        folder = fixtures / name
+        if not folder.is_dir():
+            raise UsageError(f"{folder}: not found; set LOOPQ_SHARED to the shared folder")
+        entries += [(p, f"fixtures/{p.relative_to(fixtures)}", None) for p in sorted(folder.rglob("*")) if p.is_file()]
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:xz", preset=9) as tar:
-        for relative, limit in DATA:
-            path = source / relative
+        for path, name, limit in entries:
             if not path.is_file():
                 raise UsageError(f"{path}: not found; set LOOPQ_SHARED (or LOOPQ_DATA) to the shared data")
             payload = head(path.read_bytes(), limit)
-            info = tarfile.TarInfo(f"data/{relative}")
+            info = tarfile.TarInfo(name)
             info.size, info.mode = len(payload), 0o644
             tar.addfile(info, io.BytesIO(payload))
     return buffer.getvalue()
@@ -175,7 +184,7 @@ def data(out: Path = CARRY_DIR) -> int:
     Args:
         out: the carry folder to write them into
     """
-    archive = data_archive(data_dir())
+    archive = data_archive(data_dir(), fixtures_dir())
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "data.tar.xz", lambda tmp: tmp.write_bytes(archive))
     write_manifest(out)
