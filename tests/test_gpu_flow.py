@@ -79,3 +79,32 @@ def test_peak_memory_callback_is_silent_without_cuda(tmp_path):
     callback = flow.PeakMemory(str(tmp_path / "p.json"))
     callback.on_train_batch_end(None, None)
     assert not (tmp_path / "p.json").exists() and callback.peaks == {}
+
+
+def test_peak_memory_splits_the_step_into_its_parts(tmp_path, monkeypatch):
+    """Each record is the allocator's peak since the one before (the peak is reset after it); ``step`` is the largest
+    part over all steps, ``setup`` apart; the verdict names the parts."""
+    gib = 2**30
+    peaks = iter([2 * gib, 3 * gib, 5 * gib, 4 * gib, 3 * gib, 6 * gib, 1 * gib])  # setup, then 2 steps x 3 parts
+    current = {"v": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: current.update(v=next(peaks)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: current["v"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: current["v"] + gib)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    callback = flow.PeakMemory(str(tmp_path / "p.json"))
+    trainer = type("T", (), {"global_step": 0})()
+    callback.on_train_batch_start(trainer, None, None, 0)
+    for _ in range(2):
+        callback.on_before_backward(trainer, None, None)
+        callback.on_after_backward(trainer, None)
+        callback.on_train_batch_end(trainer, None)
+    written = json.loads((tmp_path / "p.json").read_text())
+    allocated = {k: v["allocated"] // gib for k, v in written.items()}
+    assert allocated == {"setup": 2, "forward": 3, "backward": 6, "optimizer": 4, "step": 6}
+    assert written["step"]["reserved"] == 7 * gib
+    result = flow.plan_verdict({"setup": 2.0, "step": 6.0}, written, 2)
+    assert (
+        result.status == OK
+        and "step's parts (GiB allocated): forward 3.0, backward 6.0, optimizer 4.0" in result.summary
+    )

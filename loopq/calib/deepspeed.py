@@ -26,6 +26,12 @@ What is specific to LoopQ:
 * **bf16-mixed** runs DeepSpeed's fp32 engine under torch autocast (its ``torch_autocast`` section) instead of its
   ``bf16`` mode, which would cast every parameter to bf16: the quantization parameters and their optimizer states
   stay fp32 as under DDP, and the frozen teacher keeps the dtype it was loaded in (``model.teacher_dtype``).
+* **Gradient buckets sized to the model.** Lightning's default ``reduce_bucket_size`` (2e8 elements) makes ZeRO-2
+  allocate two fp32 buffers of 800 MB each during every backward (ZeRO-3 one, for the whole run), while LoopQ trains
+  a few million parameters (Ouro-2.6B: 21.19M): unless the strategy's ``reduce_bucket_size`` or a DeepSpeed config
+  sets it, the bucket is capped at the trainable parameter count (one bucket then holds every gradient; the sums are
+  the same). The memory plan counts the buckets (:func:`loopq.planning.memory.bucket_bytes`). Found by the paper-shape
+  stage of the GPU check (session 25), whose training step was 19 % over its plan.
 * **CPU start-up.** On first use DeepSpeed JIT-compiles a shared-memory all-reduce op for CPU processes
   (40-66 s; cached afterwards). It only speeds up CPU collectives; ``LOOPQ_DEEPSPEED_SHM=0`` skips it (plain gloo
   collectives, ~2 s start-up). The tests set it. GPUs never use the op.
@@ -65,8 +71,26 @@ def disable_shm_comm() -> None:
     backend.build_shm_op = lambda: None
 
 
+#: Lightning's default gradient bucket (``reduce_bucket_size``, elements), the cap :class:`LoopQDeepSpeedStrategy`
+#: starts from
+DEEPSPEED_BUCKET = 200_000_000
+
+
+def sized_bucket(trainable: int, bucket: int = DEEPSPEED_BUCKET) -> int:
+    """The gradient bucket of a run with ``trainable`` parameters: no larger than all of them (one bucket then holds
+    every gradient), at least 1."""
+    return max(1, min(bucket, trainable))
+
+
 class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
     strategy_name = "loopq_deepspeed"
+
+    def __init__(self, *args: Any, reduce_bucket_size: int | None = None, **kwargs: Any) -> None:
+        """Lightning's ``DeepSpeedStrategy``; ``reduce_bucket_size`` None (the default): sized to the trainable
+        parameters at setup (module docstring), unless a DeepSpeed config (``config``) is given."""
+        bucket = DEEPSPEED_BUCKET if reduce_bucket_size is None else reduce_bucket_size
+        super().__init__(*args, reduce_bucket_size=bucket, **kwargs)
+        self.size_buckets = reduce_bucket_size is None and not args and self._load_config(kwargs.get("config")) is None
 
     def setup_environment(self) -> None:
         # skip DeepSpeedStrategy's CUDA-only check; keep the DDP-level environment setup (-> setup_distributed)
@@ -100,6 +124,10 @@ class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
         import deepspeed
 
         params = [p for p in model.parameters() if p.requires_grad]
+        zero = (self.config or {}).get("zero_optimization")
+        if self.size_buckets and isinstance(zero, dict):
+            trainable = sum(p.numel() for p in params)
+            zero["reduce_bucket_size"] = sized_bucket(trainable, zero.get("reduce_bucket_size", DEEPSPEED_BUCKET))
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),
             config=self.config,

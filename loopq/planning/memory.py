@@ -15,7 +15,10 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
 * **quantization state** (:func:`optimizer_bytes`, ZeRO paper, Rajbhandari et al. 2020, with K = 12 for mixed
   precision): single process / DDP 16 Q (fp32 parameter, gradient, AdamW m and v) + 4 Q for DDP's gradient buckets;
   DeepSpeed b_p Q parameters (/ N under ZeRO-3), b_p Q / N gradients, (8 + 4 [fp32 master, when b_p < 4]) Q / N
-  optimizer states.
+  optimizer states. Plus DeepSpeed's gradient buckets (:func:`bucket_bytes`): ZeRO-2 allocates two (contiguous
+  gradients with overlapped communication) of ``reduce_bucket_size`` elements for each backward, ZeRO-3 one for the
+  whole run, in b_p; ``loopq.calib.deepspeed`` caps the bucket at Q (Lightning's 2e8 elements were two 800 MB fp32
+  buffers per backward, unplanned: the GPU check's paper-shape stage measured its step 19 % over the plan).
 * **fake-quant weights** (:func:`weight_cache_bytes`): every forward transforms and fake-quantizes each group's
   weight once per distinct slot without a graph (``QuantLinearGroup.begin_forward``) and keeps it for the forward in
   the matmul's dtype b_m (2 under bf16 autocast, else 4): (L + (T - 1) L_slt) b_m. ZeRO-3 computes them per call
@@ -59,6 +62,7 @@ from typing import Any
 
 import torch
 
+from loopq.calib.deepspeed import sized_bucket
 from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
 from loopq.errors import LoopQError
 from loopq.files import read_json
@@ -419,6 +423,14 @@ def optimizer_bytes(trainable: int, strategy: str, processes: int, param_bytes: 
     return trainable * param_bytes + math.ceil(trainable * sharded / processes)
 
 
+def bucket_bytes(trainable: int, strategy: str, param_bytes: int) -> int:
+    """DeepSpeed's contiguous gradient buckets: ZeRO-2 two (double-buffered with ``overlap_comm``) while a backward
+    runs, ZeRO-3 one for the run, each :func:`sized_bucket` elements of b_p; none without DeepSpeed (DDP's buckets
+    are in :func:`optimizer_bytes`)."""
+    copies = {"zero2": 2, "zero3": 1}.get(strategy, 0)
+    return copies * sized_bucket(trainable) * param_bytes
+
+
 def matmul_bytes(numerics: tuple[str, bool]) -> int:
     """b_m: bytes of an element as the quantized matmuls read it (bf16 under autocast, else the fp32 chain output)."""
     return 2 if numerics[0] == "autocast" else 4
@@ -526,6 +538,7 @@ class MemoryPlan:
     loaded: int  # the frozen teacher as loaded, before a DeepSpeed engine casts or partitions it (setup)
     quant_params: int  # the fp32 quantization parameters alone (setup: no gradients or optimizer states yet)
     quant_state: int  # quantization parameters, gradients and AdamW states
+    buckets: int  # DeepSpeed's gradient buckets
     step: Pass
     clip_init: int
     targets: int  # in host memory (and the cache file's size)
@@ -534,7 +547,7 @@ class MemoryPlan:
     @property
     def resident(self) -> int:
         """What stays during training: frozen teacher, quantization state, and on a CPU run the targets too."""
-        return self.frozen + self.quant_state + (self.targets if self.settings.on_cpu else 0)
+        return self.frozen + self.quant_state + self.buckets + (self.targets if self.settings.on_cpu else 0)
 
     @property
     def phases(self) -> dict[str, int]:
@@ -581,6 +594,7 @@ def plan_memory(counts: ModelCounts, settings: RunSettings) -> MemoryPlan:
         loaded=params * s.teacher_bytes,
         quant_params=counts.trainable * 4,
         quant_state=optimizer_bytes(counts.trainable, s.strategy, n, s.param_bytes),
+        buckets=bucket_bytes(counts.trainable, s.strategy, s.param_bytes),
         step=training_pass(counts, loops, s),
         clip_init=(
             clip_init_bytes(s.batch * n * s.seq_len, counts.largest_input, counts.largest_group, counts.vocab)
@@ -721,6 +735,7 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     rows = [
         (f"frozen teacher weights ({s.teacher_dtype}, shared with the student)", plan.frozen),
         (f"quantization params + grads + AdamW ({millions(c.trainable)})", plan.quant_state),
+        *([("DeepSpeed gradient buckets (sized to the parameters)", plan.buckets)] if plan.buckets else []),
         ("fake-quant weights kept for the forward (no graph)", step.weights),
         (f"activations ({'layer inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)", step.kept),
     ]

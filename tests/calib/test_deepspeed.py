@@ -107,3 +107,33 @@ def test_progressive_selection_under_deepspeed(tmp_path):
               every_step, configs=FIT_CONFIGS)  # fmt: skip
     assert "step 0: SLT promoted" in out.stdout and "step 1: SLT promoted" in out.stdout
     assert len(read_student(tmp_path)[1]["promoted"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [({}, 1_056), ({"reduce_bucket_size": 500}, 500), ({"config": {"zero_optimization": {"stage": 2}}}, None)],
+    ids=["sized", "user-set", "user-config"],
+)
+def test_gradient_buckets_are_sized_to_the_trainable_parameters(kwargs, expected, monkeypatch):
+    """Lightning's default bucket (2e8 elements: two 800 MB fp32 buffers per ZeRO-2 backward) is capped at the
+    trainable count - a 32 x 32 linear's weight and bias, 1,056; its frozen 8 -> 2 neighbour's 16 not counted -
+    unless the strategy's ``reduce_bucket_size`` or a DeepSpeed config sets it (then untouched)."""
+    import deepspeed
+    import torch
+
+    from loopq.calib.deepspeed import DEEPSPEED_BUCKET, LoopQDeepSpeedStrategy, sized_bucket
+
+    seen = {}
+
+    def initialize(**call):
+        seen.update(call["config"].get("zero_optimization", {}))
+        return "engine", "optimizer", None, None
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(8, 2, bias=False))
+    model[1].weight.requires_grad_(False)
+    strategy = LoopQDeepSpeedStrategy(stage=2, **kwargs)
+    monkeypatch.setattr(strategy, "_device_rank", lambda: 0)  # no devices set up here
+    strategy._setup_model_and_optimizer(model, None)
+    assert seen.get("reduce_bucket_size") == expected
+    assert sized_bucket(3 * DEEPSPEED_BUCKET) == DEEPSPEED_BUCKET and sized_bucket(0) == 1
