@@ -5,7 +5,9 @@ A random-weight Ouro teacher of the published layer shape (hidden 2048, MLP 5632
 its W4A4 and W4A8 exports (an uncalibrated student: speed does not depend on the calibration; FP modules in bf16),
 KV cache on:
 
-* prefill: tokens/s of one ``1 x --prompt_len`` forward;
+* prefill: tokens/s of one ``1 x --prompt_len`` forward, the median of ``--prefill_repeats`` timings taken in rounds
+  that visit every model once (a host-bound step of a few ms varies between calls; the third GPU run's quick prefill,
+  the best of two calls per model in a row, swapped W4A4 and W4A8 between runs that launch the same kernels);
 * decode: ms per generated token at batch 1 and 16 (``--batches``), after a ``--prompt_len`` prefill and one
   warm-up step, over ``--steps`` steps, in each decode mode (``--modes``): ``cache`` the growing KV cache,
   ``static`` the preallocated cache with fixed-shape steps, ``graphs`` that step captured once as a CUDA graph and
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -56,13 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt_len", type=int, default=2048, help="prefill length (and decode's prefix)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode batch sizes")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument("--prefill_repeats", type=int, default=7, help="timed prefills per model (the median)")
     parser.add_argument(
         "--modes", nargs="+", default=list(DECODE_MODES), choices=DECODE_MODES, help="decode modes to time"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here (the GPU check reads it)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.prompt_len < 1 or min(args.batches) < 1:
-        parser.error("--steps, --prompt_len and --batches must be >= 1")
+    if min(args.steps, args.prompt_len, args.prefill_repeats, *args.batches) < 1:
+        parser.error("--steps, --prompt_len, --prefill_repeats and --batches must be >= 1")
     return args
 
 
@@ -97,6 +101,18 @@ def decode_ms(net: LoopLM, ids: torch.Tensor, mode: str, steps: int, device: tor
     return timed(lambda: run.decode(steps), str(device)) / steps * 1e3
 
 
+def prefill_seconds(nets: dict[str, LoopLM], ids: torch.Tensor, repeats: int, device: torch.device) -> dict[str, float]:
+    """Each model's median prefill time over ``repeats`` rounds, each round timing every model once (after one
+    warm-up prefill each: kernel compilation, caches), so that a slow stretch of the host falls on all of them."""
+    for net in nets.values():
+        Decoder(net, ids, "cache").prefill()
+    times: dict[str, list[float]] = {name: [] for name in nets}
+    for _ in range(repeats):
+        for name, net in nets.items():
+            times[name].append(timed(Decoder(net, ids, "cache").prefill, str(device)))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def print_table(rows: dict[str, dict[str, float]], higher_is_better: bool) -> None:
     """One row per model, each cell its value and its ratio to BF16's in the same column (> 1: faster)."""
     columns = list(rows["BF16"])
@@ -119,12 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     if device.type != "cuda" and "graphs" in args.modes:
         print("(not CUDA: the graphs mode runs the eager static step)")
     ids = torch.randint(0, 49152, (1, args.prompt_len), generator=gen).to(device)
-    prefill: dict[str, dict[str, float]] = {}
+    seconds = prefill_seconds(nets, ids, args.prefill_repeats, device)
+    prefill = {name: {"prefill tok/s": args.prompt_len / seconds[name]} for name in nets}
     decode: dict[str, dict[str, float]] = {}
     for name, net in nets.items():
-        Decoder(net, ids, "cache").prefill()  # warm-up (kernel compilation, caches)
-        seconds = min(timed(Decoder(net, ids, "cache").prefill, str(device)) for _ in range(2))
-        prefill[name] = {"prefill tok/s": args.prompt_len / seconds}
         decode[name] = {
             f"b{batch} {mode} ms/tok": decode_ms(net, ids.expand(batch, -1).contiguous(), mode, args.steps, device)
             for batch in args.batches
