@@ -443,9 +443,11 @@ def test_e2e_verdict_reads_the_fastest_mode_and_the_goals():
     assert checks.e2e_result(payload).status == BELOW_GOAL
 
 
-def test_kernel_tests_stage_names_failures_as_they_happen(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "load"]], ids=["one-process", "xdist"])
+def test_kernel_tests_stage_names_failures_as_they_happen(tmp_path, workers):
     """The plugin the ``kernel-tests`` stage loads writes each failure when it happens (a cut stage still names what
-    failed): one failing assertion and one erroring fixture among passing tests, read back with their messages."""
+    failed): one failing assertion and one erroring fixture among passing tests, read back with their messages -
+    once each under xdist too (the controller writes, the workers do not), and the progress parser counts them."""
     from loopq.commands.gpu_check import pytest_failures
     from loopq.commands.gpu_check.checks import name_of
 
@@ -460,17 +462,27 @@ def test_kernel_tests_stage_names_failures_as_they_happen(tmp_path):
     out = tmp_path / "failures.jsonl"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", pytest_failures.__name__]
     env = {**os.environ, pytest_failures.ENV: str(out), "PYTHONPATH": str(REPO_ROOT)}
+    cmd += [*workers, "-p", "no:randomly"]
     run = subprocess.run([*cmd, str(tmp_path / "test_sample.py")], cwd=tmp_path, env=env, capture_output=True)
     assert run.returncode == 1
-    rows = pytest_failures.read_failures(out)
+    rows = sorted(pytest_failures.read_failures(out), key=lambda r: ["call", "setup", "xfail"].index(r["when"]))
     assert [(name_of(r["test"]), r["when"]) for r in rows] == [
         ("test_sample::test_wrong", "call"),
         ("test_sample::test_error", "setup"),
         ("test_sample::test_expected", "xfail"),
     ]
+    progress = checks.pytest_progress(run.stdout.decode())
+    assert (progress["passed"], progress["failures"], progress["errors"], progress["xfailed"]) == (1, 1, 1, 1)
     assert "arithmetic" in rows[0]["error"] and "no device" in rows[1]["error"]
     assert rows[2]["error"] == "known on this device"
     assert pytest_failures.read_failures(tmp_path / "absent.jsonl") == []
+
+
+def test_kernel_tests_run_on_half_the_cores_with_xdist():
+    assert checks.xdist_args(16, True) == ["-n", "8", "--dist", "load"]
+    assert checks.xdist_args(64, True) == ["-n", "8", "--dist", "load"]  # at most 8 CUDA contexts
+    assert checks.xdist_args(6, True) == ["-n", "3", "--dist", "load"]
+    assert checks.xdist_args(2, True) == [] and checks.xdist_args(16, False) == []
 
 
 def test_the_run_records_the_carrys_commit_and_what_git_says_there():

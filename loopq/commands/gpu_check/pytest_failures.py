@@ -2,7 +2,8 @@
 or erroring test, and each expected failure with its reason, is appended as it happens to the JSON-lines file
 ``LOOPQ_PYTEST_FAILURES`` names (its id, the phase, the first line of its error), so that a stage cut at its time
 limit still says what failed: pytest's own summary and ``--junitxml`` report come only at the end of the session
-(the first GPU run of this check was cut with "5 failed" and no names)."""
+(the first GPU run of this check was cut with "5 failed" and no names). Under pytest-xdist only the controller
+writes (it receives every worker's reports; a worker writing too would list each failure twice)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,16 @@ def failure_line(report: pytest.TestReport, limit: int = 300) -> str:
     return (lines[0] if crash else lines[-1] if lines else "")[:limit]
 
 
+_IN_WORKER = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _IN_WORKER
+    _IN_WORKER = hasattr(config, "workerinput")  # an xdist worker: the controller writes its reports
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    path = os.environ.get(ENV)
+    path = None if _IN_WORKER else os.environ.get(ENV)
     xfail = hasattr(report, "wasxfail")  # an expected failure: kept as ``when: "xfail"`` with its reason
     if path and (report.failed or (xfail and report.skipped)):
         when, error = ("xfail", report.wasxfail) if xfail else (report.when, failure_line(report))
