@@ -16,10 +16,18 @@ A factor is any module with ``matrix()``, ``inverse()`` and ``matrix_and_inverse
 :class:`FactorMatrix`, the baselines use a frozen :class:`FixedFactor` (SmoothQuant's identity, QuaRot's randomized
 Hadamard) and a :class:`CayleyFactor` (SpinQuant's learned rotation). The fake-quant group, the float64 fold and
 the exporter read factors only through these three methods.
+
+**Autocast.** Under ``torch.autocast`` (``bf16-mixed``, the paper configs) a matmul casts its fp32 operands to bf16,
+which would compute the factors and both transforms with 8-bit mantissas while the export computes them in fp32
+(activations: the quantizer kernel) and float64 (weights): 0.9 % of the 4-bit and 16 % of the 8-bit activation codes
+differed from the export's on a random Ouro-width row block, and P^{-1} stopped being the inverse of P. The
+transforms' matmuls therefore run with autocast off (:func:`transform_precision`), and under autocast the
+transformed activation stays fp32 up to its quantizer, as the kernel quantizes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -37,6 +45,17 @@ def kron_factors(n: int) -> tuple[int, int]:
     return n1, n // n1
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is active for ``device_type`` (CPU and CUDA; other devices have none here)."""
+    return device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
+
+
+def transform_precision(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off around the transforms' matmuls, so they run in their operands' (at least fp32) dtype as the
+    export computes them (module docstring); nothing to do where autocast is not on."""
+    return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
+
+
 def kron_apply(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
     """``x (left (x) right)`` for row vectors in ``x[..., n]``: viewed as ``X [.., n1, n2]``, ``left^T X right``.
 
@@ -48,19 +67,21 @@ def kron_apply(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
     # narrow factors are widened, never the rows narrowed); a no-op for matching dtypes and under autocast
     dtype = torch.promote_types(x.dtype, torch.promote_types(left.dtype, right.dtype))
     x, left, right = x.to(dtype), left.to(dtype), right.to(dtype)
-    y = (x.reshape(-1, n2) @ right).reshape(-1, n1, n2)
-    y = left.transpose(0, 1) @ y.transpose(0, 1).reshape(n1, -1)
+    with transform_precision(x.device.type):
+        y = (x.reshape(-1, n2) @ right).reshape(-1, n1, n2)
+        y = left.transpose(0, 1) @ y.transpose(0, 1).reshape(n1, -1)
     return y.reshape(n1, -1, n2).transpose(0, 1).reshape(x.shape)
 
 
 def transform_activation(x: Tensor, p1: Tensor | None, p2: Tensor | None, inv_d: Tensor | None) -> Tensor:
-    """(x * inv_d)(P1 (x) P2) in (at least) fp32, cast back to x's dtype (activation side of Eq. 2-3)."""
+    """(x * inv_d)(P1 (x) P2) in (at least) fp32, cast back to x's dtype (activation side of Eq. 2-3) - except under
+    autocast, where it stays fp32 for the quantizer, as the export's kernel quantizes it (module docstring)."""
     z = at_least_fp32(x)
     if inv_d is not None:
         z = z * inv_d
     if p1 is not None and p2 is not None:
         z = kron_apply(z, p1, p2)
-    return z.to(x.dtype)
+    return z if autocast_on(z.device.type) else z.to(x.dtype)
 
 
 def orthogonal(skew_param: Tensor) -> Tensor:
@@ -87,8 +108,9 @@ class FactorMatrix(nn.Module):
         """(P, P^{-1}) with each orthogonal factor evaluated once (two matrix exponentials, not four)."""
         # in (at least) fp32: a factor cast to bf16/fp16 with the model would take its matrix exponentials in bf16
         u, v, log_s = at_least_fp32(self.u), at_least_fp32(self.v), at_least_fp32(self.log_s)
-        u, v = orthogonal(u), orthogonal(v)
-        return u * log_s.exp() @ v.transpose(0, 1), v * (-log_s).exp() @ u.transpose(0, 1)
+        with transform_precision(u.device.type):  # under autocast too (module docstring)
+            u, v = orthogonal(u), orthogonal(v)
+            return u * log_s.exp() @ v.transpose(0, 1), v * (-log_s).exp() @ u.transpose(0, 1)
 
     def randomize_(self, generator: torch.Generator, scale: float = 0.3) -> None:
         """A random invertible, non-orthogonal factor (tests of function preservation)."""
@@ -142,7 +164,8 @@ class CayleyFactor(nn.Module):
 
     def matrix_and_inverse(self) -> tuple[Tensor, Tensor]:
         skew = at_least_fp32(self.skew)  # the solve in (at least) fp32, as FactorMatrix's exponentials
-        r = at_least_fp32(self.base) @ cayley(skew - skew.transpose(0, 1))
+        with transform_precision(skew.device.type):
+            r = at_least_fp32(self.base) @ cayley(skew - skew.transpose(0, 1))
         return r, r.transpose(0, 1)
 
 
