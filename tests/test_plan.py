@@ -162,8 +162,11 @@ def test_the_plan_follows_init_clipping_and_names_an_objective_it_does_not_model
     on = plan.plan_from_config(parsed(list(FIT_CONFIGS)))[1]
     off = plan.plan_from_config(parsed([*FIT_CONFIGS, "--model.init_clipping", "false"]))[1]
     assert on.clip_init > 0 and off.clip_init == 0
-    assert off.phases["setup"] == on.phases["setup"] - on.clip_init
+    base = on.loaded + on.quant_params
+    assert on.phases["setup"] == base + max(on.clip_init, on.target_pass)
+    assert off.phases["setup"] == base + on.target_pass  # the teacher-target pass still runs
     layerwise = plan.plan_from_config(parsed([*FIT_CONFIGS, "--model.objective", "layerwise"]))[1]
+    assert layerwise.target_pass == 0 and on.target_pass > 0  # the layer-wise objective computes no targets
     text = plan.format_plan(layerwise, "t", "s")
     assert "model.objective layerwise: planned as the trajectory objective" in text
     assert "model.objective" not in plan.format_plan(on, "t", "s")
@@ -318,6 +321,24 @@ def test_plan_predicts_the_measured_peak_memory_of_real_calibration_steps(tmp_pa
     ratio = (measured["peak"] - measured["baseline"]) / predicted.peak
     low, high = TOLERANCE[precision]
     assert low <= ratio <= high, f"measured / predicted = {ratio:.3f}"
+
+
+def test_target_pass_by_hand():
+    """The setup's teacher-target pass (``compute_targets``: ``TARGET_BATCH`` = 8 samples per forward) at the paper
+    shape of the third GPU run (8 of Ouro-2.6B's layers, bf16 teacher, seq 256): bf16 logits and their fp32 copy,
+    8 x 256 x 49152 x 6 B = 604 MB, loop states with their stack and fp16 copies 8 x 4 x 256 x 2048 x 6 B = 101 MB;
+    the setup is then the loaded teacher + the quantization parameters + this pass (larger than the clip
+    initialisation's 478 MB): 1.8 GiB, against the 1.88 GiB the H100 measured (1.6 planned before)."""
+    from loopq.calib.targets import TARGET_BATCH
+
+    assert TARGET_BATCH == 8
+    assert plan.target_pass_bytes(256, 49152, 2048, 4, 2) == 8 * 256 * 49152 * 6 + 8 * 4 * 256 * 2048 * 6
+    assert plan.target_pass_bytes(256, 49152, 2048, 4, 4) == 8 * 256 * 49152 * 4 + 8 * 4 * 256 * 2048 * 10  # fp32
+    shaped = plan.plan_shape(2048, 8, 4, 5632, 16, 49152, batch=4, seq_len=256, samples=64, checkpoint_loops=True,
+                             teacher_dtype="bf16", precision="bf16-mixed", strategy="zero2", on_cpu=False)  # fmt: skip
+    assert shaped.target_pass > shaped.clip_init
+    assert shaped.phases["setup"] == shaped.loaded + shaped.quant_params + shaped.target_pass
+    assert f"{shaped.phases['setup'] / 2**30:.1f}" == "1.8"
 
 
 def test_weight_cache_and_use_by_hand():

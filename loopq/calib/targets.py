@@ -45,13 +45,18 @@ class TeacherTargets:
         return self.states.shape[1]
 
 
+#: samples per teacher forward while the targets are computed (its logits are the setup's largest transient:
+#: :func:`loopq.planning.memory.target_pass_bytes`)
+TARGET_BATCH = 8
+
+
 @torch.no_grad()
 def compute_targets(
     teacher: LoopLM,
     samples: Tensor,
     k: int,
     num_loops: int | None = None,
-    batch_size: int = 8,
+    batch_size: int = TARGET_BATCH,
     store_dtype: torch.dtype = torch.float16,
 ) -> TeacherTargets:
     """Run the teacher once over all samples (no grad) and keep what the loss needs, written into tensors allocated

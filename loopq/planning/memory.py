@@ -41,7 +41,11 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
 * **setup** (:func:`clip_init_bytes`): LAS's clip initialisation scores each group call's input against the clip
   grid and drops it (streamed, ``init_clipping_from_data``), its forward computing the quantized weights per call:
   one call's input and three working copies, min(B N S, 4096) 4 max_g in_g 3, or one group's chain without a
-  graph, 4 x 3 of the largest group's weight, whichever is larger; and the forward's logits, B N S V 4.
+  graph, 4 x 3 of the largest group's weight, whichever is larger; and the forward's logits, B N S V 4. Or, if
+  larger, the teacher-target pass (:func:`target_pass_bytes`, trajectory objective): the teacher's forward over
+  ``TARGET_BATCH`` samples, its logits in b_t and their fp32 copy for the top-k, b S V (b_t + 4), and its loop states
+  with their stacked and fp16 copies, b T S D (2 b_t + 2) (the third GPU run measured an 8-layer Ouro-2.6B's setup
+  17 % over the plan without this term: 1.88 against 1.6 GiB; with it 1.8).
 * **teacher targets** (:func:`target_bytes`): M S k (2 + b_id) + M T S D 2 - fp16 top-k logits, int16/int32 ids,
   fp16 loop states - held once in host memory (written into tensors allocated for all samples; a cache file is read
   back whole after the computed copy is dropped), and the cache file on disk.
@@ -64,6 +68,7 @@ import torch
 
 from loopq.calib.deepspeed import sized_bucket
 from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
+from loopq.calib.targets import TARGET_BATCH
 from loopq.errors import LoopQError
 from loopq.files import read_json
 from loopq.models.base import LoopLM, RMSNorm
@@ -494,6 +499,13 @@ def clip_init_bytes(tokens: int, largest_input: int, largest_group: int, vocab: 
     return max(min(tokens, CLIP_INIT_TOKENS) * largest_input * 4 * 3, 12 * largest_group) + tokens * vocab * 4
 
 
+def target_pass_bytes(seq_len: int, vocab: int, hidden: int, loops: int, teacher_bytes: int) -> int:
+    """The teacher-target pass on the device (module docstring): ``TARGET_BATCH`` samples' logits in b_t, their
+    fp32 copy (none for an fp32 teacher) and the loop states with their stacked and fp16 copies."""
+    logit_bytes = teacher_bytes + (4 if teacher_bytes < 4 else 0)
+    return TARGET_BATCH * seq_len * (vocab * logit_bytes + loops * hidden * (2 * teacher_bytes + 2))
+
+
 def target_bytes(samples: int, seq_len: int, topk: int, vocab: int, hidden: int, loops: int) -> int:
     """The teacher targets (``loopq.calib.targets``): fp16 top-k values, int16 ids (int32 above 32767 tokens), fp16
     loop states (:func:`loopq.planning.guards.trajectory_bytes`): M S k (2 + b_id) + M T S D 2."""
@@ -544,6 +556,7 @@ class MemoryPlan:
     buckets: int  # DeepSpeed's gradient buckets
     step: Pass
     clip_init: int
+    target_pass: int  # the teacher's forward computing the targets (setup; 0 for the layer-wise objective)
     targets: int  # in host memory (and the cache file's size)
     teacher_load: int  # host, transient
 
@@ -554,10 +567,11 @@ class MemoryPlan:
 
     @property
     def phases(self) -> dict[str, int]:
-        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, LAS's streamed clip
-        initialisation) and the training step (SLT's scores come from its backward)."""
+        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, then LAS's streamed clip
+        initialisation or the teacher-target pass, whichever is larger) and the training step (SLT's scores come from
+        its backward)."""
         return {
-            "setup": self.loaded + self.quant_params + self.clip_init,
+            "setup": self.loaded + self.quant_params + max(self.clip_init, self.target_pass),
             "training step": self.resident + self.step.total,
         }
 
@@ -602,6 +616,11 @@ def plan_memory(counts: ModelCounts, settings: RunSettings) -> MemoryPlan:
         clip_init=(
             clip_init_bytes(s.batch * n * s.seq_len, counts.largest_input, counts.largest_group, counts.vocab)
             if s.init_clipping
+            else 0
+        ),
+        target_pass=(
+            target_pass_bytes(s.seq_len, counts.vocab, counts.shape.hidden, loops, s.teacher_bytes)
+            if s.objective == "trajectory"
             else 0
         ),
         targets=target_bytes(s.samples, s.seq_len, s.topk, counts.vocab, counts.shape.hidden, loops),
@@ -754,7 +773,8 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     rows.append(("total", plan.phases["training step"]))
     lines += [f"    {name:<56}{size(value):>16}" for name, value in rows]
     lines += [
-        f"  setup (teacher as loaded, streamed LAS clip initialisation): {size(plan.phases['setup'])}",
+        f"  setup (teacher as loaded, streamed LAS clip initialisation or teacher targets): "
+        f"{size(plan.phases['setup'])}",
         f"  PEAK {where}: {size(plan.peak)} ({plan.peak_phase})",
     ]
     if not s.on_cpu:

@@ -212,7 +212,7 @@ def write_random_teacher(directory: Path, layers: int | None = None, shard_gb: f
 
 PLAN_LINES = {
     "step": re.compile(r"^\s+total\s+([\d.]+) (GiB|MiB)"),
-    "setup": re.compile(r"setup \(teacher as loaded, (?:streamed )?LAS clip initialisation\): ([\d.]+) (GiB|MiB)"),
+    "setup": re.compile(r"setup \(teacher as loaded, [^)]*\): ([\d.]+) (GiB|MiB)"),
 }
 
 
