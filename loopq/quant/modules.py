@@ -129,8 +129,10 @@ class _QuantizedUse(torch.autograd.Function):
         ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.chain, ctx.device, ctx.x_dtype, ctx.x_shape = chain, device, x.dtype, x.shape
         ctx.present = [t is not None for t in chain_inputs]
-        y = F.linear(x, weight.to(x.dtype), bias)
-        mm_x = x.to(ctx.autocast) if ctx.autocast is not None else x  # what the matmul read (autocast's cast)
+        mm_x = x.to(ctx.autocast) if ctx.autocast is not None else x  # what the matmul reads (autocast's cast)
+        # the weight in the matmul's dtype: under autocast the fp32 quantized input (``transform_activation``) would
+        # otherwise widen the bf16 weight, which autocast then narrows again (two weight-sized casts, same values)
+        y = F.linear(mm_x, weight.to(mm_x.dtype), bias)
         ctx.save_for_backward(mm_x, *[t for t in chain_inputs if t is not None])
         return y
 
