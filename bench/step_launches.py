@@ -1,0 +1,80 @@
+"""Kernel launches of one fake-quant calibration step against the FP model's (the GPU check's ``profile`` stage).
+
+The third GPU run profiled one W4A4 student forward+backward at Ouro-1.4B's width (4 layers x 4 loops, batch 4 x 256,
+bf16 autocast) at 5.43x the FP step with 20,591 kernel launches, 992 ms of CPU against 201 ms of CUDA time: the
+step is bound by the host issuing small kernels, so the number of launches is a first-order proxy for its time.
+Counted here on the CPU as a GPU would launch them (``bench/decode_launches.py``'s dispatch counter: views,
+allocations and casts to a tensor's own dtype launch nothing), for the same step as the ``profile`` stage
+(``loopq.commands.gpu_check.checks``: the same student config, forward under bf16 autocast, next-token
+cross-entropy, backward) on a random-weight Ouro-1.4B-width model; the count does not depend on the batch or the
+sequence length, so they are small here.
+
+    python bench/step_launches.py --layers 1
+
+Prints launches per step of the FP model and of the student, their ratio, the student's per looped layer
+application (layers x 4 loops), and the operators the student launches most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_launches import TorchKernels  # the same dispatch counter as the decode-step count
+
+from loopq.commands.gpu_check.checks import STUDENT
+from loopq.models.ouro import OuroConfig, OuroLM
+from loopq.quant import prepare
+
+LOOPS = 4
+
+
+def step_ops(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
+    """The operators of one forward (bf16 autocast) + cross-entropy + backward, after one warm-up step."""
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    step()
+    with TorchKernels() as counter:
+        step()
+    return counter.ops
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=1, help="Ouro layers (the count grows linearly with them)")
+    parser.add_argument("--seq", type=int, default=16, help="tokens per sample (the count does not depend on it)")
+    parser.add_argument("--top", type=int, default=12, help="operators listed")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    teacher = OuroLM.from_config(OuroConfig(num_hidden_layers=args.layers), seed=0)  # Ouro-1.4B's other fields
+    ids = torch.randint(0, teacher.config.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    student = prepare(teacher, STUDENT)
+    fp = step_ops(teacher.requires_grad_(True), ids)
+    quant = step_ops(student, ids)
+    applications = args.layers * LOOPS
+    print(f"Ouro-1.4B width, {args.layers} layers x {LOOPS} loops, one forward + backward under bf16 autocast")
+    print(f"FP model      {len(fp):6d} launches")
+    print(f"W4A4 student  {len(quant):6d} launches ({len(quant) / len(fp):.2f}x the FP step; "
+          f"{(len(quant) - len(fp)) / applications:.0f} more per layer application)")  # fmt: skip
+    print("student's most launched operators:")
+    for name, n in Counter(quant).most_common(args.top):
+        print(f"  {n:6d}  {name}")
+
+
+if __name__ == "__main__":
+    main()
