@@ -126,7 +126,7 @@ class LoopQDeepSpeedStrategy(DeepSpeedStrategy):
         params = [p for p in model.parameters() if p.requires_grad]
         zero = (self.config or {}).get("zero_optimization")
         if self.size_buckets and isinstance(zero, dict):
-            trainable = sum(p.numel() for p in params)
+            trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 leaves placeholders
             zero["reduce_bucket_size"] = sized_bucket(trainable, zero.get("reduce_bucket_size", DEEPSPEED_BUCKET))
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),

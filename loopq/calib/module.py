@@ -37,7 +37,8 @@ tensors with the student (its frozen weights are the teacher's storage, not a co
 frozen weights' dtype and a bf16 teacher halves what both take. The quantization parameters (transforms, clips,
 adapters) are created in fp32 whatever the teacher's dtype, and so are AdamW's states (Lightning's ``bf16-mixed`` is
 autocast: it casts no parameter). The training step runs under autocast: the quantizer chains take fp32 copies of
-their inputs and weights (:func:`loopq.qspec.at_least_fp32`), autocast runs their matmuls in bf16, and the loss is
+their inputs and weights (:func:`loopq.qspec.at_least_fp32`) and run their transforms with autocast off, in fp32
+as the export does (:mod:`loopq.quant.transforms`, "Autocast"); the quantized matmuls run in bf16 and the loss is
 computed in fp32. The teacher targets are stored in fp16 (:mod:`loopq.calib.targets`).
 """
 

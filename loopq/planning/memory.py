@@ -14,11 +14,12 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
   them new storage while the buffers keep the loaded one (``bf16-mixed`` casts nothing: ``loopq.calib.deepspeed``).
 * **quantization state** (:func:`optimizer_bytes`, ZeRO paper, Rajbhandari et al. 2020, with K = 12 for mixed
   precision): single process / DDP 16 Q (fp32 parameter, gradient, AdamW m and v) + 4 Q for DDP's gradient buckets;
-  DeepSpeed b_p Q parameters (/ N under ZeRO-3), b_p Q / N gradients, (8 + 4 [fp32 master, when b_p < 4]) Q / N
-  optimizer states. Plus DeepSpeed's gradient buckets (:func:`bucket_bytes`): ZeRO-2 allocates two (contiguous
-  gradients with overlapped communication) of ``reduce_bucket_size`` elements for each backward, ZeRO-3 one for the
-  whole run, in b_p; ``loopq.calib.deepspeed`` caps the bucket at Q (Lightning's 2e8 elements were two 800 MB fp32
-  buffers per backward, unplanned: the GPU check's paper-shape stage measured its step 19 % over the plan).
+  DeepSpeed b_p Q parameters (/ N under ZeRO-3), b_p Q / N gradients, (8 + 4) Q / N optimizer states and fp32
+  master partition (cloned even from fp32 parameters: ``stage_1_and_2.py``, ``stage3.py``). Plus DeepSpeed's
+  gradient buckets (:func:`bucket_bytes`): ZeRO-2 allocates two (contiguous gradients with overlapped communication)
+  of ``reduce_bucket_size`` elements for each backward, ZeRO-3 one for the whole run, in b_p;
+  ``loopq.calib.deepspeed`` caps the bucket at Q unless told otherwise (:func:`bucket_of`; Lightning's 2e8 elements
+  were two 800 MB fp32 buffers per backward, unplanned: the GPU check's paper-shape step measured 19 % over plan).
 * **fake-quant weights** (:func:`weight_cache_bytes`): every forward transforms and fake-quantizes each group's
   weight once per distinct slot without a graph (``QuantLinearGroup.begin_forward``) and keeps it for the forward in
   the matmul's dtype b_m (2 under bf16 autocast, else 4): (L + (T - 1) L_slt) b_m. ZeRO-3 computes them per call
@@ -45,7 +46,7 @@ vocabulary; k top-k; M samples; b_t the teacher's bytes per element, b_p the str
   larger, the teacher-target pass (:func:`target_pass_bytes`, trajectory objective): the teacher's forward over
   ``TARGET_BATCH`` samples, its logits in b_t and their fp32 copy for the top-k, b S V (b_t + 4), and its loop states
   with their stacked and fp16 copies, b T S D (2 b_t + 2) (the third GPU run measured an 8-layer Ouro-2.6B's setup
-  17 % over the plan without this term: 1.88 against 1.6 GiB; with it 1.8).
+  17 % over the plan without this term: 1.88 against 1.6 GiB; with it 1.86).
 * **teacher targets** (:func:`target_bytes`): M S k (2 + b_id) + M T S D 2 - fp16 top-k logits, int16/int32 ids,
   fp16 loop states - held once in host memory (written into tensors allocated for all samples; a cache file is read
   back whole after the computed copy is dropped), and the cache file on disk.
@@ -66,7 +67,7 @@ from typing import Any
 
 import torch
 
-from loopq.calib.deepspeed import sized_bucket
+from loopq.calib.deepspeed import DEEPSPEED_BUCKET, sized_bucket
 from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
 from loopq.calib.targets import TARGET_BATCH
 from loopq.errors import LoopQError
@@ -332,6 +333,7 @@ class RunSettings:
     target_cache: bool = False
     init_clipping: bool = True  # model.init_clipping: LAS's data-driven clip initialisation runs in the setup
     objective: str = "trajectory"  # model.objective: the plan's terms are the trajectory objective's
+    bucket: int | None = None  # DeepSpeed's gradient bucket (elements); None: sized to the parameters
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -420,23 +422,53 @@ def frozen_bytes(
 
 def optimizer_bytes(trainable: int, strategy: str, processes: int, param_bytes: int) -> int:
     """Parameters, gradients and AdamW states of Q trainable parameters: 16 Q (+ 4 Q DDP buckets) without ZeRO;
-    ZeRO-2 b_p Q + (b_p + 8 + master) Q / N, ZeRO-3 (2 b_p + 8 + master) Q / N, master = 4 when b_p < 4."""
+    ZeRO-2 b_p Q + (b_p + 8 + master) Q / N, ZeRO-3 (2 b_p + 8 + master) Q / N, master = 4 (the fp32 partition
+    DeepSpeed updates)."""
     if strategy in ("single", "ddp"):
         per = 4 * param_bytes + (param_bytes if strategy == "ddp" else 0)
         return trainable * per
-    master = 4 if param_bytes < 4 else 0
+    master = 4  # DeepSpeed clones an fp32 partition to update whatever the parameters' dtype
     sharded = param_bytes + 2 * 4 + master
     if strategy == "zero3":
         return math.ceil(trainable * (param_bytes + sharded) / processes)
     return trainable * param_bytes + math.ceil(trainable * sharded / processes)
 
 
-def bucket_bytes(trainable: int, strategy: str, param_bytes: int) -> int:
+#: DeepSpeed's own ``reduce_bucket_size`` default (elements), what a DeepSpeed config without the key gets
+DEEPSPEED_CONFIG_BUCKET = 500_000_000
+
+
+def bucket_bytes(trainable: int, strategy: str, param_bytes: int, bucket: int | None = None) -> int:
     """DeepSpeed's contiguous gradient buckets: ZeRO-2 two (double-buffered with ``overlap_comm``) while a backward
-    runs, ZeRO-3 one for the run, each :func:`sized_bucket` elements of b_p; none without DeepSpeed (DDP's buckets
-    are in :func:`optimizer_bytes`)."""
+    runs, ZeRO-3 one for the run, each ``bucket`` elements of b_p (None: :func:`sized_bucket`, what
+    ``LoopQDeepSpeedStrategy`` gives by default); none without DeepSpeed (DDP's buckets are in
+    :func:`optimizer_bytes`)."""
     copies = {"zero2": 2, "zero3": 1}.get(strategy, 0)
-    return copies * sized_bucket(trainable) * param_bytes
+    return copies * (sized_bucket(trainable) if bucket is None else bucket) * param_bytes
+
+
+def bucket_of(strategy: Any) -> int | None:
+    """The gradient bucket (elements) a ``trainer.strategy`` runs with, None where ``LoopQDeepSpeedStrategy`` sizes
+    it to the parameters: a ``reduce_bucket_size`` it is given, a DeepSpeed config's (DeepSpeed's default 5e8 when
+    the config lacks it; a config also comes from ``PL_DEEPSPEED_CONFIG_PATH``), else Lightning's 2e8 for
+    Lightning's own DeepSpeed strategies (``deepspeed_stage_2``, its class)."""
+    if isinstance(strategy, dict) or hasattr(strategy, "class_path"):
+        get = strategy.get if isinstance(strategy, dict) else lambda k, d=None: getattr(strategy, k, d)
+        args = get("init_args") or {}
+        args = args if isinstance(args, dict) else vars(args)
+        name = str(get("class_path", ""))
+    else:
+        args, name = {}, str(strategy or "")
+    if "deepspeed" not in name.lower():
+        return None
+    if args.get("reduce_bucket_size") is not None:
+        return int(args["reduce_bucket_size"])
+    config = args.get("config") or os.environ.get("PL_DEEPSPEED_CONFIG_PATH")
+    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
+        config = read_json(Path(config), PlanError, "fix the DeepSpeed config")
+    if isinstance(config, dict):
+        return int((config.get("zero_optimization") or {}).get("reduce_bucket_size", DEEPSPEED_CONFIG_BUCKET))
+    return None if name.startswith("loopq.") else DEEPSPEED_BUCKET
 
 
 def matmul_bytes(numerics: tuple[str, bool]) -> int:
@@ -566,12 +598,22 @@ class MemoryPlan:
         return self.frozen + self.quant_state + self.buckets + (self.targets if self.settings.on_cpu else 0)
 
     @property
+    def target_phase(self) -> int:
+        """Beyond the loaded teacher while the targets are computed (``on_fit_start``, after the strategy's setup):
+        the quantization state (ZeRO-3 also its bucket), the teacher-target pass and, on a CPU run, the targets'
+        host tensors, allocated for all samples before the pass ends."""
+        s = self.settings
+        zero3_bucket = self.buckets if s.strategy == "zero3" else 0
+        host = self.targets if s.on_cpu and self.target_pass else 0
+        return self.quant_state + zero3_bucket + self.target_pass + host
+
+    @property
     def phases(self) -> dict[str, int]:
-        """Peak of each phase: setup (teacher as loaded, fp32 quantization parameters, then LAS's streamed clip
-        initialisation or the teacher-target pass, whichever is larger) and the training step (SLT's scores come from
-        its backward)."""
+        """Peak of each phase: setup (teacher as loaded, then LAS's streamed clip initialisation with the fp32
+        quantization parameters, or :attr:`target_phase`, whichever is larger) and the training step (SLT's scores
+        come from its backward)."""
         return {
-            "setup": self.loaded + self.quant_params + max(self.clip_init, self.target_pass),
+            "setup": self.loaded + max(self.quant_params + self.clip_init, self.target_phase),
             "training step": self.resident + self.step.total,
         }
 
@@ -611,7 +653,7 @@ def plan_memory(counts: ModelCounts, settings: RunSettings) -> MemoryPlan:
         loaded=params * s.teacher_bytes,
         quant_params=counts.trainable * 4,
         quant_state=optimizer_bytes(counts.trainable, s.strategy, n, s.param_bytes),
-        buckets=bucket_bytes(counts.trainable, s.strategy, s.param_bytes),
+        buckets=bucket_bytes(counts.trainable, s.strategy, s.param_bytes, s.bucket),
         step=training_pass(counts, loops, s),
         clip_init=(
             clip_init_bytes(s.batch * n * s.seq_len, counts.largest_input, counts.largest_group, counts.vocab)
@@ -683,6 +725,7 @@ def settings_from_config(config: Any) -> RunSettings:
         topk=model.topk,
         loops=getattr(quant, "num_loops", None) if quant is not None else None,
         strategy=strategy_of(trainer.strategy, processes),
+        bucket=bucket_of(trainer.strategy),
         processes=processes,
         precision=precision,
         teacher_dtype=resolve_teacher_dtype(model.teacher_dtype, precision),
@@ -757,7 +800,7 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
     rows = [
         (f"frozen teacher weights ({s.teacher_dtype}, shared with the student)", plan.frozen),
         (f"quantization params + grads + AdamW ({millions(c.trainable)})", plan.quant_state),
-        *([("DeepSpeed gradient buckets (sized to the parameters)", plan.buckets)] if plan.buckets else []),
+        *([(f"DeepSpeed gradient buckets ({bucket_label(s.bucket)})", plan.buckets)] if plan.buckets else []),
         ("fake-quant weights kept for the forward (no graph)", step.weights),
         (f"activations ({'layer inputs: ' if s.checkpoint_loops else ''}{plan.loops} loops)", step.kept),
     ]
@@ -791,6 +834,10 @@ def format_plan(plan: MemoryPlan, title: str, source: str) -> str:
         f"{c.promoted_groups} largest groups promoted",
     ]
     return "\n".join(lines)
+
+
+def bucket_label(bucket: int | None) -> str:
+    return "sized to the parameters" if bucket is None else f"reduce_bucket_size {bucket:.2g}"
 
 
 def on(flag: bool) -> str:

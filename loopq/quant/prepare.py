@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from loopq.models.base import LoopLM
+from loopq.qspec import at_least_fp32
 from loopq.quant import baselines
 from loopq.quant.config import METHODS, QuantConfig, QuantConfigError
 from loopq.quant.cta import TransitionAdapters
@@ -331,7 +332,9 @@ def _scorer(name: str, group: QuantLinearGroup, errors: dict[str, dict[int, tupl
             flat = flat.index_select(0, rows.to(flat.device))
         if tr is not None:
             p1, p2, _, _ = tr.matrices()
-            flat = tr.activation(flat, p1, p2)
+            # from fp32, as the training step (autocast or widened) and the export quantize it: a bf16 teacher's
+            # input would otherwise come back rounded to bf16 (``transform_activation`` casts back to its dtype)
+            flat = tr.activation(at_least_fp32(flat), p1, p2)
         if module.act_clip.requires_grad:
             errors[name][slot] = (clip_errors(flat.float(), module.a_bits, module.group_size), flat.numel())
 

@@ -64,7 +64,7 @@ def kron_apply(x: Tensor, left: Tensor, right: Tensor) -> Tensor:
     """
     n1, n2 = left.shape[0], right.shape[0]
     # the factors in the promoted dtype: a model cast to bf16/fp16 keeps the fp32 math of ``at_least_fp32`` (its
-    # narrow factors are widened, never the rows narrowed); a no-op for matching dtypes and under autocast
+    # narrow factors are widened, never the rows narrowed); the matmuls with autocast off (module docstring)
     dtype = torch.promote_types(x.dtype, torch.promote_types(left.dtype, right.dtype))
     x, left, right = x.to(dtype), left.to(dtype), right.to(dtype)
     with transform_precision(x.device.type):

@@ -356,3 +356,28 @@ def test_compiled_quantizers_match_eager(fixtures):
     assert compiled.keys() == eager.keys()
     for name, grad in eager.items():
         torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_las_init_of_a_bf16_teacher_scores_the_fp32_transform(monkeypatch):
+    """LAS's clip initialisation scores what the training step and the export quantize: the transform of the input
+    computed in fp32 - for a bf16 teacher too, whose transformed inputs used to come back rounded to bf16 (then every
+    scored value was bf16-representable, as a review of session 25 found)."""
+    import importlib
+
+    from loopq.paths import ASSETS
+
+    prepare_module = importlib.import_module("loopq.quant.prepare")  # (the package's ``prepare`` is the function)
+    teacher = load_looplm(ASSETS / "tiny-ouro", dtype=torch.bfloat16)
+    student = prepare(teacher, QuantConfig(transform_init="random"))
+    scored: list[torch.Tensor] = []
+    real = prepare_module.clip_errors
+
+    def spy(x: torch.Tensor, *args, **kwargs):
+        scored.append(x.detach().clone())
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "clip_errors", spy)
+    init_clipping_from_data(student, torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0)))
+    assert scored and all(x.dtype == torch.float32 for x in scored)
+    off_grid = [bool((x != x.bfloat16().float()).any()) for x in scored]
+    assert all(off_grid), f"{off_grid.count(False)} of {len(scored)} scored inputs were bf16-rounded"
