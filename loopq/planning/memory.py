@@ -96,8 +96,8 @@ WEIGHT_CHAIN_COPIES = {
     ("fp32", False): 7.25,
     ("autocast", False): 7.25,
     ("bf16", False): 7.25,
-    ("fp32", True): 4.25,
-    ("autocast", True): 4.25,
+    ("fp32", True): 4.2,
+    ("autocast", True): 4.2,
     ("bf16", True): 6.25,
 }
 #: activation bytes relative to :func:`loopq.planning.guards.activation_factor`'s fp32 estimate, by (numerics, compiled
