@@ -23,14 +23,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_launches import TorchKernels  # the same dispatch counter as the decode-step count
 
-from loopq.commands.gpu_check.checks import STUDENT
+from loopq.commands.gpu_check.checks import STUDENT, train_step
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.quant import prepare
 
@@ -39,15 +38,7 @@ LOOPS = 4
 
 def step_ops(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
     """The operators of one forward (bf16 autocast) + cross-entropy + backward, after one warm-up step."""
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(ids).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        loss.backward()
-        for p in model.parameters():
-            p.grad = None
-
+    step = train_step(model, ids, [], device_type="cpu")
     step()
     with TorchKernels() as counter:
         step()

@@ -320,11 +320,14 @@ def peak_gib(fn: Callable[[], object]) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def train_step(model: torch.nn.Module, ids: torch.Tensor, losses: list[float]) -> Callable[[], None]:
-    """Forward under bf16 autocast, next-token cross-entropy, backward, gradients dropped; records the loss."""
+def train_step(
+    model: torch.nn.Module, ids: torch.Tensor, losses: list[float], device_type: str = "cuda"
+) -> Callable[[], None]:
+    """Forward under bf16 autocast, next-token cross-entropy, backward, gradients dropped; records the loss
+    (``bench/step_launches.py`` counts the same step on the CPU)."""
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
             logits = model(ids).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
