@@ -378,30 +378,40 @@ def normalise_precision(precision: Any) -> str:
     return {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(text, text)
 
 
-def strategy_of(strategy: Any, processes: int) -> str:
-    """``trainer.strategy`` (a name, or a class_path/init_args mapping) as one of :data:`STRATEGIES`."""
+def strategy_parts(strategy: Any) -> tuple[str, dict[str, Any]]:
+    """(class_path or name, init_args) of a ``trainer.strategy``: a name, or a class_path/init_args mapping."""
     if isinstance(strategy, dict) or hasattr(strategy, "class_path"):
         get = strategy.get if isinstance(strategy, dict) else lambda k, d=None: getattr(strategy, k, d)
         args = get("init_args") or {}
-        args = args if isinstance(args, dict) else vars(args)
-        name = str(get("class_path", ""))
-        if "deepspeed" in name.lower():
-            return f"zero{deepspeed_stage(args)}"
-        return "ddp" if "ddp" in name.lower() else "single" if processes == 1 else "ddp"
-    name = str(strategy or "auto").lower()
+        return str(get("class_path", "")), args if isinstance(args, dict) else vars(args)
+    return str(strategy or "auto"), {}
+
+
+def deepspeed_config(args: dict[str, Any]) -> dict[str, Any] | None:
+    """The DeepSpeed config of strategy arguments: ``config`` (a dict or a JSON file), else the file
+    ``PL_DEEPSPEED_CONFIG_PATH`` names (as Lightning reads it); None without one."""
+    config = args.get("config") or os.environ.get("PL_DEEPSPEED_CONFIG_PATH")
+    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
+        config = read_json(Path(config), PlanError, "fix the DeepSpeed config")
+    return config if isinstance(config, dict) else None
+
+
+def strategy_of(strategy: Any, processes: int) -> str:
+    """``trainer.strategy`` (a name, or a class_path/init_args mapping) as one of :data:`STRATEGIES`."""
+    name, args = strategy_parts(strategy)
+    name = name.lower()
     if "deepspeed" in name:
-        return "zero3" if "stage_3" in name else "zero2"
+        mapping = isinstance(strategy, dict) or hasattr(strategy, "class_path")
+        return f"zero{deepspeed_stage(args)}" if mapping else "zero3" if "stage_3" in name else "zero2"
     if "ddp" in name or "fsdp" in name:
         return "ddp"
     return "single" if processes == 1 else "ddp"
 
 
 def deepspeed_stage(args: dict[str, Any]) -> int:
-    """ZeRO stage of DeepSpeed strategy arguments: ``config``'s ``zero_optimization.stage``, else ``stage`` (2)."""
-    config = args.get("config")
-    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
-        config = read_json(Path(config), PlanError, "fix the DeepSpeed config")
-    if isinstance(config, dict):
+    """ZeRO stage of DeepSpeed strategy arguments: the config's ``zero_optimization.stage``, else ``stage`` (2)."""
+    config = deepspeed_config(args)
+    if config is not None:
         return int((config.get("zero_optimization") or {}).get("stage", 2))
     return int(args.get("stage") or 2)
 
@@ -453,21 +463,13 @@ def bucket_of(strategy: Any) -> int | None:
     it to the parameters: a ``reduce_bucket_size`` it is given, a DeepSpeed config's (DeepSpeed's default 5e8 when
     the config lacks it; a config also comes from ``PL_DEEPSPEED_CONFIG_PATH``), else Lightning's 2e8 for
     Lightning's own DeepSpeed strategies (``deepspeed_stage_2``, its class)."""
-    if isinstance(strategy, dict) or hasattr(strategy, "class_path"):
-        get = strategy.get if isinstance(strategy, dict) else lambda k, d=None: getattr(strategy, k, d)
-        args = get("init_args") or {}
-        args = args if isinstance(args, dict) else vars(args)
-        name = str(get("class_path", ""))
-    else:
-        args, name = {}, str(strategy or "")
+    name, args = strategy_parts(strategy)
     if "deepspeed" not in name.lower():
         return None
     if args.get("reduce_bucket_size") is not None:
         return int(args["reduce_bucket_size"])
-    config = args.get("config") or os.environ.get("PL_DEEPSPEED_CONFIG_PATH")
-    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
-        config = read_json(Path(config), PlanError, "fix the DeepSpeed config")
-    if isinstance(config, dict):
+    config = deepspeed_config(args)
+    if config is not None:
         return int((config.get("zero_optimization") or {}).get("reduce_bucket_size", DEEPSPEED_CONFIG_BUCKET))
     return None if name.startswith("loopq.") else DEEPSPEED_BUCKET
 
