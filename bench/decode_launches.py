@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loopq.artifacts import export_student, load_quantized, student_meta
 from loopq.commands.gpu_check.flow import write_random_teacher
-from loopq.kernels import decode_kernel, gemm_kernel, ops
+from loopq.kernels import decode_kernel, gemm_kernel, ops, rowwise_kernel
 from loopq.kernels import quantize_kernel as qk
 from loopq.models import LoopLM, load_looplm
 from loopq.models.static_decode import StaticDecoder
@@ -69,6 +69,9 @@ TRITON = (
     (decode_kernel, "_decode_kernel"),
     (decode_kernel, "_decode_mma_kernel"),
     (gemm_kernel, "_gemm_kernel"),
+    (rowwise_kernel, "_rms_rowwise_kernel"),
+    (rowwise_kernel, "_transition_kernel"),
+    (rowwise_kernel, "_rope_kernel"),
 )
 LOOPS = 4
 
@@ -102,16 +105,17 @@ def stubbed_triton(launches: list[str]) -> Iterator[None]:
         return Stub()
 
     saved = [(mod, name, getattr(mod, name)) for mod, name in TRITON]
-    interpreted = ops.triton_interpreted
+    interpreted, devices = ops.triton_interpreted, rowwise_kernel.DEVICES
     try:
         for mod, name in TRITON:
             setattr(mod, name, stub(name))
         ops.triton_interpreted = lambda: True
+        rowwise_kernel.DEVICES = {"cpu", *devices}  # the norms and the CTA take their CUDA path too
         yield
     finally:
         for mod, name, kernel in saved:
             setattr(mod, name, kernel)
-        ops.triton_interpreted = interpreted
+        ops.triton_interpreted, rowwise_kernel.DEVICES = interpreted, devices
 
 
 def step_launches(model: LoopLM, prompt: int = 8) -> tuple[list[str], list[str]]:

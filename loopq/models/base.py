@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loopq.errors import LoopLMError
 from loopq.files import atomic_write
+from loopq.kernels import rowwise_kernel
 from loopq.models.kv_cache import DecodeCache, DecodeStep, decode_step
 from loopq.models.shards import write_weights
 
@@ -108,7 +109,11 @@ def internal_to_native_key(key: str, group_paths: Sequence[str]) -> str:
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
-    """RMSNorm computed in fp32 and cast back (the rule all three upstream models use)."""
+    """RMSNorm computed in fp32 and cast back (the rule all three upstream models use). On a GPU without autograd
+    through the call, one Triton launch of the same arithmetic (:mod:`loopq.kernels.rowwise_kernel`) instead of eight
+    torch kernels."""
+    if rowwise_kernel.applies(x, weight):
+        return rowwise_kernel.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     if eps is None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loopq.kernels import rowwise_kernel
 from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, RMSNorm, attention
 from loopq.models.kv_cache import DecodeStep
 
@@ -156,7 +157,10 @@ def rope_tables(dh: int, theta: float, positions: Tensor, dtype: torch.dtype) ->
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE on ``[B, H, S, dh]``."""
+    """Rotate-half RoPE on ``[B, H, S, dh]`` (on a GPU without autograd, one launch of the same arithmetic:
+    :func:`loopq.kernels.rowwise_kernel.rope`)."""
+    if rowwise_kernel.rope_applies(x, cos, sin):
+        return rowwise_kernel.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from loopq.commands.gpu_check.kernel_bench import SHAPES
-from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel
+from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel, rowwise_kernel
 from loopq.kernels.packing import TILE_ROWS
 
 #: (tokens, K, Kronecker factors or None, bits) of the exact quantizer: its prefill split at 5632 = 64 x 88 (through
@@ -147,6 +147,27 @@ def compile_decode(target: GPUTarget, m: int, split: int = 1):
     return triton.compile(src, target=target, options=decode_kernel.compile_options(m))
 
 
+def compile_rowwise(target: GPUTarget) -> dict[str, object]:
+    """The models' one-launch RMSNorm, CTA and RoPE (:mod:`loopq.kernels.rowwise_kernel`) as launched at decode on
+    Ouro-1.4B's widths in bf16: the norm with its bf16 weight over 2048 features, the transition adapter (rank 8),
+    RoPE on a transposed query view of 16 heads x 128."""
+    x, g = torch.empty(1, 2048, dtype=torch.bfloat16), torch.empty(2048, dtype=torch.bfloat16)
+    a, b, eta, u, v = torch.empty(2048), torch.empty(2048), torch.empty(8), torch.empty(2048, 8), torch.empty(2048, 8)
+    q = torch.empty(1, 1, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
+    cos = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    launches = {
+        "_rms_rowwise_kernel": lambda: rowwise_kernel.rms_norm(x, g, 1e-6),
+        "_transition_kernel": lambda: rowwise_kernel.transition(x, a, b, eta, u, v, 1e-6),
+        "_rope_kernel": lambda: rowwise_kernel.rope(q, cos, cos),
+    }
+    compiled = {}
+    for name, launch in launches.items():
+        kernel, sig, const, options, attrs = as_launched(rowwise_kernel, (name,), launch)
+        src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
+        compiled[name] = triton.compile(src, target=target, options=options)
+    return compiled
+
+
 def weight_load_bytes(ptx: str) -> list[int]:
     """Bytes per thread of each load instruction that can carry the weight: ``ld.global`` with the evict-first
     hint (only the weight's ``eviction_policy="evict_first"`` gives it) and, where the loop is pipelined through
@@ -228,6 +249,11 @@ def main(arch: int) -> None:
         print("dp4a", ptx.count("dp4a.s32.s32"), "regs", regs, "spills", spills)
     for n, k in SHAPES:
         print(f"decode-grid N={n} K={k} M=1 programs {triton.cdiv(n, TILE_ROWS)}")
+    for name, compiled in compile_rowwise(target).items():
+        ptx = compiled.asm["ptx"]
+        regs, spills = ptxas_usage(ptx, arch)
+        # fp32 contraction only: sm_80 has no bf16 mul / add and writes them as fma.rn.bf16x2 with -0 / 1 (exact)
+        print(f"rowwise {name} fp32-fma", ptx.count("fma.rn.f32"), "regs", regs, "spills", spills)
 
 
 if __name__ == "__main__":

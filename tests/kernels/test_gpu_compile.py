@@ -6,7 +6,8 @@ proxies of the prefill GEMM's speed (issue 28): int8 ``wgmma`` on sm_90 (``mma.s
 ``cp.async`` loads and no register spills for every tile of its config table; and those of the decode GEMM's
 speed: 16-byte weight loads and nothing narrower than 8 bytes among them, ``dp4a`` int8 dots, no register spills
 (``ptxas -v``), and at least 132 programs (one per H100 SM) at M = 1 on every Ouro-1.4B shape (the main loop's
-instruction counts are ``test_ptx_stats.py``'s).
+instruction counts are ``test_ptx_stats.py``'s); the models' one-launch RMSNorm, CTA and RoPE: no FMA contraction
+(torch's separate roundings) and no spills.
 
 The interpreter accepts programs the GPU compiler rejects (and vice versa), so this catches GPU-only breakage.
 It runs in a subprocess because this test session has TRITON_INTERPRET=1.
@@ -56,3 +57,5 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     assert all(re.search(r" spills 0$", s) for s in decode), decode
     programs = [int(s.rsplit(" ", 1)[1]) for s in lines if s.startswith("decode-grid")]
     assert len(programs) == 4 and min(programs) >= 132, programs
+    rowwise = [s for s in lines if s.startswith("rowwise")]  # RMSNorm, CTA, RoPE: torch's roundings, no spills
+    assert len(rowwise) == 3 and all(re.search(r" fp32-fma 0 regs \d+ spills 0$", s) for s in rowwise), rowwise
