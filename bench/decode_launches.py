@@ -69,7 +69,7 @@ TRITON = (
     (decode_kernel, "_decode_kernel"),
     (decode_kernel, "_decode_mma_kernel"),
     (gemm_kernel, "_gemm_kernel"),
-    (rowwise_kernel, "_rms_rowwise_kernel"),
+    (rowwise_kernel, "_rms_norm_kernel"),
     (rowwise_kernel, "_transition_kernel"),
     (rowwise_kernel, "_rope_kernel"),
 )

@@ -61,7 +61,7 @@ DEVICES = {"cuda"}
 
 
 @triton.jit
-def _rms_rowwise_kernel(x_ptr, g_ptr, y_ptr, eps, K: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
+def _rms_norm_kernel(x_ptr, g_ptr, y_ptr, eps, K: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
                      NORM: tl.constexpr, HAS_W: tl.constexpr, NUM_CHUNKS: tl.constexpr):  # fmt: skip
     """Row ``program_id`` of ``y = rms_norm(x, g, eps)`` (``x``, ``y`` rows of ``K``; ``g`` read only with
     ``HAS_W``)."""
@@ -104,7 +104,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
     y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0]:
         kp = min(next_pow2(k), CHUNK * 4)
-        _rms_rowwise_kernel[(rows.shape[0],)](
+        _rms_norm_kernel[(rows.shape[0],)](
             rows, rows if weight is None else weight, y, norm_eps(eps), K=k, KP=kp, KC=min(next_pow2(k), CHUNK),
             NORM=norm_code(x.dtype, weight), HAS_W=weight is not None, NUM_CHUNKS=triton.cdiv(k, kp),
             num_warps=4 if kp <= 2048 else 8, enable_fp_fusion=False,  # round every step as torch does

@@ -156,7 +156,7 @@ def compile_rowwise(target: GPUTarget) -> dict[str, object]:
     q = torch.empty(1, 1, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
     cos = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
     launches = {
-        "_rms_rowwise_kernel": lambda: rowwise_kernel.rms_norm(x, g, 1e-6),
+        "_rms_norm_kernel": lambda: rowwise_kernel.rms_norm(x, g, 1e-6),
         "_transition_kernel": lambda: rowwise_kernel.transition(x, a, b, eta, u, v, 1e-6),
         "_rope_kernel": lambda: rowwise_kernel.rope(q, cos, cos),
     }
