@@ -182,3 +182,22 @@ def test_carry_installs_offline_into_an_empty_target(tmp_path):
                 continue
             assert carry.canonical(req.name) in available, f"{name} requires {line}: in neither the image nor the carry"
     assert (target / "pydantic_core").is_dir() and any((target / "pydantic_core").glob("*cpython-312-x86_64*.so"))
+
+
+def test_no_stage_reads_what_may_stay_behind():
+    """The folders ``size`` may tell a user to move out of the checkout for a device call are named by none of the
+    check's code, kernel tests, scripts or the config its stages run."""
+    sources = [
+        *(REPO_ROOT / "loopq" / "commands" / "gpu_check").rglob("*.py"),
+        *(REPO_ROOT / "tests" / "kernels").rglob("*.py"),
+    ]
+    sources += [
+        REPO_ROOT / "scripts" / "gpu_check.sh",
+        REPO_ROOT / "configs" / "tiny.yaml",
+        REPO_ROOT / "configs" / "ouro2.6b.yaml",
+    ]
+    names = [folder.rsplit("/", 1)[1] for folder in carry.STAY_BEHIND]
+    for path in sources:
+        text = path.read_text()
+        assert not [n for n in names if n in text and path.name != "carry.py"], path
+    assert carry.tree_bytes(without=carry.STAY_BEHIND) < carry.tree_bytes() - 30 * 2**20  # 35 MiB of teachers
