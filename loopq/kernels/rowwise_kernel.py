@@ -36,7 +36,8 @@ Ouro's rotate-half RoPE (:func:`loopq.models.ouro.apply_rope`: ``x * cos + cat(-
 tensor: the negation, the concatenation, two products, the sum) is :func:`rope`, one launch per tensor with the
 same roundings (each product and the sum rounded to ``x``'s dtype): the same bits. The three decide with
 :func:`applies`, :func:`transition_applies` and :func:`rope_applies`; at one Ouro layer x 4 loops they take a
-static decode step from 318 launches to 146 (BF16) and from 303 to 145 (W4A4), ``bench/decode_launches.py``.
+static decode step from 318 launches to 138 (BF16) and from 303 to 137 (W4A4), ``bench/decode_launches.py``
+(Ouro's sandwich norms also take the residual add after them: :func:`rms_norm` with ``residual``).
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ DEVICES = {"cuda"}
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, g_ptr, y_ptr, eps, K: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
-                     NORM: tl.constexpr, HAS_W: tl.constexpr, NUM_CHUNKS: tl.constexpr):  # fmt: skip
-    """Row ``program_id`` of ``y = rms_norm(x, g, eps)`` (``x``, ``y`` rows of ``K``; ``g`` read only with
-    ``HAS_W``)."""
+def _rms_norm_kernel(x_ptr, g_ptr, res_ptr, y_ptr, eps, K: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
+                     NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_RES: tl.constexpr,
+                     NUM_CHUNKS: tl.constexpr):  # fmt: skip
+    """Row ``program_id`` of ``y = rms_norm(x, g, eps)``, or with ``HAS_RES`` of ``y = res + rms_norm(x, g, eps)``
+    (the norm rounded to ``y``'s dtype first, as torch's two ops; ``x``, ``res``, ``y`` rows of ``K``; ``g`` read only
+    with ``HAS_W``)."""
     row = tl.program_id(0).to(tl.int64)
     x_blk = x_ptr + row * K
     r = _rms_inverse(x_blk, tl.full([1], 1, tl.int1), K, eps, 1, KC)  # [1]
@@ -77,6 +80,9 @@ def _rms_norm_kernel(x_ptr, g_ptr, y_ptr, eps, K: tl.constexpr, KP: tl.constexpr
             y = _normed_by(x, r, x_ptr, g, NORM)
         else:
             y = x * r
+        if HAS_RES:
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+            y = tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32) + y
         tl.store(y_ptr + row * K + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -92,22 +98,41 @@ def applies(x: Tensor, weight: Tensor | None) -> bool:
     return not torch.compiler.is_compiling()
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
+def norm_dtype(x: Tensor, weight: Tensor | None) -> torch.dtype:
+    """The dtype of ``rms_norm(x, weight, eps)``: ``x``'s, promoted with the weight's."""
+    return x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+
+
+def residual_applies(h: Tensor, x: Tensor, weight: Tensor | None) -> bool:
+    """Whether ``h + rms_norm(x, weight, eps)`` runs as one :func:`rms_norm` with ``residual=h``: the norm as for
+    :func:`applies`, ``h`` of ``x``'s shape and device, of the norm's dtype (no further promotion), recording no
+    gradient."""
+    if not applies(x, weight) or h.shape != x.shape or h.device != x.device or h.dtype != norm_dtype(x, weight):
+        return False
+    return not (torch.is_grad_enabled() and h.requires_grad)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None, residual: Tensor | None = None) -> Tensor:
     """:func:`loopq.models.base.rms_norm` in one launch (the module docstring's contract); ``weight`` ``[K]`` or
-    None, ``eps`` None for fp32's machine epsilon."""
+    None, ``eps`` None for fp32's machine epsilon; ``residual``: ``residual + rms_norm(...)`` instead, in the same
+    launch (torch's two roundings; ``residual`` of ``x``'s shape and the norm's dtype)."""
     k = x.shape[-1]
     if weight is not None and weight.shape[0] != k:
         raise ValueError(f"rms_norm: weight of {weight.shape[0]} features for rows of {k}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != norm_dtype(x, weight)):
+        raise ValueError(f"rms_norm: a residual {residual.dtype} {tuple(residual.shape)} for {tuple(x.shape)} rows")
     rows = x.reshape(-1, k)
     rows = rows if rows.is_contiguous() else rows.contiguous()
-    out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    res = None if residual is None else residual.reshape(-1, k)
+    res = res if res is None or res.is_contiguous() else res.contiguous()
+    y = torch.empty(rows.shape, dtype=norm_dtype(x, weight), device=x.device)
     if rows.shape[0]:
         kp = min(next_pow2(k), CHUNK * 4)
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, rows if weight is None else weight, y, norm_eps(eps), K=k, KP=kp, KC=min(next_pow2(k), CHUNK),
-            NORM=norm_code(x.dtype, weight), HAS_W=weight is not None, NUM_CHUNKS=triton.cdiv(k, kp),
-            num_warps=4 if kp <= 2048 else 8, enable_fp_fusion=False,  # round every step as torch does
+            rows, rows if weight is None else weight, rows if res is None else res, y, norm_eps(eps), K=k, KP=kp,
+            KC=min(next_pow2(k), CHUNK), NORM=norm_code(x.dtype, weight), HAS_W=weight is not None,
+            HAS_RES=res is not None, NUM_CHUNKS=triton.cdiv(k, kp), num_warps=4 if kp <= 2048 else 8,
+            enable_fp_fusion=False,  # round every step as torch does
         )  # fmt: skip
     return y.reshape(x.shape)
 

@@ -123,6 +123,15 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
     return y * weight if weight is not None else y
 
 
+def add_norm(h: Tensor, norm: nn.Module, x: Tensor) -> Tensor:
+    """``h + norm(x)``, a residual stream plus a normed branch (Ouro's sandwich norms): on a GPU without autograd, for
+    an :class:`RMSNorm`, one launch with the same two roundings (:func:`loopq.kernels.rowwise_kernel.rms_norm`)."""
+    hooked = norm._forward_hooks or norm._forward_pre_hooks  # a hook sees the module's own call
+    if type(norm) is RMSNorm and not hooked and rowwise_kernel.residual_applies(h, x, norm.weight):
+        return rowwise_kernel.rms_norm(x, norm.weight, norm.eps, residual=h)
+    return h + norm(x)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with a weight, as :func:`rms_norm`: Ouro and Parcae pass their config's eps; ``eps=None`` is
     ``torch.nn.RMSNorm``'s default (machine epsilon of the fp32 compute dtype), which LoopFormer uses."""

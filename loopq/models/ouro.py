@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loopq.kernels import rowwise_kernel
-from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, RMSNorm, attention
+from loopq.models.base import LinearGroup, LoopLM, LoopLMError, LoopLMOutput, RMSNorm, add_norm, attention
 from loopq.models.kv_cache import DecodeStep
 
 EXIT_MODES = ("last", "expected", "threshold")
@@ -137,9 +137,9 @@ class OuroDecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, t: int | None, ctx: dict[str, Any]) -> Tensor:
         a = self.self_attn(self.input_layernorm(h), t, ctx)
-        h = h + self.input_layernorm_2(a)
+        h = add_norm(h, self.input_layernorm_2, a)
         m = self.mlp(self.post_attention_layernorm(h), t)
-        return h + self.post_attention_layernorm_2(m)
+        return add_norm(h, self.post_attention_layernorm_2, m)
 
 
 def rope_inv_freq(dh: int, theta: float, device: torch.device | None = None) -> Tensor:

@@ -8,7 +8,7 @@ so per layer application Ouro's 7 projections (q, k, v, o, gate, up, down) becom
 the two RMSNorms that feed a group and nothing else (``input_layernorm``, ``post_attention_layernorm``) are folded
 into the group's quantizer, one launch each (-2); and each of the T - 1 cross-loop transition adapters (CTA, paper
 4.3) adds its one launch. So the W4A4 step launches ``L T - (T - 1)`` fewer kernels than BF16's for L layers: at
-Ouro-1.4B's 24 layers x 4 loops 2,353 against BF16's 2,446 (``bench/decode_launches.py``, docs/benchmarks.md;
+Ouro-1.4B's 24 layers x 4 loops 2,161 against BF16's 2,254 (``bench/decode_launches.py``, docs/benchmarks.md;
 before the one-launch norms, RoPE and CTA 4,535 against 5,930). float16 stands in for bfloat16 (the same casts; the
 interpreter refuses bfloat16 on a CPU).
 """

@@ -120,7 +120,7 @@ def test_off_the_kernels_devices_nothing_changes():
 def test_rms_norm_takes_the_kernel_without_autograd_and_the_torch_ops_with_it(on_this_device, device, monkeypatch):
     calls = []
     kernel = rowwise_kernel.rms_norm
-    monkeypatch.setattr(rowwise_kernel, "rms_norm", lambda *a: calls.append(a) or kernel(*a))
+    monkeypatch.setattr(rowwise_kernel, "rms_norm", lambda *a, **k: calls.append(a) or kernel(*a, **k))
     gen = torch.Generator().manual_seed(5)
     x = integer_rows((2, 64), gen).to(device)
     w = (1 + 0.1 * torch.randn(64, generator=gen)).to(device).requires_grad_(True)
@@ -143,7 +143,7 @@ def test_every_architecture_gives_the_same_tokens_with_the_kernel(on_this_device
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     calls = []
     kernel = rowwise_kernel.rms_norm
-    monkeypatch.setattr(rowwise_kernel, "rms_norm", lambda *a: calls.append(a) or kernel(*a))
+    monkeypatch.setattr(rowwise_kernel, "rms_norm", lambda *a, **k: calls.append(a) or kernel(*a, **k))
     with torch.inference_mode():
         fused = model(ids).logits
         monkeypatch.setattr(rowwise_kernel, "DEVICES", set())
@@ -291,3 +291,38 @@ def test_rope_applies_only_where_it_can(on_this_device, device):
     assert not rowwise_kernel.rope_applies(x, torch.randn(2, 3, 8, device=device)[:1].expand(4, 3, 8)[None], sin)
     assert not rowwise_kernel.rope_applies(x, torch.randn(4, 8, device=device), torch.randn(4, 8, device=device))
     assert not rowwise_kernel.rope_applies(x.transpose(-1, -2).contiguous().transpose(-1, -2), cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["same", torch.float32])
+def test_a_residual_plus_the_norm_in_one_launch_is_torchs_two_ops(device, dtype, kind):
+    """``h + rms_norm(x)`` (Ouro's sandwich norms): the norm rounded to its dtype, then the sum rounded: the same
+    bits as the torch ops on integer rows (the norm exact as above), with any residual."""
+    gen = torch.Generator().manual_seed(11)
+    x = integer_rows((3, 2, 80), gen).to(dtype)
+    weight = weight_for(80, kind, dtype, gen)
+    h = torch.randn(3, 2, 80, generator=gen).to(out_dtype := torch.promote_types(dtype, weight.dtype))
+    got = rowwise_kernel.rms_norm(x.to(device), weight.to(device), 1e-6, residual=h.to(device))
+    assert got.dtype == out_dtype and torch.equal(got.cpu(), h + reference(x, weight, 1e-6))
+    with pytest.raises(ValueError, match="a residual"):
+        rowwise_kernel.rms_norm(x.to(device), weight.to(device), 1e-6, residual=h[:, :1].to(device))
+
+
+def test_add_norm_takes_one_launch_only_where_torch_would_not_promote_or_record(on_this_device, device, monkeypatch):
+    calls = []
+    kernel = rowwise_kernel.rms_norm
+    monkeypatch.setattr(rowwise_kernel, "rms_norm", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    gen = torch.Generator().manual_seed(12)
+    norm = base.RMSNorm(64, 1e-6).to(device)
+    x, h = integer_rows((2, 64), gen).to(device), torch.randn(2, 64, generator=gen).to(device)
+    with torch.no_grad():
+        fused = base.add_norm(h, norm, x)
+        assert len(calls) == 1 and "residual" in calls[0]
+        assert torch.equal(fused.cpu(), h.cpu() + reference(x, norm.weight, 1e-6))
+        base.add_norm(h.half(), norm, x)  # fp32 norm, fp16 residual: torch promotes, the kernel would not
+        handle = norm.register_forward_hook(lambda *a: None)
+        base.add_norm(h, norm, x)  # a hooked module is called as such
+        handle.remove()
+    assert len(calls) == 3 and "residual" not in calls[1] | calls[2]  # the norms inside those two calls, alone
+    traced = base.add_norm(h, norm, x)  # the norm's weight trains
+    assert len(calls) == 3 and traced.grad_fn is not None
