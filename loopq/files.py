@@ -33,6 +33,16 @@ def read_json(path: Path, error: type[Exception] = LoopQError, fix: str = "fix o
         raise error(f"{path}: cannot be read as JSON text ({err}); {fix}") from None
 
 
+def read_json_object(path: Path, error: type[Exception] = LoopQError, fix: str = "fix or rewrite it") -> dict[str, Any]:
+    """:func:`read_json` of a file that must hold a JSON object (a ``config.json``): a list, a number or a string
+    raises ``error`` naming the file and what it holds, where the callers' ``config.get`` crashed with a traceback."""
+    data = read_json(path, error, fix)
+    if not isinstance(data, dict):
+        kind = "null" if data is None else type(data).__name__
+        raise error(f"{path}: holds a JSON {kind}, not a JSON object of settings; {fix}")
+    return data
+
+
 def read_safetensors(
     path: Path, error: type[Exception] = LoopQError, fix: str = "re-download or re-export it"
 ) -> dict[str, Tensor]:

@@ -1,0 +1,39 @@
+"""The fourth bad-input battery: files of the wrong kind where a command expects a file (a ``config.json`` holding a
+list, an empty or cut ``model.safetensors``, a ``--config`` YAML with a syntax error or a NUL byte), each ending
+with one ``error:`` line naming the file, exit status 2, and every file that existed before byte-identical.
+
+``loopq.fit`` cases that must be refused before the teacher loads run in-process through
+:func:`~tests.bad_inputs.test_refused_early.refused_fit` (the real CLI and its checks, nothing built).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loopq.models import LoopLMError, load_looplm
+from tests.bad_inputs.test_cli_errors import TEACHER
+from tests.bad_inputs.test_refused_early import refused_fit
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
+
+@pytest.fixture
+def teacher(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(TEACHER, tmp_path / "teacher"))
+
+
+# ---------------------------------------------------------------------------------------------------- config.json
+@pytest.mark.parametrize(("value", "kind"), [([1, 2], "list"), (42, "int"), ("ouro", "str"), (None, "null")])
+@pytest.mark.parametrize("plan", [False, True], ids=["fit", "print_plan"])
+def test_a_teacher_config_json_that_is_not_an_object_is_one_line(tmp_path, capsys, teacher, value, kind, plan):
+    """Was: AttributeError: 'list' object has no attribute 'get' (a traceback, exit status 1)."""
+    (teacher / "config.json").write_text(json.dumps(value))
+    with pytest.raises(LoopLMError, match=rf"config\.json: holds a JSON {kind}, not a JSON object"):
+        load_looplm(teacher)
+    line = refused_fit(tmp_path, capsys, "--model.teacher", str(teacher), *(["--print_plan"] if plan else []))
+    assert re.search(rf"teacher/config\.json: holds a JSON {kind}, not a JSON object of settings", line), line
