@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loopq.models import LoopLMError, load_looplm
-from tests.bad_inputs.test_cli_errors import TEACHER
+from tests.bad_inputs.test_cli_errors import TEACHER, truncate
 from tests.bad_inputs.test_refused_early import refused_fit
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -37,3 +37,22 @@ def test_a_teacher_config_json_that_is_not_an_object_is_one_line(tmp_path, capsy
         load_looplm(teacher)
     line = refused_fit(tmp_path, capsys, "--model.teacher", str(teacher), *(["--print_plan"] if plan else []))
     assert re.search(rf"teacher/config\.json: holds a JSON {kind}, not a JSON object of settings", line), line
+
+
+# ---------------------------------------------------------------------------------------------------- weights
+@pytest.mark.parametrize("damage", ["empty", "cut"])
+def test_an_empty_or_cut_teacher_weight_file_is_named_before_anything_is_built(tmp_path, capsys, teacher, damage):
+    """Was: ``error: Error while deserializing header: header too small`` (the check of the headers named no file)."""
+    weights = teacher / "model.safetensors"
+    if damage == "empty":
+        weights.write_bytes(b"")
+    else:
+        weights.write_bytes(weights.read_bytes()[:5])  # not even the 8-byte header length
+    line = refused_fit(tmp_path, capsys, "--model.teacher", str(teacher))
+    assert re.search(r"teacher/model\.safetensors: not a readable safetensors file, truncated or corrupt", line), line
+
+
+def test_a_teacher_weight_file_cut_in_its_data_is_named_too(tmp_path, capsys, teacher):
+    truncate(teacher / "model.safetensors")
+    line = refused_fit(tmp_path, capsys, "--model.teacher", str(teacher))
+    assert "teacher/model.safetensors" in line, line
