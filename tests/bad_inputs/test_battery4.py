@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from loopq.models import LoopLMError, load_looplm
-from tests.bad_inputs.test_cli_errors import TEACHER, truncate
+from tests.bad_inputs.test_cli_errors import TEACHER, assert_one_line_error, cli, hashes, truncate
 from tests.bad_inputs.test_refused_early import refused_fit
+from tests.helpers import FIT_CONFIGS
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -56,3 +57,23 @@ def test_a_teacher_weight_file_cut_in_its_data_is_named_too(tmp_path, capsys, te
     truncate(teacher / "model.safetensors")
     line = refused_fit(tmp_path, capsys, "--model.teacher", str(teacher))
     assert "teacher/model.safetensors" in line, line
+
+
+# ---------------------------------------------------------------------------------------------------- --config
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("model:\n  lr: [0.1\n", r"not valid YAML \(.* at line 3, column 1\); fix the file"),
+        ("trainer:\n  max_steps: 2\x00\n", r"not valid YAML \(unacceptable character #x0000"),
+        ("model:\n\tlr: 0.1\n", r"not valid YAML \(.*at line 2, column 1\)"),
+    ],
+    ids=["unclosed-list", "nul-byte", "tab-indent"],
+)
+def test_a_config_file_that_is_not_yaml_is_named(tmp_path: Path, text: str, pattern: str):
+    """Was: ``error: Problems parsing config: ... in "<unicode string>", line 2 ...``: no file named."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    before = hashes(tmp_path)
+    proc = cli("fit", *FIT_CONFIGS, "--config", config, "--trainer.default_root_dir", tmp_path / "run")
+    assert_one_line_error(proc, rf"^error: --config {re.escape(str(config))}: {pattern}")
+    assert hashes(tmp_path) == before and not (tmp_path / "run").exists()
