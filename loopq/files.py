@@ -20,6 +20,29 @@ from torch import Tensor
 from loopq.errors import LoopQError
 
 
+def dangling_link(path: str | os.PathLike[str]) -> Path | None:
+    """The first of ``path`` and its parents that is a symbolic link to nothing (None: there is none). Such a link
+    does not ``exist()``, yet ``mkdir`` fails on it with ``FileExistsError``: a check that looks for the nearest
+    existing parent walks past it."""
+    for part in (Path(path), *Path(path).parents):
+        if part.is_symlink() and not part.exists():
+            return part
+    return None
+
+
+def in_the_way(path: str | os.PathLike[str]) -> str | None:
+    """Why the directory ``path`` cannot be created or used (a link to nothing, a file where it or a parent should
+    be), for a message that names the option; None when nothing is in the way."""
+    link = dangling_link(path)
+    if link is not None:
+        target = os.readlink(link)
+        return f"{link} is a symbolic link to {target}, which does not exist; create it or pass another path"
+    for part in (Path(path), *Path(path).parents):
+        if part.exists():
+            return None if part.is_dir() else f"{part} is a file, not a directory; pass another path"
+    return None
+
+
 def read_json(path: Path, error: type[Exception] = LoopQError, fix: str = "fix or rewrite it") -> Any:
     """The JSON document in ``path``; a missing, unreadable or malformed file raises ``error`` naming the file
     and, for a syntax error, where it is (``fix`` says what to do)."""

@@ -43,12 +43,15 @@ from torch import nn
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
 from loopq.data.calibration import calibration_stream, check_enough_tokens
 from loopq.errors import GuardError, LoopLMError, UsageError, article
+from loopq.files import in_the_way
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.config_checks import check_against_header
 from loopq.models.loading import architecture_for, read_config
 
 #: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
 RUN_OUTPUTS = ("checkpoints", "student", "exported", "results", "report", "csv", "lightning_logs", "pipeline.json")
+#: the folders among them
+RUN_FOLDERS = tuple(name for name in RUN_OUTPUTS if name != "pipeline.json")
 ALLOW_LOW_MEMORY = "LOOPQ_ALLOW_LOW_MEMORY"
 #: tensors of a group's input size that its fake-quant chain keeps for backward: the input, the diagonal-scaled
 #: and the two Kronecker-rotated copies, per-token absmax, scaled, rounded (STE), clamp mask, quantized input
@@ -61,9 +64,13 @@ SAVED_PER_NORM = 2
 def check_run_root(
     root: str | os.PathLike[str], teacher: str | os.PathLike[str] | None, key: str = "--trainer.default_root_dir"
 ) -> Path:
-    """A run directory must not be the teacher, lie inside it or be a model directory, and none of the folders a run
-    writes there (:data:`RUN_OUTPUTS`) may hold the teacher; returns ``root``."""
+    """A run directory must not be the teacher, lie inside it or be a model directory, none of the folders a run
+    writes there (:data:`RUN_OUTPUTS`) may hold the teacher, and none may be a file or a link to nothing; returns
+    ``root``."""
     root = Path(root)
+    problem = in_the_way(root)
+    if problem is not None:
+        raise GuardError(f"{key} {root}: {problem}")
     for read in local_dirs([teacher]):
         how = relation(root, read)
         if how in ("is", "is inside"):
@@ -77,6 +84,10 @@ def check_run_root(
     kind = model_kind(root)
     if kind is not None:
         raise GuardError(f"{key} {root}: is {article(kind)} directory; pass a separate run directory")
+    for name in RUN_FOLDERS:  # a file there failed (FileExistsError) only when the run wrote it, after the work
+        problem = in_the_way(root / name)
+        if problem is not None:
+            raise GuardError(f"{key} {root}: the run writes its {name}/ folder there, but {problem}")
     return root
 
 
@@ -86,9 +97,10 @@ def check_writable(path: str | os.PathLike[str], key: str, named: str | os.PathL
     ``named``: what the message calls the output (a file in ``path``), default ``path``."""
     path = Path(path)
     named = path if named is None else named
+    problem = in_the_way(path)
+    if problem is not None:
+        raise GuardError(f"{key} {named}: {problem}")
     existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise GuardError(f"{key} {named}: {existing} is a file, not a directory; pass another path")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass

@@ -1,6 +1,7 @@
 """The fourth bad-input battery: files of the wrong kind where a command expects a file (a ``config.json`` holding a
-list, an empty or cut ``model.safetensors``, a ``--config`` YAML with a syntax error or a NUL byte), each ending
-with one ``error:`` line naming the file, exit status 2, and every file that existed before byte-identical.
+list, an empty or cut ``model.safetensors``, a ``--config`` YAML with a syntax error or a NUL byte), files where it
+writes a folder and links to nothing, each ending with one ``error:`` line naming the file, exit status 2, and every
+file that existed before byte-identical.
 
 ``loopq.fit`` cases that must be refused before the teacher loads run in-process through
 :func:`~tests.bad_inputs.test_refused_early.refused_fit` (the real CLI and its checks, nothing built).
@@ -15,10 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from loopq.artifacts.layout import RUN_LOCK
+from loopq.commands import export
+from loopq.errors import GuardError
+from loopq.locks import DirectoryLock, LockError
 from loopq.models import LoopLMError, load_looplm
+from loopq.planning.guards import check_output_file
+from tests.bad_inputs.test_artifact_integrity import write_tiny_student
 from tests.bad_inputs.test_cli_errors import TEACHER, assert_one_line_error, cli, hashes, truncate
+from tests.bad_inputs.test_one_writer import parse_main
 from tests.bad_inputs.test_refused_early import refused_fit
-from tests.helpers import FIT_CONFIGS
+from tests.helpers import FIT_CONFIGS, command
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -77,3 +85,38 @@ def test_a_config_file_that_is_not_yaml_is_named(tmp_path: Path, text: str, patt
     proc = cli("fit", *FIT_CONFIGS, "--config", config, "--trainer.default_root_dir", tmp_path / "run")
     assert_one_line_error(proc, rf"^error: --config {re.escape(str(config))}: {pattern}")
     assert hashes(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- output paths
+@pytest.mark.parametrize("name", ["checkpoints", "lightning_logs", "csv", "student"])
+def test_a_file_where_the_run_writes_a_folder_is_refused_before_any_work(tmp_path: Path, capsys, name: str):
+    """Was: the calibration ran to its end, then FileExistsError (a traceback) when it saved ``checkpoints/``."""
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / name).write_text("my notes\n")
+    before = hashes(tmp_path)
+    status, line = command(parse_main, [str(root), "--ckpt_path", "last"], capsys)
+    assert status == 2 and hashes(tmp_path) == before
+    assert line == (
+        f"error: --trainer.default_root_dir {root}: the run writes its {name}/ folder there, but {root / name} is a "
+        "file, not a directory; pass another path"
+    )
+
+
+def test_an_output_directory_that_is_a_link_to_nothing_is_one_line(tmp_path: Path, capsys):
+    """Was: FileExistsError from mkdir (a traceback): a link to nothing does not exist(), so the checks walked past
+    it to its existing parent."""
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "nowhere")
+    student = write_tiny_student(tmp_path / "student", a_bits=4, seed=0)
+    said = f"{link} is a symbolic link to {tmp_path / 'nowhere'}, which does not exist; create it or pass another path"
+    before = hashes(tmp_path)
+    status, line = command(export.main, ["--ckpt", str(student), "--out", str(link)], capsys)
+    assert status == 2 and line == f"error: --out {link}: {said}"
+    status, line = command(parse_main, [str(link)], capsys)
+    assert status == 2 and line == f"error: --trainer.default_root_dir {link}: {said}"
+    with pytest.raises(GuardError, match=re.escape(f"--out {link / 'fp.json'}: {said}")):
+        check_output_file(link / "fp.json")  # evaluate --out: refused before the evaluation, not at its write
+    with pytest.raises(LockError, match=re.escape(f"--out {link}: {said}")):
+        DirectoryLock(link, RUN_LOCK, "loopq.report", "--out").acquire()
+    assert hashes(tmp_path) == before and link.is_symlink() and not (tmp_path / "nowhere").exists()
