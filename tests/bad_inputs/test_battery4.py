@@ -10,14 +10,19 @@ file that existed before byte-identical.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from loopq.artifacts.layout import RUN_LOCK
-from loopq.commands import export
+from loopq.calib.checkpoint_io import newest_intact
+from loopq.commands import export, fit
 from loopq.errors import GuardError
 from loopq.locks import DirectoryLock, LockError
 from loopq.models import LoopLMError, load_looplm
@@ -120,3 +125,17 @@ def test_an_output_directory_that_is_a_link_to_nothing_is_one_line(tmp_path: Pat
     with pytest.raises(LockError, match=re.escape(f"--out {link}: {said}")):
         DirectoryLock(link, RUN_LOCK, "loopq.report", "--out").acquire()
     assert hashes(tmp_path) == before and link.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_ckpt_path_last_skips_a_last_ckpt_that_links_to_nothing(tmp_path: Path, capsys):
+    """Was: ``error: .../last.ckpt: no such file or directory`` (no fix said), where a cut last.ckpt is skipped."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"global_step": 3, "state_dict": {"w": torch.zeros(4)}}, folder / "epoch=0-step=3.ckpt")
+    os.utime(folder / "epoch=0-step=3.ckpt", ns=(10**18, 10**18))  # older than the link, as last.ckpt is
+    (folder / "last.ckpt").symlink_to(tmp_path / "gone.ckpt")
+    trainer = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=str(folder))])
+    assert fit.resolve_ckpt_path(trainer, "last") == str(folder / "epoch=0-step=3.ckpt")
+    err = capsys.readouterr().err
+    assert re.search(r"skipped .*last\.ckpt: a symbolic link to .*gone\.ckpt, which does not exist", err), err
+    assert newest_intact(fit.checkpoints_in([folder]), quiet=True) == folder / "epoch=0-step=3.ckpt"
