@@ -6,7 +6,8 @@ knows what each kind of model directory holds).
 A run directory (``trainer.default_root_dir``, :func:`check_run_root`) holds logs and stage folders rather than a
 model: it may contain the teacher (the working directory, Lightning's default, usually does) but may not be it,
 be inside it, or be a model directory, and the folders a run writes (``checkpoints/``, ``student/``, ...) may not
-hold the teacher. A result file (:func:`check_output_file`) may replace only an earlier result.
+hold the teacher. A result file (:func:`check_output_file`: ``evaluate --out``, ``examine --json``) may replace only an
+earlier one of its command.
 
 **Loop count** (:func:`check_loop_memory`). A student calibrated over T loops keeps every loop's activations for
 the backward pass, and the teacher targets keep every loop's state of every calibration sample:
@@ -32,7 +33,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,11 +118,22 @@ def is_result(path: Path) -> bool:
     return "method" in data and "wikitext2_ppl" in data
 
 
+def is_examined(path: Path) -> bool:
+    """Whether ``path`` is the numbers JSON of ``loopq.examine --json`` (the only file a later one may replace)."""
+    data = json_object(path)
+    return "student" in data and "knock_outs" in data
+
+
 def check_output_file(
-    out: str | os.PathLike[str], reads: Iterable[str | os.PathLike[str] | None] = (), key: str = "--out"
+    out: str | os.PathLike[str],
+    reads: Iterable[str | os.PathLike[str] | None] = (),
+    key: str = "--out",
+    ours: Callable[[Path], bool] = is_result,
+    what: str = "loopq.evaluate result",
 ) -> Path:
     """A result file may not be a directory, lie in or beside a model (any :func:`model_kind`, or a directory the
-    command reads), or replace an existing file other than an earlier result; returns ``out``."""
+    command reads), or replace an existing file other than an earlier result (``ours``: the command's own kind of
+    file, ``what`` it is called); returns ``out``."""
     out = Path(out)
     if out.is_dir():
         raise GuardError(f"{key} {out}: is a directory; pass a file path such as {out / 'result.json'}")
@@ -131,8 +143,8 @@ def check_output_file(
     kind = model_kind(out.parent)
     if kind is not None:
         raise GuardError(f"{key} {out}: {out.parent} is {article(kind)} directory; write results elsewhere")
-    if out.exists() and not is_result(out):
-        raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
+    if out.exists() and not ours(out):
+        raise GuardError(f"{key} {out}: exists and is not {article(what)}; pass a new path")
     check_writable(out.parent, key, named=out)
     return out
 

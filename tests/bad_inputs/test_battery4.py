@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from loopq.artifacts.layout import RUN_LOCK
 from loopq.calib.checkpoint_io import newest_intact
-from loopq.commands import export, fit
+from loopq.commands import examine, export, fit
 from loopq.errors import GuardError
 from loopq.locks import DirectoryLock, LockError
 from loopq.models import LoopLMError, load_looplm
@@ -139,3 +139,28 @@ def test_ckpt_path_last_skips_a_last_ckpt_that_links_to_nothing(tmp_path: Path, 
     err = capsys.readouterr().err
     assert re.search(r"skipped .*last\.ckpt: a symbolic link to .*gone\.ckpt, which does not exist", err), err
     assert newest_intact(fit.checkpoints_in([folder]), quiet=True) == folder / "epoch=0-step=3.ckpt"
+
+
+# ---------------------------------------------------------------------------------------------------- examine --json
+def test_examine_json_never_replaces_a_models_file_or_yours(tmp_path: Path, capsys, teacher: Path):
+    """Was: ``examine --json teacher/config.json`` replaced the teacher's config with the numbers (exit 0), and a
+    directory was refused only after the knock-outs, naming a temporary file."""
+    student = write_tiny_student(tmp_path / "student", a_bits=4, seed=0)
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    (tmp_path / "folder").mkdir()
+    cases = {
+        teacher / "config.json": f"{teacher} is a pretrained teacher directory; write results elsewhere",
+        student / "numbers.json": f"{student} is a student directory; write results elsewhere",
+        notes: "exists and is not a loopq.examine --json file; pass a new path",
+        tmp_path / "folder": "is a directory; pass a file path",
+    }
+    before = hashes(tmp_path)
+    for out, said in cases.items():
+        status, line = command(examine.main, [str(student), "--windows", "1", "--json", str(out)], capsys)
+        assert status == 2 and line.startswith(f"error: --json {out}: {said}"), line
+    assert hashes(tmp_path) == before
+    out = tmp_path / "examined.json"
+    for _ in range(2):  # an earlier one of its own is replaced
+        examine.main([str(student), "--windows", "1", "--json", str(out)])
+        assert json.loads(out.read_text())["student"] == str(student)
