@@ -399,6 +399,16 @@ def check_optimiser(model: Any) -> None:
         ("topk", "a whole number >= 1 (the teacher logits the KL keeps; the configs use 1000)",
          lambda v: v >= 1 and float(v).is_integer()),
     )  # fmt: skip
+    check_numbers(model, rules)
+
+
+#: (key, what it must be, the test of a finite value)
+NumberRule = tuple[str, str, Callable[[float], bool]]
+
+
+def check_numbers(model: Any, rules: Iterable[NumberRule]) -> None:
+    """Each ``--model.<key>`` of ``rules`` that ``model`` sets is a finite number passing its test; the first that is
+    not is refused naming the option, its value and what it must be."""
     for key, must, ok in rules:
         value = getattr(model, key, None)
         if value is None:

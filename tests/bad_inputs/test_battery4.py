@@ -22,8 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from loopq.artifacts.layout import RUN_LOCK
 from loopq.calib.checkpoint_io import newest_intact
-from loopq.commands import examine, export, fit
-from loopq.errors import GuardError
+from loopq.commands import examine, export, fit, pretrain
+from loopq.errors import GuardError, UsageError
 from loopq.locks import DirectoryLock, LockError
 from loopq.models import LoopLMError, load_looplm
 from loopq.planning.guards import check_output_file
@@ -164,3 +164,28 @@ def test_examine_json_never_replaces_a_models_file_or_yours(tmp_path: Path, caps
     for _ in range(2):  # an earlier one of its own is replaced
         examine.main([str(student), "--windows", "1", "--json", str(out)])
         assert json.loads(out.read_text())["student"] == str(student)
+
+
+# ---------------------------------------------------------------------------------------------------- pretrain
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--model.min_lr_ratio", "2"], r"--model\.min_lr_ratio 2\.0: out of range; it must be a number from 0 to 1"),
+        (["--model.gate_weight=-1"], r"--model\.gate_weight -1\.0: out of range; it must be a finite number >= 0"),
+        (["--model.lr=-0.003"], r"--model\.lr -0\.003: out of range; it must be a finite number > 0"),
+        (["--model.weight_decay=-1"], r"--model\.weight_decay -1\.0: out of range"),
+        (["--model.post_norm_init", "0"], r"--model\.post_norm_init 0\.0: out of range"),
+        (["--model.num_key_value_heads", "3"], r"model\.num_key_value_heads=3: must be >= 1 and divide model\.num_at"),
+        (["--model.num_key_value_heads", "0"], r"model\.num_key_value_heads=0: must be >= 1"),
+    ],
+)
+def test_pretrain_training_numbers_are_checked_before_anything_is_built(tmp_path: Path, args, pattern):
+    """Was: a min_lr_ratio of 2 or a negative gate weight trained (exit 0) with the schedule past its peak or the gate
+    pushed away from its targets; 3 KV heads named config.json, 0 divided by zero."""
+    config = ["--config", "configs/pretrain/tiny-ouro.yaml", "--model.out_dir", str(tmp_path / "out")]
+    with pytest.raises(UsageError, match=pattern):
+        pretrain.PretrainCLI(
+            pretrain.TeacherPretrainer, pretrain.PretrainDataModule, run=False, args=[*config, *args],
+            seed_everything_default=0,
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists()
