@@ -159,11 +159,18 @@ def config_files(argv: list[str]) -> list[Path]:
     return [Path(value) for value in [*after, *inline]]
 
 
+def yaml_problem(err: Exception) -> str:
+    """A YAML parse error as ``<problem> at line L, column C`` (1-based), without PyYAML's ``"<unicode string>"``."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    return problem if mark is None else f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists holds a mapping of settings. jsonargparse refuses an empty one (or a list,
-    a bare word) with ``Unexpected config:`` and its content, naming neither the file nor the fix; a missing file or
-    a YAML syntax error it reports itself, with the file or the line. Alias bombs and duplicate keys are refused
-    naming the file (:func:`loopq.config_yaml.check_yaml`)."""
+    a bare word) with ``Unexpected config:`` and its content, naming neither the file nor the fix, and a YAML syntax
+    error (or a NUL byte) with PyYAML's ``"<unicode string>"`` for the file; a missing file it reports itself. Alias
+    bombs and duplicate keys are refused naming the file (:func:`loopq.config_yaml.check_yaml`)."""
     import yaml
 
     from loopq.config_yaml import check_yaml
@@ -177,8 +184,8 @@ def check_config_files(argv: list[str]) -> None:
             raise UsageError(str(err)) from None
         except UnicodeDecodeError:  # jsonargparse's own message named neither the file nor the fix
             raise UsageError(f"{CONFIG_FLAG} {path}: not UTF-8 text; save it as UTF-8 (a YAML file)") from None
-        except yaml.YAMLError:
-            continue
+        except yaml.YAMLError as err:  # jsonargparse's message named no file ("<unicode string>", line 3)
+            raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({yaml_problem(err)}); fix the file") from None
         if data is None:
             raise UsageError(
                 f"{CONFIG_FLAG} {path}: the file is empty (no settings); write settings into it or leave it out"

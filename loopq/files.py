@@ -20,6 +20,29 @@ from torch import Tensor
 from loopq.errors import LoopQError
 
 
+def dangling_link(path: str | os.PathLike[str]) -> Path | None:
+    """The first of ``path`` and its parents that is a symbolic link to nothing (None: there is none). Such a link
+    does not ``exist()``, yet ``mkdir`` fails on it with ``FileExistsError``: a check that looks for the nearest
+    existing parent walks past it."""
+    for part in (Path(path), *Path(path).parents):
+        if part.is_symlink() and not part.exists():
+            return part
+    return None
+
+
+def in_the_way(path: str | os.PathLike[str]) -> str | None:
+    """Why the directory ``path`` cannot be created or used (a link to nothing, a file where it or a parent should
+    be), for a message that names the option; None when nothing is in the way."""
+    link = dangling_link(path)
+    if link is not None:
+        target = os.readlink(link)
+        return f"{link} is a symbolic link to {target}, which does not exist; create it or pass another path"
+    for part in (Path(path), *Path(path).parents):
+        if part.exists():
+            return None if part.is_dir() else f"{part} is a file, not a directory; pass another path"
+    return None
+
+
 def read_json(path: Path, error: type[Exception] = LoopQError, fix: str = "fix or rewrite it") -> Any:
     """The JSON document in ``path``; a missing, unreadable or malformed file raises ``error`` naming the file
     and, for a syntax error, where it is (``fix`` says what to do)."""
@@ -31,6 +54,16 @@ def read_json(path: Path, error: type[Exception] = LoopQError, fix: str = "fix o
         raise error(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise error(f"{path}: cannot be read as JSON text ({err}); {fix}") from None
+
+
+def read_json_object(path: Path, error: type[Exception] = LoopQError, fix: str = "fix or rewrite it") -> dict[str, Any]:
+    """:func:`read_json` of a file that must hold a JSON object (a ``config.json``): a list, a number or a string
+    raises ``error`` naming the file and what it holds, where the callers' ``config.get`` crashed with a traceback."""
+    data = read_json(path, error, fix)
+    if not isinstance(data, dict):
+        kind = "null" if data is None else type(data).__name__
+        raise error(f"{path}: holds a JSON {kind}, not a JSON object of settings; {fix}")
+    return data
 
 
 def read_safetensors(

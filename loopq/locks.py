@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loopq.errors import LoopQError
+from loopq.files import in_the_way
 
 #: lock path -> (how many holders in this process, whether the lock created the directory)
 _HELD: dict[Path, list[Any]] = {}
@@ -84,6 +85,9 @@ class DirectoryLock:
         if self.path in _HELD:
             _HELD[self.path][0] += 1
             return self
+        problem = in_the_way(self.directory)
+        if problem is not None:  # mkdir would raise FileExistsError / NotADirectoryError, a traceback
+            raise LockError(f"{self.key} {self.named}: {problem}")
         created = not self.directory.exists()
         self.directory.mkdir(parents=True, exist_ok=True)
         for _ in range(3):

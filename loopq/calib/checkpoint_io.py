@@ -186,6 +186,8 @@ def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` (a checkpoint file, or a DeepSpeed checkpoint directory) cannot be resumed from; None if whole."""
     if path.is_dir():
         return sealed_problem(path)
+    if path.is_symlink() and not path.exists():
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"
     if not path.is_file():
         return "missing"
     if path.stat().st_size == 0:
@@ -246,10 +248,15 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         raise CheckpointError(f"--ckpt_path {path}: {problem}; {CKPT_PATH_TAKES}")
 
 
+def modified(path: Path) -> int:
+    """When ``path`` was last modified (ns); a symbolic link to nothing: the link's own time (``stat`` raised)."""
+    return (path.stat() if path.exists() else path.lstat()).st_mtime_ns
+
+
 def newest_intact(candidates: Iterable[Path], option: str = "--ckpt_path last", quiet: bool = False) -> Path | None:
     """The newest (modification time) whole checkpoint among ``candidates``; prints one line per newer one it skips
     (unless ``quiet``). None when there are no candidates; :class:`CheckpointError` when none of them is whole."""
-    ordered = sorted(candidates, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    ordered = sorted(candidates, key=modified, reverse=True)
     skipped: list[tuple[Path, str]] = []
     for path in ordered:
         problem = checkpoint_problem(path)

@@ -41,6 +41,7 @@ from loopq.errors import UsageError
 from loopq.files import atomic_write
 from loopq.metrics.perplexity import perplexity, token_windows, wikitext2_stream
 from loopq.models.base import LoopLM
+from loopq.planning.guards import check_output_file, is_examined
 from loopq.quant.modules import QuantLinearGroup
 from loopq.quant.prepare import looped_quant_groups
 from loopq.quant.primitives import clip_ratio
@@ -252,6 +253,8 @@ def examine(
         json: also write the numbers to this JSON file
         teacher: teacher directory of a student whose recorded teacher path is gone (same content hash)
     """
+    if json is not None:  # before the work: a directory, a model's file or one of yours is refused, not replaced
+        check_output_file(json, [teacher], key="--json", ours=is_examined, what="loopq.examine --json file")
     result = inspect(path, windows, teacher)
     print(markdown(result), end="")
     if json is not None:

@@ -90,6 +90,7 @@ from loopq.locks import DirectoryLock
 from loopq.models.config_checks import check_config_types
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.paths import data_dir
+from loopq.planning.guards import NumberRule, check_numbers
 from loopq.provenance import describe, differing_keys, flatten
 
 
@@ -168,6 +169,28 @@ def check_vocab_fits(tokens: int, vocab_size: int, tokenizer: str | None) -> Non
     if tokens > vocab_size:
         what = f"the tokenizer {tokenizer}" if tokenizer else "the BPE trained on the text (at least 257: bytes + BOS)"
         raise UsageError(f"data.vocab_size={vocab_size}: {what} has {tokens} tokens; set data.vocab_size >= {tokens}")
+
+
+#: the training numbers of :class:`PretrainModule` (a negative gate weight trained the gate away from its targets, a
+#: min_lr_ratio above 1 raised the learning rate past its peak, both silently)
+TRAINING_RULES: tuple[NumberRule, ...] = (
+    ("lr", "a finite number > 0 (configs/pretrain/tiny-ouro.yaml uses 0.003)", lambda v: v > 0),
+    ("weight_decay", "a finite number >= 0", lambda v: v >= 0),
+    ("min_lr_ratio", "a number from 0 to 1 (the final learning rate as a fraction of lr)", lambda v: 0 <= v <= 1),
+    ("gate_weight", "a finite number >= 0 (the weight of the exit gate's loss)", lambda v: v >= 0),
+    ("gate_margin", "a finite number >= 0 (nats)", lambda v: v >= 0),
+    ("post_norm_init", "a finite number > 0", lambda v: v > 0),
+)
+
+
+def check_heads(num_attention_heads: int, num_key_value_heads: int) -> None:
+    """Key/value heads that divide the query heads, named as the options (OuroConfig's own check says config.json
+    and divided by zero for 0)."""
+    if num_key_value_heads < 1 or num_attention_heads % num_key_value_heads:
+        raise UsageError(
+            f"model.num_key_value_heads={num_key_value_heads}: must be >= 1 and divide model.num_attention_heads="
+            f"{num_attention_heads}"
+        )
 
 
 def check_model_shape(config: OuroConfig) -> None:
@@ -527,6 +550,8 @@ class TeacherPretrainer(LoopedPretrainer):
         """
         super().__init__()
         self.save_hyperparameters()
+        check_numbers(self.hparams, TRAINING_RULES)
+        check_heads(num_attention_heads, num_key_value_heads)
         config = OuroConfig(
             vocab_size=vocab_size,
             hidden_size=hidden_size,

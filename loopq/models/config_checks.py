@@ -115,8 +115,6 @@ def header_tensors(directory: Path) -> dict[str, Tensor] | None:
     """Meta tensors of the shapes and dtypes the safetensors headers of a model directory declare (one
     ``model.safetensors`` or the shards of its index); None when the weights are not safetensors. Reads the headers
     only."""
-    from safetensors import safe_open
-
     from loopq.models.shards import INDEX_FILE, SINGLE_FILE, read_index
 
     single, index = directory / SINGLE_FILE, directory / INDEX_FILE
@@ -128,11 +126,26 @@ def header_tensors(directory: Path) -> dict[str, Tensor] | None:
         return None
     out: dict[str, Tensor] = {}
     for path in files:
+        out.update(header_of(path))
+    return out
+
+
+def header_of(path: Path) -> dict[str, Tensor]:
+    """Meta tensors of one safetensors file's header; a missing, empty or truncated file raises
+    :class:`LoopLMError` naming it (``safe_open``'s own error, ``header too small``, named no file)."""
+    from safetensors import SafetensorError, safe_open
+
+    from loopq.models.shards import REFETCH
+
+    out: dict[str, Tensor] = {}
+    try:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 part = f.get_slice(key)
                 dtype = SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)
                 out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+    except (SafetensorError, OSError) as err:
+        raise LoopLMError(f"{path}: not a readable safetensors file, truncated or corrupt ({err}); {REFETCH}") from None
     return out
 
 

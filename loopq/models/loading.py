@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopq.files import atomic_write, read_json, read_safetensors
+from loopq.files import atomic_write, read_json, read_json_object, read_safetensors
 from loopq.models.base import LoopLM, LoopLMError
 from loopq.models.config_checks import check_finite, check_layer_count
 from loopq.models.shards import INDEX_FILE, SINGLE_FILE, Weights, read_sharded, read_single
@@ -39,7 +39,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
     if not path.is_file():
         raise LoopLMError(f"{path}: no config.json; point `path` at a model directory (config.json + weights)")
-    return read_json(path, LoopLMError, "fix it or re-download the model")
+    return read_json_object(path, LoopLMError, "fix it or re-download the model")
 
 
 def architecture_for(config: Mapping[str, Any], source: str = "config.json") -> type[LoopLM]:

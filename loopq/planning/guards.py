@@ -6,7 +6,8 @@ knows what each kind of model directory holds).
 A run directory (``trainer.default_root_dir``, :func:`check_run_root`) holds logs and stage folders rather than a
 model: it may contain the teacher (the working directory, Lightning's default, usually does) but may not be it,
 be inside it, or be a model directory, and the folders a run writes (``checkpoints/``, ``student/``, ...) may not
-hold the teacher. A result file (:func:`check_output_file`) may replace only an earlier result.
+hold the teacher. A result file (:func:`check_output_file`: ``evaluate --out``, ``examine --json``) may replace only an
+earlier one of its command.
 
 **Loop count** (:func:`check_loop_memory`). A student calibrated over T loops keeps every loop's activations for
 the backward pass, and the teacher targets keep every loop's state of every calibration sample:
@@ -32,7 +33,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,15 @@ from torch import nn
 from loopq.artifacts.layout import check_output_dir, json_object, local_dirs, model_kind, relation
 from loopq.data.calibration import calibration_stream, check_enough_tokens
 from loopq.errors import GuardError, LoopLMError, UsageError, article
+from loopq.files import in_the_way
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.config_checks import check_against_header
 from loopq.models.loading import architecture_for, read_config
 
 #: what a run writes under ``trainer.default_root_dir`` (loopq.fit and loopq.run)
 RUN_OUTPUTS = ("checkpoints", "student", "exported", "results", "report", "csv", "lightning_logs", "pipeline.json")
+#: the folders among them
+RUN_FOLDERS = tuple(name for name in RUN_OUTPUTS if name != "pipeline.json")
 ALLOW_LOW_MEMORY = "LOOPQ_ALLOW_LOW_MEMORY"
 #: tensors of a group's input size that its fake-quant chain keeps for backward: the input, the diagonal-scaled
 #: and the two Kronecker-rotated copies, per-token absmax, scaled, rounded (STE), clamp mask, quantized input
@@ -61,9 +65,13 @@ SAVED_PER_NORM = 2
 def check_run_root(
     root: str | os.PathLike[str], teacher: str | os.PathLike[str] | None, key: str = "--trainer.default_root_dir"
 ) -> Path:
-    """A run directory must not be the teacher, lie inside it or be a model directory, and none of the folders a run
-    writes there (:data:`RUN_OUTPUTS`) may hold the teacher; returns ``root``."""
+    """A run directory must not be the teacher, lie inside it or be a model directory, none of the folders a run
+    writes there (:data:`RUN_OUTPUTS`) may hold the teacher, and none may be a file or a link to nothing; returns
+    ``root``."""
     root = Path(root)
+    problem = in_the_way(root)
+    if problem is not None:
+        raise GuardError(f"{key} {root}: {problem}")
     for read in local_dirs([teacher]):
         how = relation(root, read)
         if how in ("is", "is inside"):
@@ -77,6 +85,10 @@ def check_run_root(
     kind = model_kind(root)
     if kind is not None:
         raise GuardError(f"{key} {root}: is {article(kind)} directory; pass a separate run directory")
+    for name in RUN_FOLDERS:  # a file there failed (FileExistsError) only when the run wrote it, after the work
+        problem = in_the_way(root / name)
+        if problem is not None:
+            raise GuardError(f"{key} {root}: the run writes its {name}/ folder there, but {problem}")
     return root
 
 
@@ -86,9 +98,10 @@ def check_writable(path: str | os.PathLike[str], key: str, named: str | os.PathL
     ``named``: what the message calls the output (a file in ``path``), default ``path``."""
     path = Path(path)
     named = path if named is None else named
+    problem = in_the_way(path)
+    if problem is not None:
+        raise GuardError(f"{key} {named}: {problem}")
     existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise GuardError(f"{key} {named}: {existing} is a file, not a directory; pass another path")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
@@ -105,11 +118,22 @@ def is_result(path: Path) -> bool:
     return "method" in data and "wikitext2_ppl" in data
 
 
+def is_examined(path: Path) -> bool:
+    """Whether ``path`` is the numbers JSON of ``loopq.examine --json`` (the only file a later one may replace)."""
+    data = json_object(path)
+    return "student" in data and "knock_outs" in data
+
+
 def check_output_file(
-    out: str | os.PathLike[str], reads: Iterable[str | os.PathLike[str] | None] = (), key: str = "--out"
+    out: str | os.PathLike[str],
+    reads: Iterable[str | os.PathLike[str] | None] = (),
+    key: str = "--out",
+    ours: Callable[[Path], bool] = is_result,
+    what: str = "loopq.evaluate result",
 ) -> Path:
     """A result file may not be a directory, lie in or beside a model (any :func:`model_kind`, or a directory the
-    command reads), or replace an existing file other than an earlier result; returns ``out``."""
+    command reads), or replace an existing file other than an earlier result (``ours``: the command's own kind of
+    file, ``what`` it is called); returns ``out``."""
     out = Path(out)
     if out.is_dir():
         raise GuardError(f"{key} {out}: is a directory; pass a file path such as {out / 'result.json'}")
@@ -119,8 +143,8 @@ def check_output_file(
     kind = model_kind(out.parent)
     if kind is not None:
         raise GuardError(f"{key} {out}: {out.parent} is {article(kind)} directory; write results elsewhere")
-    if out.exists() and not is_result(out):
-        raise GuardError(f"{key} {out}: exists and is not a loopq.evaluate result; pass a new path")
+    if out.exists() and not ours(out):
+        raise GuardError(f"{key} {out}: exists and is not {article(what)}; pass a new path")
     check_writable(out.parent, key, named=out)
     return out
 
@@ -375,6 +399,16 @@ def check_optimiser(model: Any) -> None:
         ("topk", "a whole number >= 1 (the teacher logits the KL keeps; the configs use 1000)",
          lambda v: v >= 1 and float(v).is_integer()),
     )  # fmt: skip
+    check_numbers(model, rules)
+
+
+#: (key, what it must be, the test of a finite value)
+NumberRule = tuple[str, str, Callable[[float], bool]]
+
+
+def check_numbers(model: Any, rules: Iterable[NumberRule]) -> None:
+    """Each ``--model.<key>`` of ``rules`` that ``model`` sets is a finite number passing its test; the first that is
+    not is refused naming the option, its value and what it must be."""
     for key, must, ok in rules:
         value = getattr(model, key, None)
         if value is None:

@@ -71,7 +71,7 @@ from loopq.calib.deepspeed import DEEPSPEED_BUCKET, sized_bucket
 from loopq.calib.module import TEACHER_DTYPES, resolve_teacher_dtype
 from loopq.calib.targets import TARGET_BATCH
 from loopq.errors import LoopQError
-from loopq.files import read_json
+from loopq.files import read_json, read_json_object
 from loopq.models.base import LoopLM, RMSNorm
 from loopq.models.config_checks import check_against_header
 from loopq.models.loading import architecture_for
@@ -223,10 +223,10 @@ def teacher_config(teacher: str, plan_config: str | None = None) -> tuple[str, d
     (checked against its weight files' headers first: :func:`~loopq.models.config_checks.check_against_header`), or
     :data:`PUBLISHED`; never its weights' values, never the hub."""
     if plan_config:
-        return plan_config, read_json(Path(plan_config), PlanError, "pass the teacher's config.json")
+        return plan_config, read_json_object(Path(plan_config), PlanError, "pass the teacher's config.json")
     local = Path(teacher) / "config.json"
     if local.is_file():
-        native = read_json(local, PlanError, "fix the teacher's config.json")
+        native = read_json_object(local, PlanError, "fix the teacher's config.json")
         cls = architecture_for(native, str(local))
         check_against_header(cls, cls.config_from_dict(native), Path(teacher))
         return str(local), native
