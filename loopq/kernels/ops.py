@@ -7,6 +7,7 @@ Triton's interpreter and needs ``TRITON_INTERPRET=1`` in the environment before 
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -164,7 +165,7 @@ def quantized_linear(
     norm = None if norm_weight is None else (norm_weight, norm_eps)
     if backend == "torch" or m == 0:
         if norm is not None:
-            from loopq.models.base import rms_norm  # models imports the kernels (KV-cache quantization)
+            from loopq.models.base import rms_norm_ops as rms_norm  # models imports the kernels; the torch ops
 
             x = rms_norm(x, *norm)
         z = x.float() if inv_d is None else x.float() * inv_d
@@ -271,6 +272,15 @@ def _check_gemm(
             "the export's format); pass w_scales.half() or backend='torch'"
         )
     return _resolve_backend(backend, w_packed, "group_size (K / scale columns)", k // groups, out_dtype)
+
+
+def launch_device(x: Tensor) -> AbstractContextManager[object]:
+    """A Triton kernel launches on the current CUDA device, whatever its tensors' device: for a tensor on another
+    (``cuda:1`` while the current one is 0) the context that makes its device current; else one that does nothing
+    (the common case costs one ``current_device`` call)."""
+    if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return nullcontext()
 
 
 def _resolve_backend(

@@ -13,20 +13,22 @@ reference's roundings with :func:`~loopq.kernels.quantize_kernel._normed_by` (``
 rounded to the input's dtype; 2: kept in fp32, torch's promotion when the two dtypes differ) or, without a weight,
 the normalised value rounded to the input's dtype.
 
-Contract: bit-for-bit the arithmetic of ``rms_norm`` except the order in which the K squares are summed (a tree,
-not torch's), so ``r = 1 / sqrt(mean + eps)`` may differ from torch's in its last bits (relative gamma_K + 6u at
-most), and an output by that plus one unit of the input's dtype where ``x r`` lies next to a rounding boundary; where
-the sum of squares is exact in any order (integer-valued rows), the outputs are identical
-(``tests/kernels/test_rowwise_kernel.py``).
+Contract: bit-for-bit the arithmetic of ``rms_norm``'s torch ops on a CPU (IEEE division by K and ``1 / sqrt``)
+except the order in which the K squares are summed (a tree, not torch's), so ``r = 1 / sqrt(mean + eps)`` may differ
+in its last bits (relative gamma_K + 6u at most), and an output by that plus one unit of the input's dtype where
+``x r`` lies next to a rounding boundary; where the sum of squares is exact in any order (integer-valued rows), the
+outputs are identical (``tests/kernels/test_rowwise_kernel.py``). Torch's own CUDA ops round ``r`` otherwise in its
+last bits (``mean`` multiplies by a rounded 1 / K, ``rsqrt`` is ``rsqrtf``, within 2 ulp): on a GPU a frozen teacher
+(this kernel) and a training student (the torch ops) may differ there.
 
 Used by ``rms_norm`` only where :func:`applies`: a CUDA tensor, no autograd through the call (decode, prefill,
 evaluation, a frozen teacher's forward), not while ``torch.compile`` traces, at most :data:`MAX_K` features.
 Calibration's student keeps the torch ops, whose backward autograd derives.
 
 The cross-loop transition adapter (CTA, paper 4.3, :func:`loopq.quant.cta.transition_adapter`) is the same kind of
-row-wise work, eleven torch kernels at 16 bits (the widening cast, the weightless RMSNorm, ``a - 1``, ``* n``,
-``+ h``, ``+ b``, ``n V``, ``* eta``, ``(.) U^T``, ``+``, the cast back) and one launch of :func:`transition` here:
-per row, the sum of squares as above, then ``z = (n V) * eta`` over chunks of the row, then
+row-wise work, fifteen torch kernels at 16 bits (the widening cast, the weightless RMSNorm's five, ``a - 1``,
+``* n``, ``+ h``, ``+ b``, ``n V``, ``* eta``, ``(.) U^T``, ``+``, the cast back) and one launch of
+:func:`transition` here: per row, the sum of squares as above, then ``z = (n V) * eta`` over chunks of the row, then
 ``((h + (a - 1) n) + b) + z U^T`` in torch's order, written in the input's dtype. Its contract: the elementwise
 operations are torch's, in fp32; the two products with ``V`` and ``U^T`` sum in another order (their fp32
 rounding), so outputs agree with the torch ops to within those sums' rounding, and bit for bit where every product
@@ -47,6 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loopq.kernels.ops import launch_device
 from loopq.kernels.packing import next_pow2
 from loopq.kernels.quantize_kernel import _normed_by, _rms_inverse, norm_code, norm_eps
 
@@ -56,6 +59,8 @@ MAX_K = 16384
 CHUNK = 1024
 #: dtypes of the input and the weight the kernel takes; others keep the torch ops
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: the widest CTA rank the adapter's kernel holds in registers (the paper: 8)
+MAX_RANK = 64
 #: devices whose tensors take the kernel (``bench/decode_launches.py`` adds ``"cpu"`` to count its launches with the
 #: Triton kernels stubbed)
 DEVICES = {"cuda"}
@@ -88,10 +93,15 @@ def _rms_norm_kernel(x_ptr, g_ptr, res_ptr, y_ptr, eps, K: tl.constexpr, KP: tl.
 
 def applies(x: Tensor, weight: Tensor | None) -> bool:
     """Whether ``rms_norm(x, weight, eps)`` runs as :func:`rms_norm`: a tensor on one of :data:`DEVICES`, dtypes in
-    :data:`DTYPES`, at most :data:`MAX_K` features, no autograd graph to record, not inside ``torch.compile``."""
-    if x.device.type not in DEVICES or x.dtype not in DTYPES or not 0 < x.shape[-1] <= MAX_K or x.numel() == 0:
+    :data:`DTYPES`, at most :data:`MAX_K` features, a weight of exactly those features with unit stride, no autograd
+    graph to record, not inside ``torch.compile``."""
+    if x.device.type not in DEVICES or x.dtype not in DTYPES or x.dim() == 0 or not 0 < x.shape[-1] <= MAX_K:
+        return False
+    if x.numel() == 0:
         return False
     if weight is not None and (weight.dtype not in DTYPES or weight.device != x.device or weight.dim() != 1):
+        return False
+    if weight is not None and (weight.shape[0] != x.shape[-1] or weight.stride(0) != 1):  # torch would broadcast
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return False
@@ -128,12 +138,13 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None, residual: Tens
     y = torch.empty(rows.shape, dtype=norm_dtype(x, weight), device=x.device)
     if rows.shape[0]:
         kp = min(next_pow2(k), CHUNK * 4)
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, rows if weight is None else weight, rows if res is None else res, y, norm_eps(eps), K=k, KP=kp,
-            KC=min(next_pow2(k), CHUNK), NORM=norm_code(x.dtype, weight), HAS_W=weight is not None,
-            HAS_RES=res is not None, NUM_CHUNKS=triton.cdiv(k, kp), num_warps=4 if kp <= 2048 else 8,
-            enable_fp_fusion=False,  # round every step as torch does
-        )  # fmt: skip
+        with launch_device(x):
+            _rms_norm_kernel[(rows.shape[0],)](
+                rows, rows if weight is None else weight, rows if res is None else res, y, norm_eps(eps), K=k, KP=kp,
+                KC=min(next_pow2(k), CHUNK), NORM=norm_code(x.dtype, weight), HAS_W=weight is not None,
+                HAS_RES=res is not None, NUM_CHUNKS=triton.cdiv(k, kp), num_warps=4 if kp <= 2048 else 8,
+                enable_fp_fusion=False,  # round every step as torch does
+            )  # fmt: skip
     return y.reshape(x.shape)
 
 
@@ -173,6 +184,12 @@ def transition_applies(h: Tensor, params: tuple[Tensor, ...]) -> bool:
     under ``bf16-mixed`` computes the adapter as its training steps do)."""
     if not applies(h, None) or any(p.dtype != torch.float32 or p.device != h.device for p in params):
         return False
+    a, b, eta, u, v = params
+    d, rank = u.shape if u.dim() == 2 else (0, 0)
+    if h.shape[-1] != d or a.shape != (d,) or b.shape != (d,) or eta.shape != (rank,) or v.shape != (d, rank):
+        return False  # torch raises or broadcasts; the kernel would read out of its rows
+    if not 0 < rank <= MAX_RANK:
+        return False
     if torch.is_autocast_enabled(h.device.type):  # autocast would run the torch ops' two products in 16 bits
         return False
     return not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
@@ -186,11 +203,12 @@ def transition(h: Tensor, a: Tensor, b: Tensor, eta: Tensor, u: Tensor, v: Tenso
     rows = rows if rows.is_contiguous() else rows.contiguous()
     y = torch.empty(rows.shape, dtype=h.dtype, device=h.device)
     if rows.shape[0]:
-        _transition_kernel[(rows.shape[0],)](
-            rows, a.contiguous(), b.contiguous(), eta.contiguous(), u.contiguous(), v.contiguous(), y,
-            norm_eps(eps), D=d, R=rank, RP=next_pow2(rank), DC=min(next_pow2(d), 256), KC=min(next_pow2(d), CHUNK),
-            enable_fp_fusion=False,  # torch's separate roundings of (a - 1) n and the additions
-        )  # fmt: skip
+        with launch_device(h):
+            _transition_kernel[(rows.shape[0],)](
+                rows, a.contiguous(), b.contiguous(), eta.contiguous(), u.contiguous(), v.contiguous(), y,
+                norm_eps(eps), D=d, R=rank, RP=next_pow2(rank), DC=min(next_pow2(d), 256), KC=min(next_pow2(d), CHUNK),
+                enable_fp_fusion=False,  # torch's separate roundings of (a - 1) n and the additions
+            )  # fmt: skip
     return y.reshape(h.shape)
 
 
@@ -233,12 +251,14 @@ def rope_applies(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     broadcasts to ``x``'s without growing it, with unit stride along ``dh``."""
     if not applies(x, None) or x.dim() != 4 or x.stride(-1) != 1 or x.shape[-1] % 2:
         return False
-    if any(t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1 for t in (cos, sin)):
+    if any(t.dtype != x.dtype or t.device != x.device or t.dim() == 0 or t.stride(-1) != 1 for t in (cos, sin)):
         return False
-    if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.dim() > 4:
+    if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.dim() > 4 or cos.shape[-1] != x.shape[-1]:
+        return False
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return False
     try:
-        return torch.broadcast_shapes(x.shape, cos.shape) == x.shape and not cos.requires_grad
+        return torch.broadcast_shapes(x.shape, cos.shape) == x.shape
     except RuntimeError:
         return False
 
@@ -250,8 +270,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         c = cos.expand(x.shape)  # broadcast dimensions get stride 0
-        _rope_kernel[(bsz * heads * seq,)](
-            x, cos, sin, y, heads, seq, *x.stride()[:3], *c.stride()[:3], HALF=dh // 2, HP=next_pow2(dh // 2),
-            num_warps=1, enable_fp_fusion=False,
-        )  # fmt: skip
+        with launch_device(x):
+            _rope_kernel[(bsz * heads * seq,)](
+                x, cos, sin, y, heads, seq, *x.stride()[:3], *c.stride()[:3], HALF=dh // 2, HP=next_pow2(dh // 2),
+                num_warps=1, enable_fp_fusion=False,
+            )  # fmt: skip
     return y

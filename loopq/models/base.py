@@ -114,6 +114,12 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
     torch kernels."""
     if rowwise_kernel.applies(x, weight):
         return rowwise_kernel.rms_norm(x, weight, eps)
+    return rms_norm_ops(x, weight, eps)
+
+
+def rms_norm_ops(x: Tensor, weight: Tensor | None, eps: float | None) -> Tensor:
+    """:func:`rms_norm` as torch ops on any device (autograd's path, and the references the kernels are tested
+    against)."""
     dtype = x.dtype
     x32 = x.float()
     if eps is None:

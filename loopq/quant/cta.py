@@ -48,7 +48,7 @@ class TransitionAdapters(nn.Module):
     def forward(self, h: Tensor, t: int) -> Tensor:
         i = loop_slot(t, self.num_transitions)
         params = (self.a[i], self.b[i], self.eta[i], self.u, self.v)
-        if rowwise_kernel.transition_applies(h, params):  # a GPU without autograd: one launch, not eleven
+        if rowwise_kernel.transition_applies(h, params):  # a GPU without autograd: one launch, not fifteen
             return rowwise_kernel.transition(h, *params, self.eps)
         x = h.to(torch.promote_types(h.dtype, self.a.dtype))  # fp32 compute (fp64 when the module is double)
         out = transition_adapter(x, self.a[i], self.b[i], self.eta[i], self.u, self.v, self.eps)

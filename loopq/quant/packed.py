@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, quantize_weight
 from loopq.kernels.decode_plan import DecodePlan, plan_decode
-from loopq.kernels.ops import quantized_linear
+from loopq.kernels.ops import launch_device, quantized_linear
 from loopq.kernels.packing import tile_weight, tiled_shapes
 from loopq.models.base import RMSNorm
 from loopq.qspec import KERNEL_ACT_BITS, KERNEL_WEIGHT_BITS
@@ -223,6 +223,10 @@ class PackedLinearGroup(nn.Module):
         """Quantizer (cast and 1/d folded in) + GEMM (bias, output dtype): two launches on CUDA at decode. A call of
         1..16 tokens repeats the plan (:mod:`loopq.kernels.decode_plan`) that the first checked call of its
         (loop, shape, dtype, device, backend) built, while its :class:`BufferStamp` holds."""
+        with launch_device(x):  # the kernels launch on the current CUDA device: make it x's
+            return self._forward(x, t)
+
+    def _forward(self, x: Tensor, t: int | None) -> tuple[Tensor, ...]:
         norm = self.folded_norm
         # the folded norm's weight is not one of this group's buffers: its identity, address and dtype are in the key
         weight = None if norm is None else (id(norm.weight), norm.weight.data_ptr(), norm.weight.dtype)

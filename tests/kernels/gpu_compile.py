@@ -168,6 +168,21 @@ def compile_rowwise(target: GPUTarget) -> dict[str, object]:
     return compiled
 
 
+#: -0, 1 and -1 in bf16 and fp16, alone and as pairs: an ``fma`` with one of them as its addend or multiplier is a
+#: plain product or sum, rounded once (sm_80 has no bf16 ``mul`` / ``add`` and writes them so)
+_EXACT = {0x8000, 0x3F80, 0xBF80, 0x3C00, 0xBC00}
+_EXACT |= {v << 16 | v for v in _EXACT}
+
+
+def contracted_16bit(ptx: str) -> int:
+    """``fma.rn`` on bf16 / f16 values or pairs whose multiplier and addend are both not one of :data:`_EXACT` (a
+    real contraction of a product into a sum: another rounding than torch's)."""
+    movs = re.findall(r"mov\.b(?:16|32)\s+(%rs?\d+), (-?(?:0x[0-9a-fA-F]+|\d+));", ptx)
+    consts = {reg: int(value, 0) & 0xFFFFFFFF for reg, value in movs}
+    fmas = re.findall(r"fma\.rn\.(?:bf16|f16)(?:x2)?\s+%rs?\d+, %rs?\d+, (%rs?\d+), (%rs?\d+);", ptx)
+    return sum(consts.get(b) not in _EXACT and consts.get(c) not in _EXACT for b, c in fmas)
+
+
 def weight_load_bytes(ptx: str) -> list[int]:
     """Bytes per thread of each load instruction that can carry the weight: ``ld.global`` with the evict-first
     hint (only the weight's ``eviction_policy="evict_first"`` gives it) and, where the loop is pipelined through
@@ -252,8 +267,9 @@ def main(arch: int) -> None:
     for name, compiled in compile_rowwise(target).items():
         ptx = compiled.asm["ptx"]
         regs, spills = ptxas_usage(ptx, arch)
-        # fp32 contraction only: sm_80 has no bf16 mul / add and writes them as fma.rn.bf16x2 with -0 / 1 (exact)
-        print(f"rowwise {name} fp32-fma", ptx.count("fma.rn.f32"), "regs", regs, "spills", spills)
+        # sm_80 has no bf16 mul / add and writes them as fma.rn.bf16x2 with -0 / 1 (exact): only others count
+        fmas = ptx.count("fma.rn.f32") + contracted_16bit(ptx)
+        print(f"rowwise {name} contracted-fma", fmas, "regs", regs, "spills", spills)
 
 
 if __name__ == "__main__":

@@ -58,4 +58,4 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     programs = [int(s.rsplit(" ", 1)[1]) for s in lines if s.startswith("decode-grid")]
     assert len(programs) == 4 and min(programs) >= 132, programs
     rowwise = [s for s in lines if s.startswith("rowwise")]  # RMSNorm, CTA, RoPE: torch's roundings, no spills
-    assert len(rowwise) == 3 and all(re.search(r" fp32-fma 0 regs \d+ spills 0$", s) for s in rowwise), rowwise
+    assert len(rowwise) == 3 and all(re.search(r" contracted-fma 0 regs \d+ spills 0$", s) for s in rowwise), rowwise

@@ -23,7 +23,7 @@ import torch
 
 from loopq.kernels import ops, quantize_kernel
 from loopq.kernels.packing import quantize_weight, tile_weight
-from loopq.models.base import rms_norm
+from loopq.models.base import rms_norm_ops as rms_norm  # the torch ops, on a GPU too
 from tests.kernels.cases import cuda_only, random_transform
 
 

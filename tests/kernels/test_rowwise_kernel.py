@@ -28,12 +28,8 @@ CASES = [(80, "same", 1e-6), (80, None, None), (2048, "same", 1e-6), (2048, torc
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
-    """``rms_norm``'s torch ops on the CPU (whatever devices a test lets the kernel take)."""
-    devices, rowwise_kernel.DEVICES = rowwise_kernel.DEVICES, set()
-    try:
-        return base.rms_norm(x.cpu(), None if weight is None else weight.cpu(), eps)
-    finally:
-        rowwise_kernel.DEVICES = devices
+    """``rms_norm``'s torch ops on the CPU."""
+    return base.rms_norm_ops(x.cpu(), None if weight is None else weight.cpu(), eps)
 
 
 def integer_rows(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -110,6 +106,46 @@ def test_applies_only_where_no_gradient_is_recorded(on_this_device, device):
     assert not rowwise_kernel.applies(x.detach(), w.double())
     assert not rowwise_kernel.applies(torch.randn(1, rowwise_kernel.MAX_K + 1, device=device), None)
     assert not rowwise_kernel.applies(torch.randn(0, 64, device=device), None)
+
+
+def test_what_torch_would_broadcast_or_refuse_keeps_the_torch_ops(on_this_device, device):
+    """Found by review: each of these passed the predicates and read past a tensor (or crashed them)."""
+    x = torch.randn(3, 8, device=device)
+    assert not rowwise_kernel.applies(x, torch.arange(16.0, device=device)[::2])  # a strided weight
+    assert not rowwise_kernel.applies(x, torch.full((1,), 2.0, device=device).expand(8))  # stride 0
+    assert not rowwise_kernel.applies(x, torch.ones(1, device=device))  # broadcast over the features
+    assert not rowwise_kernel.applies(x[..., :1], torch.ones(8, device=device))
+    assert not rowwise_kernel.applies(torch.tensor(2.0, device=device), None)  # 0-dim
+    q = torch.randn(1, 2, 3, 8, device=device)
+    table = torch.randn(3, 8, device=device)
+    assert not rowwise_kernel.rope_applies(q, table[:, :1], table[:, :1])  # a table of one column
+    assert not rowwise_kernel.rope_applies(q, torch.tensor(1.0, device=device), torch.tensor(1.0, device=device))
+    assert not rowwise_kernel.rope_applies(q, table, table.clone().requires_grad_(True))  # sin records a gradient
+    h, a, b, eta = torch.randn(2, 8, device=device), torch.ones(8, device=device), torch.zeros(8, device=device), None
+    u = v = torch.randn(8, 4, device=device)
+    eta = torch.ones(4, device=device)
+    assert rowwise_kernel.transition_applies(h, (a, b, eta, u, v))
+    assert not rowwise_kernel.transition_applies(h.reshape(4, 4), (a, b, eta, u, v))  # another width
+    assert not rowwise_kernel.transition_applies(h, (a[:4], b, eta, u, v))
+    assert not rowwise_kernel.transition_applies(h, (a, b, eta[:2], u, v))
+    wide = torch.randn(8, rowwise_kernel.MAX_RANK + 1, device=device)
+    assert not rowwise_kernel.transition_applies(h, (a, b, torch.ones(wide.shape[1], device=device), wide, wide))
+
+
+def test_kernels_launch_on_their_tensors_gpu(monkeypatch):
+    """Triton launches on the current CUDA device; a tensor on another (``--device cuda:1``) needs that device
+    made current around the launch (``ops.launch_device``), and nothing is done otherwise."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from loopq.kernels import ops
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    other = ops.launch_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+    assert isinstance(other, torch.cuda.device) and other.idx == 1
+    for device in (torch.device("cuda", 0), torch.device("cuda")):
+        assert isinstance(ops.launch_device(SimpleNamespace(is_cuda=True, device=device)), nullcontext)
+    assert isinstance(ops.launch_device(torch.ones(1)), nullcontext)
 
 
 def test_off_the_kernels_devices_nothing_changes():
