@@ -83,7 +83,8 @@ def quantize_activation(
     backend = _resolve_backend(backend, x, "group_size", group)
     if backend == "torch":
         return _QUANTIZE[backend](x, left, right, clip, bits, group)
-    return _QUANTIZE[backend](x, left, right, clip, bits, group, exact)
+    with launch_device(x):
+        return _QUANTIZE[backend](x, left, right, clip, bits, group, exact)
 
 
 def gemm_w4a4(
@@ -102,7 +103,8 @@ def gemm_w4a4(
     backend. The same holds for :func:`gemm_w4a8`.
     """
     backend = _check_gemm("a_packed", a_packed, 4, a_scales, w_packed, w_scales, out_dtype, backend)
-    return _GEMM_W4A4[backend](a_packed, a_scales, w_packed, w_scales, out_dtype)
+    with launch_device(a_packed):
+        return _GEMM_W4A4[backend](a_packed, a_scales, w_packed, w_scales, out_dtype)
 
 
 def gemm_w4a8(
@@ -115,7 +117,8 @@ def gemm_w4a8(
 ) -> Tensor:
     """``out [M, N] = dequant(a) dequant(w)^T`` from int8 activations ``[M, K]`` and packed int4 weights."""
     backend = _check_gemm("a_int8", a_int8, 8, a_scales, w_packed, w_scales, out_dtype, backend)
-    return _GEMM_W4A8[backend](a_int8, a_scales, w_packed, w_scales, out_dtype)
+    with launch_device(a_int8):
+        return _GEMM_W4A8[backend](a_int8, a_scales, w_packed, w_scales, out_dtype)
 
 
 def quantized_linear(
@@ -173,7 +176,27 @@ def quantized_linear(
         w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
         y = (reference.gemm_w4a4 if a_bits == 4 else reference.gemm_w4a8)(codes, scales, w_packed, w_sc, torch.float32)
         return (y if bias is None else y + bias.float()).to(out_dtype)
-    if m <= decode_kernel.MAX_M:
+    with launch_device(x):  # Triton launches on the current CUDA device
+        return _triton_linear(x, w_codes, w_scales, n, left, right, inv_d, clip, a_bits, bias, out_dtype, norm)
+
+
+def _triton_linear(
+    x: Tensor,
+    w_codes: Tensor,
+    w_scales: Tensor,
+    n: int,
+    left: Tensor | None,
+    right: Tensor | None,
+    inv_d: Tensor | None,
+    clip: float,
+    a_bits: int,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    norm: tuple[Tensor, float | None] | None,
+) -> Tensor:
+    """:func:`quantized_linear`'s Triton launches (checked arguments): the decode pair for 1..16 tokens, else the
+    quantizer and the prefill tile kernel on the natural weight layout."""
+    if x.shape[0] <= decode_kernel.MAX_M:
         codes, scales = quantize_kernel.quantize_activation(
             x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True, norm
         )
@@ -181,7 +204,7 @@ def quantized_linear(
     codes, scales = quantize_kernel.quantize_activation(
         x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, False, norm
     )
-    w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
+    w_packed, w_sc = untile_weight(w_codes, w_scales, n, x.shape[1])
     bias = None if bias is None else bias.float()
     return gemm_kernel.gemm(codes, scales, w_packed, w_sc, out_dtype, a_bits == 4, bias=bias)
 
