@@ -3,7 +3,8 @@
 Issue 43 asks for "W4A4 decode step launches <= bf16's". A decode step at batch 1 is launch-bound on a GPU (the
 second GPU run: 0.93 ms against 0.18 ms of weight reads at one layer, docs/benchmarks.md), so the count is a
 first-order proxy for its time. Counted on the CPU, as a GPU would launch them: the Triton kernels are replaced by
-stubs that record each launch (so the packed groups take their CUDA path, ``backend="triton"``: quantizer + GEMM),
+stubs that record each launch (so the packed groups take their CUDA path, ``backend="triton"``: quantizer + GEMM,
+and the models' RMSNorms, RoPE and CTA adapters theirs, ``loopq.kernels.rowwise_kernel``: one launch each),
 and every torch operator that launches a kernel on a GPU is counted with a dispatch mode (allocations, views,
 dtype no-ops and metadata are not). The model is the e2e benchmark's: a random-weight Ouro-2.6B layer shape, 4 loops,
 ``--layers`` layers, uncalibrated students (the launches do not depend on the calibration) with the paper's
