@@ -116,7 +116,8 @@ def test_json_output_is_written_atomically(tmp_path, monkeypatch):
     """``--json`` was written with plain write_text: a write that fails half-way (disk full, a kill) destroyed the
     earlier file and left a torn one; now the earlier file stays as it was and no temporary file is left."""
     out = tmp_path / "numbers.json"
-    out.write_text('{"earlier": true}\n')
+    earlier = '{"student": "earlier", "knock_outs": {}}\n'  # an earlier examine --json (the file it may replace)
+    out.write_text(earlier)
     monkeypatch.setattr(command, "inspect", lambda path, windows, teacher=None: {"ppl": [1.0, 2.0, 3.0]})
     monkeypatch.setattr(command, "markdown", lambda result: "")
     real = Path.write_text
@@ -129,7 +130,7 @@ def test_json_output_is_written_atomically(tmp_path, monkeypatch):
         patch.setattr(Path, "write_text", torn)
         with pytest.raises(OSError, match="No space left"):
             command.examine(tmp_path / "run", json=out)
-    assert out.read_text() == '{"earlier": true}\n' and sorted(tmp_path.iterdir()) == [out]
+    assert out.read_text() == earlier and sorted(tmp_path.iterdir()) == [out]
     command.examine(tmp_path / "run", json=out)
     assert json.loads(out.read_text()) == {"ppl": [1.0, 2.0, 3.0]}
 

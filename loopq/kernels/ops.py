@@ -7,7 +7,6 @@ Triton's interpreter and needs ``TRITON_INTERPRET=1`` in the environment before 
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -15,7 +14,14 @@ from torch import Tensor
 from triton.runtime import JITFunction
 
 from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel, reference
-from loopq.kernels.packing import GROUP_SIZE, deinterleave_groups, tile_weight, tiled_shapes, untile_weight
+from loopq.kernels.packing import (
+    GROUP_SIZE,
+    deinterleave_groups,
+    launch_device,
+    tile_weight,
+    tiled_shapes,
+    untile_weight,
+)
 from loopq.qspec import KERNEL_ACT_BITS
 
 BACKENDS = ("torch", "triton")
@@ -295,15 +301,6 @@ def _check_gemm(
             "the export's format); pass w_scales.half() or backend='torch'"
         )
     return _resolve_backend(backend, w_packed, "group_size (K / scale columns)", k // groups, out_dtype)
-
-
-def launch_device(x: Tensor) -> AbstractContextManager[object]:
-    """A Triton kernel launches on the current CUDA device, whatever its tensors' device: for a tensor on another
-    (``cuda:1`` while the current one is 0) the context that makes its device current; else one that does nothing
-    (the common case costs one ``current_device`` call)."""
-    if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
-        return torch.cuda.device(x.device)
-    return nullcontext()
 
 
 def _resolve_backend(

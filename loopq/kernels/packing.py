@@ -7,6 +7,8 @@ Unpacking sign-extends a nibble ``n`` with ``(n ^ 8) - 8``.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from torch import Tensor
 
@@ -147,3 +149,12 @@ def interleave_groups(codes: Tensor) -> Tensor:
     """The inverse of :func:`deinterleave_groups`."""
     m, k = codes.shape
     return codes.reshape(m, k // GROUP_SIZE, 2, GROUP_SIZE // 2).transpose(2, 3).reshape(m, k)
+
+
+def launch_device(x: Tensor) -> AbstractContextManager[object]:
+    """A Triton kernel launches on the current CUDA device, whatever its tensors' device: for a tensor on another
+    (``cuda:1`` while the current one is 0) the context that makes its device current; else one that does nothing
+    (the common case costs one ``current_device`` call)."""
+    if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return nullcontext()

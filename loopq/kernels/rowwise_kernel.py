@@ -49,8 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopq.kernels.ops import launch_device
-from loopq.kernels.packing import next_pow2
+from loopq.kernels.packing import launch_device, next_pow2
 from loopq.kernels.quantize_kernel import _normed_by, _rms_inverse, norm_code, norm_eps
 
 #: the widest row one program holds in registers (Ouro, LoopFormer and Parcae: 512 to 2048)

@@ -45,8 +45,8 @@ from torch import Tensor, nn
 from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, quantize_weight
 from loopq.kernels.decode_plan import DecodePlan, plan_decode
-from loopq.kernels.ops import launch_device, quantized_linear
-from loopq.kernels.packing import tile_weight, tiled_shapes
+from loopq.kernels.ops import quantized_linear
+from loopq.kernels.packing import launch_device, tile_weight, tiled_shapes
 from loopq.models.base import RMSNorm
 from loopq.qspec import KERNEL_ACT_BITS, KERNEL_WEIGHT_BITS
 from loopq.quant.modules import QuantLinearGroup

@@ -134,18 +134,18 @@ def test_what_torch_would_broadcast_or_refuse_keeps_the_torch_ops(on_this_device
 
 def test_kernels_launch_on_their_tensors_gpu(monkeypatch):
     """Triton launches on the current CUDA device; a tensor on another (``--device cuda:1``) needs that device
-    made current around the launch (``ops.launch_device``), and nothing is done otherwise."""
+    made current around the launch (``packing.launch_device``), and nothing is done otherwise."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from loopq.kernels import ops
+    from loopq.kernels import packing
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    other = ops.launch_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+    other = packing.launch_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
     assert isinstance(other, torch.cuda.device) and other.idx == 1
     for device in (torch.device("cuda", 0), torch.device("cuda")):
-        assert isinstance(ops.launch_device(SimpleNamespace(is_cuda=True, device=device)), nullcontext)
-    assert isinstance(ops.launch_device(torch.ones(1)), nullcontext)
+        assert isinstance(packing.launch_device(SimpleNamespace(is_cuda=True, device=device)), nullcontext)
+    assert isinstance(packing.launch_device(torch.ones(1)), nullcontext)
 
 
 def test_off_the_kernels_devices_nothing_changes():
