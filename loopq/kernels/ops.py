@@ -183,36 +183,17 @@ def quantized_linear(
         y = (reference.gemm_w4a4 if a_bits == 4 else reference.gemm_w4a8)(codes, scales, w_packed, w_sc, torch.float32)
         return (y if bias is None else y + bias.float()).to(out_dtype)
     with launch_device(x):  # Triton launches on the current CUDA device
-        return _triton_linear(x, w_codes, w_scales, n, left, right, inv_d, clip, a_bits, bias, out_dtype, norm)
-
-
-def _triton_linear(
-    x: Tensor,
-    w_codes: Tensor,
-    w_scales: Tensor,
-    n: int,
-    left: Tensor | None,
-    right: Tensor | None,
-    inv_d: Tensor | None,
-    clip: float,
-    a_bits: int,
-    bias: Tensor | None,
-    out_dtype: torch.dtype,
-    norm: tuple[Tensor, float | None] | None,
-) -> Tensor:
-    """:func:`quantized_linear`'s Triton launches (checked arguments): the decode pair for 1..16 tokens, else the
-    quantizer and the prefill tile kernel on the natural weight layout."""
-    if x.shape[0] <= decode_kernel.MAX_M:
+        if m <= decode_kernel.MAX_M:
+            codes, scales = quantize_kernel.quantize_activation(
+                x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True, norm
+            )
+            return decode_kernel.gemm_tiled(codes, scales, w_codes, w_scales, n, out_dtype, bias)
         codes, scales = quantize_kernel.quantize_activation(
-            x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True, norm
+            x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, False, norm
         )
-        return decode_kernel.gemm_tiled(codes, scales, w_codes, w_scales, n, out_dtype, bias)
-    codes, scales = quantize_kernel.quantize_activation(
-        x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, False, norm
-    )
-    w_packed, w_sc = untile_weight(w_codes, w_scales, n, x.shape[1])
-    bias = None if bias is None else bias.float()
-    return gemm_kernel.gemm(codes, scales, w_packed, w_sc, out_dtype, a_bits == 4, bias=bias)
+        w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
+        bias = None if bias is None else bias.float()
+        return gemm_kernel.gemm(codes, scales, w_packed, w_sc, out_dtype, a_bits == 4, bias=bias)
 
 
 def triton_interpreted() -> bool:
