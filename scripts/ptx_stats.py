@@ -39,7 +39,14 @@ from triton.backends.compiler import GPUTarget
 
 from loopq.kernels import decode_kernel, gemm_kernel, ptx, quantize_kernel
 from loopq.kernels.packing import cdiv
-from tests.kernels.gpu_compile import compile_decode, compile_gemm, compile_quantizer, ptxas_usage, sass_of
+from tests.kernels.gpu_compile import (
+    compile_decode,
+    compile_gemm,
+    compile_quantizer,
+    compile_values_gemm,
+    ptxas_usage,
+    sass_of,
+)
 
 DECODE_M = (1, 2, 4, 8, 16)
 #: the K splits compiled per token count (``decode_kernel.k_split``: at M <= 8 Ouro's shapes take 1, 2 and 8 on an
@@ -104,6 +111,46 @@ def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig, a_bits: int) -> dict:
     }
 
 
+#: bf16 MMA products per clock and SM (dense): an H100 SXM (989 TFLOPS at 132 SMs, 1.83 GHz) and an A100 (312 at 108,
+#: 1.41 GHz); 4 schedulers per SM each issue one warp-instruction per clock
+BF16_MACS_PER_CLOCK = {90: 2048, 80: 1024}
+
+
+def values_row(arch: int, cfg: gemm_kernel.PrefillConfig) -> dict:
+    """The 16-bit prefill GEMM's tile ``cfg`` for ``arch``: the prefill columns, and the issue-rate ratio of its K
+    loop, warp-instructions per iteration / 4 schedulers over the bf16 MMA clocks of the iteration's products (<= 1:
+    the loop keeps pace with the tensor cores)."""
+    start = time.perf_counter()
+    code = compile_values_gemm(GPUTarget("cuda", arch, 32), cfg).asm["ptx"]
+    seconds = time.perf_counter() - start
+    regs, spills = ptxas_usage(code, arch)
+    sass = ptx.sass_loop(sass_of(code, arch))
+    issue = sum(sass.values()) * cfg.num_warps / 4
+    mma_clocks = cfg.block_m * cfg.block_n * 32 * cfg.block_g / BF16_MACS_PER_CLOCK[arch]
+    return {
+        "kernel": f"prefill values {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{cfg.block_g}",
+        "block": [cfg.block_m, cfg.block_n, cfg.block_g, cfg.num_warps],
+        "sass_loop": sum(sass.values()),
+        "sass_i2f": sass["I2F"] + sass["I2FP"],
+        "sass_mma": sum(v for k, v in sass.items() if "MMA" in k),
+        "sass_rescale": sass["FMUL"] + sass["FFMA"],
+        "issue_per_mma": round(issue / mma_clocks, 3),
+        "arch": arch,
+        "compile_s": round(seconds, 1),
+        "cp_async_waits_in_loop": ptx.waits_in_loops(code),
+        "wgmma_waits_in_loop": ptx.waits_in_loops(code, "wgmma.wait_group"),
+        "registers": regs,
+        "spills": spills,
+    }
+
+
+def values_quantizer_row(arch: int, k: int, n1: int, n2: int) -> dict:
+    """The prefill quantizer writing bf16 values (the 16-bit scheme's operand) at 4096 tokens: registers, spills."""
+    code = compile_quantizer(GPUTarget("cuda", arch, 32), 4096, k, (n1, n2), 4, True, True, True).asm["ptx"]
+    regs, spills = ptxas_usage(code, arch)
+    return {"kernel": f"quantize values K={k} M=4096", "arch": arch, "registers": regs, "spills": spills}
+
+
 #: the quantizer's two variants, by the token count they are compiled and launched for: 1 (decode split, up to
 #: ``SPLIT_MAX_M`` tokens) and 4096 (whole tokens, prefill)
 QUANT_M = (1, 4096)
@@ -140,7 +187,7 @@ def quantizer_row(arch: int, k: int, n1: int, n2: int, m: int) -> dict:
     }
 
 
-KERNELS = ("decode", "prefill", "quantize")
+KERNELS = ("decode", "prefill", "quantize", "values")
 
 
 def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tuple[int, ...] = DECODE_M) -> list[dict]:
@@ -152,11 +199,14 @@ def collect(archs: list[int], kernels: tuple[str, ...] = KERNELS, decode_m: tupl
             rows += [prefill_row(arch, cfg, bits) for cfg in gemm_kernel.CANDIDATES for bits in (4, 8)]
         if "quantize" in kernels:
             rows += [quantizer_row(arch, k, n1, n2, m) for k, n1, n2 in OURO_FACTORS for m in QUANT_M]
+        if "values" in kernels:
+            rows += [values_row(arch, cfg) for cfg in gemm_kernel.VALUES_CANDIDATES[arch]]
+            rows += [values_quantizer_row(arch, k, n1, n2) for k, n1, n2 in OURO_FACTORS]
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    quant = [r for r in rows if r["kernel"].startswith("quantize")]
+    quant = [r for r in rows if r["kernel"].startswith("quantize K=")]
     decode = [r for r in rows if r["kernel"] == "decode"]
     others = [r for r in rows if r["kernel"] != "decode" and r not in quant]
     out = []
@@ -178,8 +228,8 @@ def markdown(rows: list[dict]) -> str:
     if others:
         out += [
             "| arch | kernel | cp.async waits in loop | wgmma waits in loop | SASS loop (I2F / MMA / FMUL+FFMA) "
-            "| regs | spills |",
-            "|---|---|---|---|---|---|---|",
+            "| issue / MMA | regs | spills |",
+            "|---|---|---|---|---|---|---|---|",
         ]
     for r in others:
         waits = r.get("cp_async_waits_in_loop", "-"), r.get("wgmma_waits_in_loop", "-")
@@ -187,7 +237,8 @@ def markdown(rows: list[dict]) -> str:
             f"{r['sass_loop']} ({r['sass_i2f']} / {r['sass_mma']} / {r['sass_rescale']})" if "sass_loop" in r else "-"
         )
         out.append(
-            f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {sass} | {r['registers']} | {r['spills']} |"
+            f"| sm_{r['arch']} | {r['kernel']} | {waits[0]} | {waits[1]} | {sass} | {r.get('issue_per_mma', '-')} | "
+            f"{r['registers']} | {r['spills']} |"
         )
     if quant and (decode or others):
         out.append("")

@@ -244,3 +244,141 @@ def gemm(
         enable_fp_fusion=True,  # acc + (dot s_a) s_w as one FMA: fewer roundings, inside the bound
     )
     return out
+
+
+# --- the 16-bit scheme: per-group scales folded into the operands ---------------------------------------------------
+#
+# Why a second prefill scheme. The integer kernel above rescales its accumulator after every 32-deep group: with
+# scales on both operands that is 3 CUDA-core instructions per accumulator element per group (conversion, two
+# products), against which no schedule gets past ~0.67x of a bf16 GEMM on an H100 (docs/benchmarks.md, "what bounds
+# the prefill"); the third GPU run measured 0.20x at M = 4096, the kernel issue-bound at ~8x its MMA time. Folding
+# the scales into the operands instead costs per *operand* element, once per tile, not per accumulator element per
+# group: ``a_k s_a`` arrives from the quantizer as a 16-bit value (``quantize_kernel`` with ``values``), and the
+# weight tile is dequantized in registers, ``bf16(code * s_w)``, before one ``tl.dot`` per K step on the 16-bit
+# tensor cores with an fp32 accumulator that the MMAs chain. On an H100 bf16 runs at half the int8 rate, but the
+# per-group work shrinks from ``BLOCK_M x BLOCK_N`` to ``BLOCK_N`` elements per group: compiled for sm_90 (Triton
+# 3.9) the 128 x 128 tile issues 241 SASS instructions per 64-deep iteration and thread, 8 warps x 241 / 4
+# schedulers = 482 clocks against 512 of bf16 MMA time for its 128 x 128 x 64 products, at 128 registers (two
+# programs per SM): the loop is at the tensor cores' pace, not 8x behind them (``scripts/ptx_stats.py``,
+# ``tests/kernels/test_ptx_stats.py``). Hopper has no int4 tensor cores, so 4-bit operands cannot be faster than
+# this; the 4-bit activation codes still serve decode, where the GEMM reads them (:mod:`decode_kernel`).
+#
+# Rounding: each operand is the fp32 product ``code * scale`` rounded once to the 16-bit dtype (an activation's
+# product was rounded to fp32 first, as the student's fake quantization computes it before autocast casts it to
+# bf16: the operands are the student's own bf16 operands), products exact in fp32, sums in the tensor cores' fp32
+# (:data:`loopq.kernels.quantize_kernel.ACC_UNIT` per addition). With ``u`` the 16-bit unit roundoff (bf16 2^-8,
+# fp16 2^-11; normal values) and ``a~`` the given activation values::
+#
+#     |out - sum_k a~_k c_k s_w| <= (u + gamma'_{K+1} (1 + u)) * sum_k |a~_k c_k s_w|        (fp32 output)
+#
+# with ``gamma'_n = n 2^-23 / (1 - n 2^-23)`` (:func:`values_bound`).
+
+
+#: tiles of :func:`_gemm_values_kernel`, largest first, per architecture (``PrefillConfig.block_g`` = 32-groups per
+#: K step): compiled ahead of time by ``scripts/ptx_stats.py --kernels values`` and held by
+#: ``tests/kernels/test_ptx_stats.py`` to no spills and no ``cp.async.wait_group 0`` in the K loop. sm_90: 128 x 128
+#: with 8 warps at 128 registers (two programs per SM); sm_80 (``mma.sync``, more registers per tile): 64 x 128 with
+#: 4 warps (168). The last of each is the small grid's.
+VALUES_CANDIDATES: dict[int, tuple[PrefillConfig, ...]] = {
+    90: (PrefillConfig(128, 128, 8, 3, 2), PrefillConfig(64, 64, 4, 4, 2)),
+    80: (PrefillConfig(64, 128, 4, 4, 2), PrefillConfig(64, 64, 4, 4, 2)),
+}
+
+
+def values_config(m: int, n: int, arch: int) -> PrefillConfig:
+    """The largest tile of ``arch``'s table (sm_90 and newer take sm_90's, older sm_80's) whose grid has a program
+    per SM at M's bucket, else the smallest."""
+    table = VALUES_CANDIDATES[90 if arch >= 90 else 80]
+    bucket = m_bucket(m)
+    return next((cfg for cfg in table if cfg.programs(bucket, n) >= SMS), table[-1])
+
+
+def values_bound(a_values: Tensor, w_codes: Tensor, w_scales: Tensor, unit: float) -> tuple[Tensor, Tensor]:
+    """``(ref64, bound)`` of :func:`gemm_values`: the float64 GEMM of the given activation values and the weight's
+    int8-stored codes times its scales, and the rounding bound above for operands of unit roundoff ``unit``."""
+    groups = w_scales.shape[1]
+    w = (w_codes.double().reshape(w_codes.shape[0], groups, -1) * w_scales.double()[:, :, None]).flatten(1)
+    a = a_values.double()
+    nu = (a.shape[1] + 1) * 2.0**-23
+    return a @ w.T, (unit + nu / (1 - nu) * (1 + unit)) * (a.abs() @ w.abs().T)
+
+
+@triton.jit
+def _gemm_values_kernel(
+    a_ptr,
+    w_ptr,
+    sw_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    G,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
+):
+    """``out = A W^T`` for 16-bit activation values ``A [M, K]`` and int4 weight codes (natural layout) with fp16
+    group scales: per K step of ``32 BLOCK_G`` the weight tile is dequantized in registers to A's dtype and one
+    ``tl.dot`` adds the step to the fp32 accumulator."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    BLOCK_K: tl.constexpr = 32 * BLOCK_G
+    row_w = G * 16  # bytes per weight row (16-byte aligned when G is even: Ouro's 64 and 176 groups)
+    row_a = G * 32  # elements per activation row
+    m0, n0 = pid_m.to(tl.int64) * BLOCK_M, pid_n.to(tl.int64) * BLOCK_N
+    a_base, w_base, sw_base = a_ptr + m0 * row_a, w_ptr + n0 * row_w, sw_ptr + n0 * G
+    rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rm < M - pid_m * BLOCK_M, rn < N - pid_n * BLOCK_N
+    gs, ks, bs = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):  # BLOCK_G divides G (the launcher's choice): no mask along K
+        a = tl.load(a_base + rm[:, None] * row_a + (g0 * 32 + ks)[None, :], mask=m_mask[:, None], other=0.0)
+        sw = tl.load(sw_base + rn[:, None] * G + (g0 + gs)[None, :], mask=n_mask[:, None], other=0.0)
+        even, odd = _unpack_int4(tl.load(w_base + rn[:, None] * row_w + (g0 * 16 + bs)[None, :], mask=n_mask[:, None]))
+        codes = tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_G, 32]).to(tl.float32)  # natural K order
+        w = tl.reshape(codes * sw.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K]).to(a.dtype)  # exact, rounded once
+        acc = tl.dot(a, tl.trans(w), acc)
+    if HAS_BIAS:  # fp32, as the torch path adds it before the cast
+        acc += tl.load(bias_ptr + n0 + rn, mask=n_mask, other=0.0)[None, :]
+    out_off = rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out_ptr + m0 * N + n0 + out_off, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemm_values(
+    a_values: Tensor,
+    w_packed: Tensor,
+    w_scales: Tensor,
+    out_dtype: torch.dtype,
+    config: PrefillConfig | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """Launch :func:`_gemm_values_kernel` on 16-bit activation values ``[M, K]`` (``quantize_kernel`` with
+    ``values``), packed int4 weight codes ``[N, K / 2]`` and fp16 scales ``[N, K / 32]`` (arguments validated by
+    :mod:`loopq.kernels.ops`); ``config`` overrides :func:`values_config` (the tests force small tiles), ``bias``
+    (fp32 ``[N]``) is added to the fp32 sums before the cast."""
+    m, n = a_values.shape[0], w_packed.shape[0]
+    groups = a_values.shape[1] // 32
+    out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
+    if m == 0 or n == 0:
+        return out
+    arch = torch.cuda.get_device_capability(a_values.device)[0] * 10 if a_values.is_cuda else 90
+    cfg = config or values_config(m, n, arch)
+    _gemm_values_kernel[(cfg.programs(m, n),)](
+        a_values.contiguous(),
+        w_packed.contiguous(),
+        w_scales.contiguous(),
+        w_scales if bias is None else bias,  # unread without a bias
+        out,
+        m,
+        n,
+        groups,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_G=block_g_for(cfg.block_g, groups),
+        GROUP_M=cfg.group_m,
+        HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

@@ -142,6 +142,7 @@ def quantized_linear(
     backend: str | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float | None = None,
+    prefill: str | None = None,
 ) -> Tensor:
     """A whole quantized linear ``y [M, n] = Q_a((x * inv_d) (left (x) right)) W^T + bias`` from the weight in the
     export layout (``w_codes``, ``w_scales`` of :func:`loopq.kernels.packing.tile_weight`), in ``out_dtype``
@@ -152,8 +153,11 @@ def quantized_linear(
 
     ``"triton"`` with 1..16 tokens is two launches: the quantizer (input cast and diagonal folded in, int8 codes in
     the decode order) and the decode GEMM (bias and output dtype in its epilogue). More tokens run the quantizer
-    and the prefill tile kernel (bias and output dtype in its epilogue too), which reads the natural layout,
-    converted here from the stored one (see docs/benchmarks.md). ``"torch"``
+    and a prefill kernel (bias and output dtype in its epilogue too), which reads the natural layout, converted
+    here from the stored one (see docs/benchmarks.md): ``prefill`` picks it (:data:`PREFILL_SCHEMES`; None:
+    :func:`prefill_scheme`), ``"int8"`` the integer tile kernel on the codes (``gemm_kernel.gemm``, exact group dots),
+    ``"values"`` the 16-bit one on the quantized values in ``x``'s dtype (``gemm_kernel.gemm_values``, operands
+    rounded once to it as the student's autocast does; a 16-bit ``x`` only). ``"torch"``
     computes the reference: ``x.float() * inv_d``, :func:`reference.quantize_activation`, the ordered GEMM, ``+ bias``,
     cast - the operations (and bits) of the packed group before the kernel layout."""
     _check_matrix("x", x, (*FLOAT_DTYPES, torch.float64))
@@ -169,6 +173,7 @@ def quantized_linear(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     left, right = _transform_factors(left, right, k, x.device)
     _check_norm(norm_weight, k, x.device)
+    prefill_scheme(x.dtype, prefill)  # a bad choice fails on every backend and size
     backend = _resolve_backend(backend, x, "group_size", GROUP_SIZE, out_dtype)
     m = x.shape[0]
     norm = None if norm_weight is None else (norm_weight, norm_eps)
@@ -188,12 +193,33 @@ def quantized_linear(
                 x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True, norm
             )
             return decode_kernel.gemm_tiled(codes, scales, w_codes, w_scales, n, out_dtype, bias)
+        values = x.dtype if prefill_scheme(x.dtype, prefill) == "values" else None
         codes, scales = quantize_kernel.quantize_activation(
-            x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, False, norm
+            x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, False, norm, values
         )
         w_packed, w_sc = untile_weight(w_codes, w_scales, n, k)
         bias = None if bias is None else bias.float()
+        if values is not None:
+            return gemm_kernel.gemm_values(codes, w_packed, w_sc, out_dtype, bias=bias)
         return gemm_kernel.gemm(codes, scales, w_packed, w_sc, out_dtype, a_bits == 4, bias=bias)
+
+
+#: the prefill GEMMs of :func:`quantized_linear` (more than 16 tokens on the Triton backend)
+PREFILL_SCHEMES = ("int8", "values")
+
+
+def prefill_scheme(x_dtype: torch.dtype, prefill: str | None = None) -> str:
+    """The prefill GEMM for inputs of ``x_dtype``: ``prefill`` if given (checked), else ``"values"`` for bf16 (the
+    16-bit scheme: the integer one's per-group rescale bounds it below ~0.67x of a bf16 GEMM, docs/benchmarks.md)
+    and ``"int8"`` otherwise (fp32 keeps exact group dots; fp16 keeps them too: a transformed activation's values
+    are not bounded by fp16's range)."""
+    if prefill is None:
+        return "values" if x_dtype == torch.bfloat16 else "int8"
+    if prefill not in PREFILL_SCHEMES:
+        raise ValueError(f"prefill={prefill!r}: use one of {PREFILL_SCHEMES} (or None: values for bf16, else int8)")
+    if prefill == "values" and x_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"prefill='values' computes in x's 16-bit dtype, x is {x_dtype}; use 'int8' or cast x")
+    return prefill
 
 
 def triton_interpreted() -> bool:

@@ -217,6 +217,7 @@ def _quantize_kernel(
     DECODE: tl.constexpr = False,
     NORM: tl.constexpr = 0,
     NORM_KC: tl.constexpr = 1024,
+    VALUES: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may exceed 2^31
     row_mask = rows < M
@@ -235,7 +236,7 @@ def _quantize_kernel(
         x = _normed(x, inv_rms[:, None], x_ptr, g_ptr, cols, cols < K, NORM)
         z = _scaled(x, d_ptr, cols, cols < K, HAS_D)
 
-    _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M, DECODE)
+    _quantize_store(z, rows, row_mask, codes_ptr, scales_ptr, clip, K, KP, BITS, QMIN, QMAX, BLOCK_M, DECODE, VALUES)
 
 
 @triton.jit
@@ -253,9 +254,12 @@ def _quantize_store(
     QMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DECODE: tl.constexpr = False,
+    VALUES: tl.constexpr = False,
 ):
     """Steps 2-4 on transformed tokens ``z [BLOCK_M, KP]`` (K order, zero past K): scales, codes, packing.
-    ``DECODE``: int8 codes in the decode GEMM's order (per group 16 even k, then 16 odd k), whatever ``BITS``."""
+    ``DECODE``: int8 codes in the decode GEMM's order (per group 16 even k, then 16 odd k), whatever ``BITS``.
+    ``VALUES``: instead of codes, the quantized values ``code * scale`` (an fp32 product) in ``codes_ptr``'s 16-bit
+    dtype, K order: the operand of the prefill GEMM's 16-bit scheme (:mod:`loopq.kernels.gemm_kernel`)."""
     groups = tl.reshape(z, [BLOCK_M, KP // 32, 32])
     scale = _group_scale(_absmax(groups), clip, QMAX)
     g = tl.arange(0, KP // 32)
@@ -263,7 +267,12 @@ def _quantize_store(
     tl.store(scales_ptr + rows[:, None] * (K // 32) + g[None, :], scale, mask=g_mask)
 
     q = _group_codes(groups, scale[:, :, None], QMIN, QMAX)
-    if DECODE:
+    if VALUES:
+        c = tl.arange(0, KP)
+        c_mask = row_mask[:, None] & (c < K)[None, :]
+        v = tl.reshape(q.to(tl.float32) * scale[:, :, None], [BLOCK_M, KP])
+        tl.store(codes_ptr + rows[:, None] * K + c[None, :], v.to(codes_ptr.dtype.element_ty), mask=c_mask)
+    elif DECODE:
         even, odd = tl.split(tl.reshape(q, [BLOCK_M, KP // 32, 16, 2]))
         p = tl.arange(0, 16)[None, None, :]
         base = codes_ptr + rows[:, None, None] * K + g[None, :, None] * 32 + p
@@ -444,6 +453,7 @@ def _store_groups(
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
     DECODE: tl.constexpr,
+    VALUES: tl.constexpr = False,
 ):
     """Steps 2-4 for ``groups [STACK, GP, 32]``, groups ``g0 ..`` of tokens ``tok [STACK]`` (those ``valid``): the
     same scales and formats as :func:`_quantize_store`; the codes of ``groups * (1 / scale)`` (the reciprocal in
@@ -457,7 +467,11 @@ def _store_groups(
     q = _round_clamped(groups * tl.math.div_rn(1.0, scale)[:, :, None], QMIN, QMAX)
     p = tl.arange(0, 16)[None, None, :]
     g, tok, mask = g[:, :, None], tok[:, :, None], valid[:, :, None]
-    if DECODE:
+    if VALUES:  # as _quantize_store's
+        e = tl.arange(0, 32)[None, None, :]
+        v = q.to(tl.float32) * scale[:, :, None]
+        tl.store(codes_ptr + tok * K + g * 32 + e, v.to(codes_ptr.dtype.element_ty), mask=mask)
+    elif DECODE:
         even, odd = tl.split(tl.reshape(q, [q.shape[0], GP, 16, 2]))
         base = codes_ptr + tok * K + g * 32 + p
         tl.store(base, even.to(tl.int8), mask=mask)
@@ -502,6 +516,7 @@ def _quantize_dot_kernel(
     STACK: tl.constexpr = 1,
     NORM: tl.constexpr = 0,
     NORM_KC: tl.constexpr = 1024,
+    VALUES: tl.constexpr = False,
 ):
     """The tensor-core path: program ``i * row_blocks + j`` (the row blocks of a token block run side by side, so X
     is read from memory once) computes rows ``j * ROWS ..`` of Z (whole 32-groups of the K order) for tokens
@@ -529,7 +544,7 @@ def _quantize_dot_kernel(
         )
         groups, valid = _span_groups(z, scratch_blk, a0, ok, K, N1, N2, N2P, ROWS, ROWSP, GP, STACK)
         g0 = a0 * N2 // 32
-        _store_groups(groups, valid, tok, g0, codes_ptr, scales_ptr, clip, K, GP, BITS, QMIN, QMAX, DECODE)
+        _store_groups(groups, valid, tok, g0, codes_ptr, scales_ptr, clip, K, GP, BITS, QMIN, QMAX, DECODE, VALUES)
 
 
 def quantize_activation(
@@ -543,6 +558,7 @@ def quantize_activation(
     inv_d: Tensor | None = None,
     decode: bool = False,
     norm: tuple[Tensor, float | None] | None = None,
+    values: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the quantizer (arguments already validated by :mod:`loopq.kernels.ops`): one launch, which reads
     ``x`` in its own dtype and multiplies it by ``inv_d`` (fp32 ``[K]``, the transform's diagonal) on load.
@@ -553,20 +569,23 @@ def quantize_activation(
     tensor-core transform of :func:`_quantize_dot_kernel` (within :func:`transform_error_bound`), ``None`` whichever
     :func:`uses_fast_path` picks: the fast path for compiled kernels on CUDA, the exact one in the CPU interpreter.
     Without a transform both are the same kernel. ``decode``: int8 codes ``[M, K]`` in the decode GEMM's order
-    (:func:`loopq.kernels.packing.deinterleave_groups`) for either ``bits``, instead of the packed format."""
+    (:func:`loopq.kernels.packing.deinterleave_groups`) for either ``bits``, instead of the packed format.
+    ``values`` (a 16-bit dtype): the quantized values ``code * scale`` ``[M, K]`` in that dtype instead of the
+    codes (the fp32 product rounded once to it: what the fake-quant student's matmul reads under autocast), for
+    :func:`loopq.kernels.gemm_kernel.gemm_values`; the scales are returned as well."""
     if left is None or right is None or not uses_fast_path(exact, x.device):
-        return _quantize_exact(x, left, right, clip, bits, inv_d, decode, norm)
-    return _quantize_fast(x, left, right, clip, bits, inv_d, decode, norm)
+        return _quantize_exact(x, left, right, clip, bits, inv_d, decode, norm, values)
+    return _quantize_fast(x, left, right, clip, bits, inv_d, decode, norm, values)
 
 
 def _quantize_exact(*args: object) -> tuple[Tensor, Tensor]:
-    """Launch :func:`_quantize_kernel` (``x, left, right, clip, bits, inv_d, decode, norm``)."""
-    return _quantize(*args[:7], fast=False, norm=args[7])  # type: ignore[arg-type]
+    """Launch :func:`_quantize_kernel` (``x, left, right, clip, bits, inv_d, decode, norm, values``)."""
+    return _quantize(*args[:7], fast=False, norm=args[7], values=args[8])  # type: ignore[arg-type]
 
 
 def _quantize_fast(*args: object) -> tuple[Tensor, Tensor]:
     """Launch :func:`_quantize_dot_kernel` (the fast path; the arguments of :func:`_quantize_exact`)."""
-    return _quantize(*args[:7], fast=True, norm=args[7])  # type: ignore[arg-type]
+    return _quantize(*args[:7], fast=True, norm=args[7], values=args[8])  # type: ignore[arg-type]
 
 
 def norm_code(x_dtype: torch.dtype, weight: Tensor | None) -> int:
@@ -592,11 +611,14 @@ def uses_fast_path(exact: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" and isinstance(_quantize_dot_kernel, triton.runtime.JITFunction)
 
 
-def _outputs(x: Tensor, bits: int, decode: bool = False) -> tuple[Tensor, Tensor]:
+def _outputs(x: Tensor, bits: int, decode: bool = False, values: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     m, k = x.shape
+    scales = torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
+    if values is not None:
+        return torch.empty(m, k, dtype=values, device=x.device), scales
     packed = bits == 4 and not decode
     codes = torch.empty(m, k // 2 if packed else k, dtype=torch.uint8 if packed else torch.int8, device=x.device)
-    return codes, torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
+    return codes, scales
 
 
 def fp32_value(clip: float) -> float:
@@ -729,16 +751,18 @@ def quantize_launch(
     fast: bool,
     cuda: bool,
     norm: int = 0,
+    values: bool = False,
 ) -> QuantizeLaunch:
     """The launch of the exact kernel (``fast=False``, or no transform) or the tensor-core one for ``m >= 1`` tokens
-    of ``k`` channels, Kronecker factor sizes ``factors`` (None: no transform), ``norm`` :func:`norm_code`."""
+    of ``k`` channels, Kronecker factor sizes ``factors`` (None: no transform), ``norm`` :func:`norm_code`,
+    ``values``: the quantized values instead of the codes (:func:`quantize_activation`)."""
     if fast and factors is not None:
         grid, num_warps, scratch, shape = _fast_shape(m, *factors)
     else:
         grid, num_warps, scratch, shape = _exact_shape(m, k, factors, cuda)
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     constexprs = dict(K=k, BITS=bits, HAS_D=has_d, QMIN=float(qmin), QMAX=float(qmax), DECODE=decode, **shape)
-    constexprs |= dict(NORM=norm, NORM_KC=min(1024, next_pow2(k)))
+    constexprs |= dict(NORM=norm, NORM_KC=min(1024, next_pow2(k)), VALUES=values)
     constexprs |= dict(num_warps=num_warps, enable_fp_fusion=False)  # the quantization steps round like the reference
     return QuantizeLaunch(fast and factors is not None, grid, m, scratch, constexprs)
 
@@ -826,15 +850,18 @@ def _quantize(
     decode: bool,
     fast: bool,
     norm: tuple[Tensor, float | None] | None = None,
+    values: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch :func:`_quantize_dot_kernel` (``fast``, with a transform) or :func:`_quantize_kernel`."""
-    codes, scales = _outputs(x, bits, decode)
+    codes, scales = _outputs(x, bits, decode, values)
     if x.shape[0] == 0:
         return codes, scales
     factors = (left.shape[0], right.shape[0]) if left is not None and right is not None else None
     weight, eps = norm if norm is not None else (None, None)
     code = norm_code(x.dtype, weight)
-    launch = quantize_launch(*x.shape, factors, bits, inv_d is not None, decode, fast, x.is_cuda, code)
+    launch = quantize_launch(
+        *x.shape, factors, bits, inv_d is not None, decode, fast, x.is_cuda, code, values is not None
+    )
     x = x.contiguous()
     rows = launch.scratch_rows()
     scratch = torch.empty(rows, x.shape[1], dtype=torch.float32, device=x.device) if launch.needs_scratch else None

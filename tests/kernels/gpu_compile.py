@@ -94,19 +94,27 @@ def divisibility(args: tuple) -> dict:
 
 
 def compile_quantizer(
-    target: GPUTarget, m: int, k: int, factors: tuple[int, int] | None, bits: int, fast: bool, norm: bool = False
+    target: GPUTarget,
+    m: int,
+    k: int,
+    factors: tuple[int, int] | None,
+    bits: int,
+    fast: bool,
+    norm: bool = False,
+    values: bool = False,
 ):
     """The quantizer as :meth:`quantize_kernel.QuantizeLaunch.run` launches it on a GPU for ``m`` bf16 tokens: the
     diagonal folded in (the exported model multiplies by 1/d in the quantizer), packed int4 or int8 codes; ``fast``:
     the tensor-core path (:func:`~quantize_kernel.dot_config`: the decode split up to 16 tokens, whole tokens above);
-    ``norm``: with the feeding RMSNorm folded in (a bf16 weight, as the exported Ouro's QKV and gate/up groups)."""
+    ``norm``: with the feeding RMSNorm folded in (a bf16 weight, as the exported Ouro's QKV and gate/up groups);
+    ``values``: writing the quantized values in bf16 (the 16-bit prefill scheme's operand) instead of the codes."""
     code = quantize_kernel.norm_code(torch.bfloat16, torch.empty(0, dtype=torch.bfloat16)) if norm else 0
-    launch = quantize_kernel.quantize_launch(m, k, factors, bits, True, False, fast, True, code)
+    launch = quantize_kernel.quantize_launch(m, k, factors, bits, True, False, fast, True, code, values)
     x, inv_d = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k)
     weight = torch.empty(k, dtype=torch.bfloat16) if norm else None
     left, right = (torch.empty(f, f) for f in factors) if factors else (None, None)
     scratch = torch.empty(launch.scratch_rows(), k) if launch.needs_scratch else None
-    codes, scales = quantize_kernel._outputs(x, bits)
+    codes, scales = quantize_kernel._outputs(x, bits, values=torch.bfloat16 if values else None)
 
     def run() -> None:
         launch.run(x, inv_d, left, right, scratch, codes, scales, 1.0, weight, 1e-6)
@@ -128,6 +136,20 @@ def compile_gemm(target: GPUTarget, a_int4: bool, cfg: gemm_kernel.PrefillConfig
     src = ASTSource(gemm_kernel._gemm_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
     return triton.compile(src, target=target, options=options)
+
+
+def compile_values_gemm(target: GPUTarget, cfg: gemm_kernel.PrefillConfig):
+    """The 16-bit prefill GEMM (:func:`gemm_kernel._gemm_values_kernel`) as ``ops.quantized_linear`` launches it
+    for more than 16 bf16 tokens: bf16 activation values, a bias, a bf16 output, 16-byte aligned pointers, N and
+    the group count multiples of 16."""
+    sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "sw_ptr": "*fp16", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    sig |= {"M": "i32", "N": "i32", "G": "i32"}
+    const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, GROUP_M=cfg.group_m, HAS_BIAS=True)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
+    src = ASTSource(
+        gemm_kernel._gemm_values_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const, attrs=aligned
+    )
+    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
 def compile_decode(target: GPUTarget, m: int, split: int = 1):

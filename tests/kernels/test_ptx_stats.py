@@ -209,3 +209,31 @@ def test_quantizer_proxies(triton_dir, tmp_path):
     for k, limit in ((2048, 90), (5632, 210)):
         stacked = [r for r in rows if r["kernel"] == f"quantize K={k} M=4096"]
         assert len(stacked) == 2 and all(r["sass_per_value"] <= limit for r in stacked), stacked
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton wheel without the bundled NVIDIA ptxas")
+@pytest.mark.parametrize("triton_dir", ["pinned", "extra"])
+def test_values_prefill_proxies(triton_dir, tmp_path):
+    """The 16-bit prefill scheme (``gemm_kernel.VALUES_CANDIDATES``, sm_90 and sm_80) and its quantizer writing bf16
+    values at Ouro's widths: pipelined K loops (no ``cp.async`` wait for depth 0 inside), MMAs in the loop, no
+    spills; the per-group scales cost one conversion and one multiply per *weight* element per thread (at most twice
+    that on sm_80, whose warps share B columns), nothing per accumulator element; and sm_90's large tile, the one
+    M = 4096 takes, issues its K loop within the bf16 MMA time of its products (warp-instructions / 4 per clock
+    against 2048 products per clock: 0.91-0.94 measured under 3.6 / 3.9, against 4.0 for the integer kernel's 64 x
+    128 tile) at <= 128 registers, two programs of 8 warps per SM. sm_80's 64 x 128: 1.15-1.27 (asserted <= 1.35)."""
+    rows = ptx_stats(triton_dir, tmp_path, "values", 300)
+    gemms = [r for r in rows if r["kernel"].startswith("prefill values")]
+    assert len(gemms) == 4 and len(rows) == 8, rows  # two archs: two tiles, two quantizer widths
+    for r in rows:
+        assert r["spills"] == 0, r
+    for r in gemms:
+        bm, bn, bg, warps = r["block"]
+        assert r["cp_async_waits_in_loop"] and min(r["cp_async_waits_in_loop"]) > 0, r
+        assert r["sass_mma"] > 0, r
+        per_thread = bn * 32 * bg // (32 * warps)  # weight elements each thread dequantizes per K step
+        assert r["sass_i2f"] in (per_thread, 2 * per_thread) and r["sass_rescale"] == r["sass_i2f"], r
+        if r["arch"] == 90 and bm == 128:
+            assert r["issue_per_mma"] <= 1.0 and r["registers"] <= 128, r
+        if r["arch"] == 80 and bn == 128:
+            assert r["issue_per_mma"] <= 1.35, r

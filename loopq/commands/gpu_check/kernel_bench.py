@@ -31,8 +31,10 @@ from loopq.commands.gpu_check.table import BELOW_GOAL, FAIL, OK, grid
 from loopq.kernels import (
     GROUP_SIZE,
     decode_kernel,
+    gemm_kernel,
     gemm_w4a4,
     gemm_w4a8,
+    ops,
     quantize_activation,
     quantize_kernel,
     quantize_weight,
@@ -79,6 +81,8 @@ class KernelRow:
     split_ms: dict[str, float] = field(default_factory=dict)
     #: the W4A4 quantizer replayed in a CUDA graph without flushing L2 (:func:`warm_table`)
     w4a4_quant_warm_ms: float | None = None
+    #: prefill (M > 16): the integer scheme's GEMM (``prefill="int8"``) beside the 16-bit one ``w4a4_gemm_ms`` times
+    w4a4_int8_gemm_ms: float | None = None
 
 
 def goal_for(m: int) -> float | None:
@@ -186,12 +190,32 @@ def timed_calls(
     sw: Tensor,
     bits: int,
     out_dtype: torch.dtype = torch.bfloat16,
+    prefill: str | None = None,
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """The quantizer and the GEMM of one W4A{bits} row, as the packed model runs them: 1..16 tokens take the decode
     quantizer (codes in the decode order) and the decode GEMM on the weight laid out once beforehand (the export
     stores that layout), more tokens the quantizer and the prefill kernel on the natural layout. So the timed GEMM
-    is the kernel alone, never the compatibility path's per-call weight re-layout (``ops._triton_gemm``)."""
+    is the kernel alone, never the compatibility path's per-call weight re-layout (``ops._triton_gemm``). Prefill
+    takes the scheme ``quantized_linear`` takes for ``x``'s dtype (``ops.prefill_scheme``: bf16's 16-bit values
+    scheme, the quantizer writing the values and ``gemm_kernel.gemm_values``), or ``prefill`` if given."""
     m, n = x.shape[0], w.shape[0]
+    if m > decode_kernel.MAX_M and ops.prefill_scheme(x.dtype, prefill) == "values":
+        quant = partial(
+            quantize_kernel.quantize_activation,
+            x,
+            left,
+            right,
+            CLIP,
+            bits,
+            GROUP_SIZE,
+            None,
+            None,
+            False,
+            None,
+            x.dtype,
+        )
+        a, _ = quant()
+        return quant, partial(gemm_kernel.gemm_values, a, w, sw.half(), out_dtype)
     if m > decode_kernel.MAX_M:
         quant = partial(quantize_activation, x, left, right, CLIP, bits, backend="triton")
         a, sa = quant()
@@ -227,6 +251,8 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
         setattr(row, f"w4a{bits}_gemm_ms", bench(gemm))
         if bits == 4 and row.m <= decode_kernel.MAX_M:  # decode-size calls, where launch and cold caches weigh
             row.w4a4_quant_warm_ms = do_bench_cudagraph(quant, rep=WARM_REP_MS, return_mode="median")
+    if row.m > decode_kernel.MAX_M:  # the integer prefill scheme beside the 16-bit one bf16 takes (JSON only)
+        row.w4a4_int8_gemm_ms = bench(timed_calls(x, left, right, w, sw, 4, prefill="int8")[1])
     if row.m <= decode_kernel.MAX_M:
         _, gemm = timed_calls(x, left, right, w, sw, 4)
         mma = decode_kernel.uses_mma(row.m)
