@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,7 +73,8 @@ class Command:
         try:
             config = parser.parse_args(args)
         except argparse.ArgumentError as err:
-            raise UsageError(f"{as_typed(one_line(err), parser)} (see {parser.prog} --help)") from None
+            message = as_typed(one_line(err), parser) + in_config_files(str(err), args)
+            raise UsageError(f"{message} (see {parser.prog} --help)") from None
         return call(self.component, parser.instantiate(config))
 
 
@@ -114,8 +116,57 @@ class SharedParsing:
         if isinstance(args, dict):
             super().parse_arguments(parser, args)  # type: ignore[misc]
         else:  # LightningCLI's own parse_arguments warns about args given while sys.argv has some: they are ours
-            argv = list(sys.argv[1:] if args is None else args)
-            self.config = parser.parse_args(prepare_argv(argv, parser, self.renames))
+            argv = prepare_argv(list(sys.argv[1:] if args is None else args), parser, self.renames)
+            try:
+                self.config = parser.parse_args(argv)
+            except argparse.ArgumentError as err:
+                where = in_config_files(str(err), argv)
+                raise (argparse.ArgumentError(None, str(err) + where) if where else err) from None
+
+
+#: jsonargparse's refusal of a key it does not know, as it words it for a group or a whole option name
+_UNACCEPTED = re.compile(r"Group '([\w.]+)' does not accept option '(\w+)'|Option '([\w.]+)' is not accepted")
+
+
+def in_config_files(message: str, argv: list[str]) -> str:
+    """Where ``message`` refuses a key a ``--config`` file of ``argv`` holds: `` (in --config FILE: remove or rename
+    the key)`` naming those files (jsonargparse names only the key); else ``""``."""
+    match = _UNACCEPTED.search(message)
+    if not match:
+        return ""
+    keys = (f"{match[1]}.{match[2]}" if match[1] else match[3]).split(".")
+    files = [path for path in config_paths(argv) if holds_key(path, keys)]
+    return f" (in --config {', '.join(files)}: remove or rename the key)" if files else ""
+
+
+def config_paths(argv: list[str]) -> list[str]:
+    """The files ``argv`` passes as ``--config FILE`` or ``--config=FILE``, in order."""
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.partition("=")[2])
+    return paths
+
+
+def holds_key(path: str, keys: list[str]) -> bool:
+    """Whether the YAML file at ``path`` holds the nested key ``keys`` (False where it cannot be read; read as the
+    command read it, aliases bounded: :func:`loopq.config_yaml.checked_yaml_load`)."""
+    import yaml
+
+    from loopq.config_yaml import checked_yaml_load
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            node: Any = checked_yaml_load(fh.read())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
 
 
 def call(component: Any, config: Namespace) -> Any:

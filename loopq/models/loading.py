@@ -76,6 +76,10 @@ def read_weight_files(directory: Path) -> Weights:
     if binary.is_file():
         tensors = _read_torch_bin(binary)
         return Weights(tensors, binary, dict.fromkeys(tensors, binary))
+    for path in (single, index, binary):  # present, but not a file: say so rather than "not found"
+        if path.exists():
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            raise LoopLMError(f"{path}: {kind}, not the weights file; replace it with the model's weights")
     raise LoopLMError(f"{directory}: no {SINGLE_FILE} (or {INDEX_FILE} / pytorch_model.bin) found")
 
 

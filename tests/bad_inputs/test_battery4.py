@@ -189,3 +189,26 @@ def test_pretrain_training_numbers_are_checked_before_anything_is_built(tmp_path
             seed_everything_default=0,
         )  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- session 27
+def test_an_unknown_key_in_a_config_file_names_the_file(tmp_path: Path, capsys):
+    """Was: ``error: Group 'model' does not accept option 'bogus_key'``, no file named (with several ``--config``
+    files the user had to search them all). The file holding the key is named; a key typed on the command line has
+    jsonargparse's own message (it names the option)."""
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("model:\n  bogus_key: 3\n")
+    line = refused_fit(tmp_path, capsys, "--config", str(extra))
+    assert re.search(rf"does not accept option 'bogus_key' \(in --config {re.escape(str(extra))}: remove or", line)
+    line = refused_fit(tmp_path, capsys, "--model.bogus_key", "3")
+    assert "bogus_key" in line and "--config" not in line, line
+    proc = cli("export", f"--config={extra}")  # the jsonargparse stack of the other commands
+    assert_one_line_error(proc, rf"'model\.bogus_key' is not accepted \(in --config {re.escape(str(extra))}: remove")
+
+
+def test_a_weights_file_that_is_a_directory_is_named(tmp_path: Path, teacher: Path):
+    """Was: ``teacher: no model.safetensors (or ...) found`` while a ``model.safetensors`` folder was there."""
+    (teacher / "model.safetensors").unlink()
+    (teacher / "model.safetensors").mkdir()
+    with pytest.raises(LoopLMError, match=r"teacher/model\.safetensors: a directory, not the weights file; replace"):
+        load_looplm(teacher)
