@@ -35,7 +35,7 @@ from loopq.commands.gpu_check.table import (
     verdict,
 )
 from loopq.errors import UsageError
-from loopq.kernels import ops
+from loopq.kernels import gemm_kernel, ops, quantize_kernel
 from loopq.paths import REPO_ROOT
 from tests.kernels.cases import ON_CUDA
 
@@ -346,16 +346,20 @@ def test_benchmark_check_passes_on_the_kernels(transform):
     assert row.problems == [] and row.max_abs_err <= 1e-5
 
 
-@pytest.mark.parametrize(("m", "bits"), [(1, 4), (16, 8), (17, 4)])
-def test_benchmark_times_the_kernels_the_packed_model_runs(monkeypatch, m, bits):
+@pytest.mark.parametrize(
+    ("m", "bits", "dtype"), [(1, 4, DTYPE), (16, 8, DTYPE), (17, 4, DTYPE), (17, 8, torch.float16)]
+)
+def test_benchmark_times_the_kernels_the_packed_model_runs(monkeypatch, m, bits, dtype):
     """The timed GEMM is the kernel on the layout the export stores: no weight re-layout or activation unpacking per
     call (the compatibility path of ``gemm_w4a4`` re-tiles the whole weight each time), and it computes what that
-    path computes on the same codes."""
+    path computes on the same codes; at M > 16 the scheme ``quantized_linear`` takes for the dtype (bf16 on a GPU:
+    the 16-bit one, its GEMM on the values the quantizer writes; fp16 here forced to it)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, 128, generator=gen).to(DEVICE, DTYPE)
+    x = torch.randn(m, 128, generator=gen).to(DEVICE, dtype)
     w, sw = loopq.kernels.quantize_weight(torch.randn(64, 128, generator=gen).to(DEVICE))
     left, right = kernel_bench.transform_factors(128, gen, DEVICE, True)
-    quant, gemm = kernel_bench.timed_calls(x, left, right, w, sw, bits, DTYPE)
+    prefill = "values" if dtype == torch.float16 else None
+    quant, gemm = kernel_bench.timed_calls(x, left, right, w, sw, bits, dtype, prefill)
     per_call = []
     for module, name in ((ops, "tile_weight"), (kernel_bench, "tile_weight"), (ops, "deinterleave_groups")):
         monkeypatch.setattr(module, name, lambda *a, name=name: per_call.append(name))
@@ -364,8 +368,14 @@ def test_benchmark_times_the_kernels_the_packed_model_runs(monkeypatch, m, bits)
     quant()
     assert per_call == []
     monkeypatch.undo()
-    a, sa = loopq.kernels.quantize_activation(x, left, right, kernel_bench.CLIP, bits, backend="triton")
-    expected = dict(kernel_bench.GEMMS)[bits](a, sa, w, sw, DTYPE, backend="triton")
+    if m > 16 and ops.prefill_scheme(dtype, prefill) == "values":
+        values, _ = quantize_kernel.quantize_activation(
+            x, left, right, kernel_bench.CLIP, bits, 32, None, None, False, None, dtype
+        )
+        expected = gemm_kernel.gemm_values(values, w, sw.half(), dtype)
+    else:
+        a, sa = loopq.kernels.quantize_activation(x, left, right, kernel_bench.CLIP, bits, backend="triton")
+        expected = dict(kernel_bench.GEMMS)[bits](a, sa, w, sw, dtype, backend="triton")
     assert torch.equal(got, expected)
 
 
@@ -381,6 +391,30 @@ def test_benchmark_check_catches_a_wrong_kernel(monkeypatch):
         "W4A8 quantizer not bit-exact",
     ]
     assert summarize([row], None)[0] == FAIL
+
+
+def test_benchmark_checks_the_values_scheme_on_16_bit_inputs(monkeypatch):
+    """A 16-bit row also checks the 16-bit prefill scheme (the one bf16 prefill times): exact on the kernels, and a
+    values GEMM off by 1e-2 or a values quantizer off in one value is reported, not timed as if correct."""
+    row = check_row(64, 128, 3, DEVICE, torch.float16)
+    assert row.problems == [] and row.max_abs_err <= 1e-5
+    wrong_gemm = gemm_kernel.gemm_values
+    monkeypatch.setattr(gemm_kernel, "gemm_values", lambda *args: wrong_gemm(*args) + 0.01)
+    assert check_row(64, 128, 3, DEVICE, torch.float16).problems == [
+        "W4A4 values GEMM off by up to 1.00e-02",
+        "W4A8 values GEMM off by up to 1.00e-02",
+    ]
+    monkeypatch.undo()
+    wrong_quant = quantize_kernel.quantize_activation
+
+    def one_value_off(*args: object) -> tuple:
+        values, scales = wrong_quant(*args)
+        values.view(-1)[0] += 1
+        return values, scales
+
+    monkeypatch.setattr(quantize_kernel, "quantize_activation", one_value_off)
+    problems = check_row(64, 128, 3, DEVICE, torch.float16).problems
+    assert problems[0] == "W4A4 values quantizer not bit-exact" and "W4A8 values quantizer not bit-exact" in problems
 
 
 @pytest.mark.filterwarnings("ignore:CUDA is not available")

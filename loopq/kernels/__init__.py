@@ -22,7 +22,10 @@ backend (:mod:`loopq.kernels.reference`) is the CPU path and the test oracle; th
 reproduces it bit for bit. The GEMMs add the groups in other orders (the prefill one with FMA): the prefill tile GEMM
 (:mod:`loopq.kernels.gemm_kernel`, calls of more than 16 tokens) and the decode GEMM
 (:mod:`loopq.kernels.decode_kernel`, 1 to 16 tokens) give fp32 outputs within the rounding bound of
-:func:`loopq.kernels.reference.gemm_fp64` of the float64 value of the same codes, not bit-exact.
+:func:`loopq.kernels.reference.gemm_fp64` of the float64 value of the same codes, not bit-exact. Prefill in bf16
+takes the 16-bit scheme instead (``ops.prefill_scheme``: the quantized values rounded to bf16, the weight
+dequantized to bf16 in the kernel, bf16 MMAs; within :func:`loopq.kernels.gemm_kernel.values_bound` of those
+operands' float64 product).
 """
 
 from loopq.kernels.ops import gemm_w4a4, gemm_w4a8, quantize_activation, triton_interpreted

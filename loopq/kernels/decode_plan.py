@@ -122,6 +122,7 @@ def plan_decode(
     backend: str | None,
     norm_weight: Tensor | None = None,
     norm_eps: float | None = None,
+    prefill: str | None = None,  # quantized_linear's choice for more tokens: no decode plan depends on it
     *,
     out_shape: tuple[int, ...],
 ) -> DecodePlan | None:

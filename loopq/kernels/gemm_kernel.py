@@ -259,17 +259,19 @@ def gemm(
 # per-group work shrinks from ``BLOCK_M x BLOCK_N`` to ``BLOCK_N`` elements per group: compiled for sm_90 (Triton
 # 3.9) the 128 x 128 tile issues 241 SASS instructions per 64-deep iteration and thread, 8 warps x 241 / 4
 # schedulers = 482 clocks against 512 of bf16 MMA time for its 128 x 128 x 64 products, at 128 registers (two
-# programs per SM): the loop is at the tensor cores' pace, not 8x behind them (``scripts/ptx_stats.py``,
-# ``tests/kernels/test_ptx_stats.py``). Hopper has no int4 tensor cores, so 4-bit operands cannot be faster than
+# programs per SM): the loop should keep the tensor cores' pace, where the integer tile issues 4x its bf16 MMA time
+# (a prediction from the compiled code, ``scripts/ptx_stats.py``, ``tests/kernels/test_ptx_stats.py``, until a GPU
+# times it). Hopper has no int4 tensor cores, so 4-bit operands cannot be faster than
 # this; the 4-bit activation codes still serve decode, where the GEMM reads them (:mod:`decode_kernel`).
 #
 # Rounding: each operand is the fp32 product ``code * scale`` rounded once to the 16-bit dtype (an activation's
 # product was rounded to fp32 first, as the student's fake quantization computes it before autocast casts it to
 # bf16: the operands are the student's own bf16 operands), products exact in fp32, sums in the tensor cores' fp32
-# (:data:`loopq.kernels.quantize_kernel.ACC_UNIT` per addition). With ``u`` the 16-bit unit roundoff (bf16 2^-8,
-# fp16 2^-11; normal values) and ``a~`` the given activation values::
+# (:data:`loopq.kernels.quantize_kernel.ACC_UNIT` per addition). Both operands are thus fixed numbers before any sum
+# (``a~`` the given activation values, ``w~ = dtype(fp32(c s_w))``, finite: a value past the 16-bit dtype's range is
+# inf - bf16 has fp32's range; an explicit fp16 choice can overflow), and with the bias added to the fp32 sum::
 #
-#     |out - sum_k a~_k c_k s_w| <= (u + gamma'_{K+1} (1 + u)) * sum_k |a~_k c_k s_w|        (fp32 output)
+#     |out - (sum_k a~_k w~_k + b)| <= gamma'_{K+1} * (sum_k |a~_k w~_k| + |b|)        (fp32 output)
 #
 # with ``gamma'_n = n 2^-23 / (1 - n 2^-23)`` (:func:`values_bound`).
 
@@ -278,7 +280,8 @@ def gemm(
 #: K step): compiled ahead of time by ``scripts/ptx_stats.py --kernels values`` and held by
 #: ``tests/kernels/test_ptx_stats.py`` to no spills and no ``cp.async.wait_group 0`` in the K loop. sm_90: 128 x 128
 #: with 8 warps at 128 registers (two programs per SM); sm_80 (``mma.sync``, more registers per tile): 64 x 128 with
-#: 4 warps (168). The last of each is the small grid's.
+#: 4 warps (168 under Triton 3.9, 240 under the GPU image's 3.6: two programs of 128 threads per SM either way). The
+#: last of each is the small grid's.
 VALUES_CANDIDATES: dict[int, tuple[PrefillConfig, ...]] = {
     90: (PrefillConfig(128, 128, 8, 3, 2), PrefillConfig(64, 64, 4, 4, 2)),
     80: (PrefillConfig(64, 128, 4, 4, 2), PrefillConfig(64, 64, 4, 4, 2)),
@@ -286,21 +289,26 @@ VALUES_CANDIDATES: dict[int, tuple[PrefillConfig, ...]] = {
 
 
 def values_config(m: int, n: int, arch: int) -> PrefillConfig:
-    """The largest tile of ``arch``'s table (sm_90 and newer take sm_90's, older sm_80's) whose grid has a program
-    per SM at M's bucket, else the smallest."""
-    table = VALUES_CANDIDATES[90 if arch >= 90 else 80]
+    """The largest tile of ``arch``'s table whose grid has a program per SM at M's bucket, else the smallest: Hopper
+    (9.x) takes sm_90's (``wgmma``), every other architecture sm_80's smaller tiles (``mma.sync`` and the like)."""
+    table = VALUES_CANDIDATES[90 if arch // 10 == 9 else 80]
     bucket = m_bucket(m)
     return next((cfg for cfg in table if cfg.programs(bucket, n) >= SMS), table[-1])
 
 
-def values_bound(a_values: Tensor, w_codes: Tensor, w_scales: Tensor, unit: float) -> tuple[Tensor, Tensor]:
-    """``(ref64, bound)`` of :func:`gemm_values`: the float64 GEMM of the given activation values and the weight's
-    int8-stored codes times its scales, and the rounding bound above for operands of unit roundoff ``unit``."""
+def values_bound(
+    a_values: Tensor, w_codes: Tensor, w_scales: Tensor, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(ref64, bound)`` of :func:`gemm_values` (on the CPU): the float64 value of the given 16-bit activation values
+    times the kernel's weight operand ``dtype(fp32(code * s_w))`` (int8-stored codes, ``a_values``' dtype), plus the
+    bias, and the bound above on the fp32 output's distance from it."""
     groups = w_scales.shape[1]
-    w = (w_codes.double().reshape(w_codes.shape[0], groups, -1) * w_scales.double()[:, :, None]).flatten(1)
+    w = (w_codes.float().reshape(w_codes.shape[0], groups, -1) * w_scales.float()[:, :, None]).flatten(1)
+    w = w.to(a_values.dtype).double()
     a = a_values.double()
+    b = torch.zeros(w.shape[0], dtype=torch.float64) if bias is None else bias.double()
     nu = (a.shape[1] + 1) * 2.0**-23
-    return a @ w.T, (unit + nu / (1 - nu) * (1 + unit)) * (a.abs() @ w.abs().T)
+    return a @ w.T + b, nu / (1 - nu) * (a.abs() @ w.abs().T + b.abs())
 
 
 @triton.jit

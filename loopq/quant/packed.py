@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, quantize_weight
 from loopq.kernels.decode_plan import DecodePlan, plan_decode
-from loopq.kernels.ops import quantized_linear
+from loopq.kernels.ops import PREFILL_SCHEMES, quantized_linear
 from loopq.kernels.packing import launch_device, tile_weight, tiled_shapes
 from loopq.models.base import RMSNorm
 from loopq.qspec import KERNEL_ACT_BITS, KERNEL_WEIGHT_BITS
@@ -176,13 +176,16 @@ def _version(t: Tensor) -> int:
 class PackedLinearGroup(nn.Module):
     """Integer replacement of a :class:`QuantLinearGroup` (same call: ``group(x, t) -> tuple of outputs``).
 
-    ``backend`` is passed to the kernels (``None``: Triton on CUDA, the torch reference on CPU).
+    ``backend`` is passed to the kernels (``None``: Triton on CUDA, the torch reference on CPU), ``prefill`` too
+    (the GEMM of calls of more than 16 tokens: ``None`` is :func:`loopq.kernels.ops.prefill_scheme`'s choice,
+    ``"int8"`` / ``"values"`` force one; :func:`set_prefill` sets it for a whole model).
     """
 
     def __init__(self, spec: PackedGroupSpec, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.backend: str | None = None
+        self.prefill: str | None = None
         self._decode_plans: dict[tuple, tuple[BufferStamp, DecodePlan]] = {}
         self._n, self._splits = sum(spec.splits), list(spec.splits)
         k, n, sw, st = spec.in_features, sum(spec.splits), spec.weight_slots, spec.transform_slots
@@ -253,7 +256,7 @@ class PackedLinearGroup(nn.Module):
         norm = self.folded_norm
         return (x, self.weight[ws], self.weight_scale[ws], self._n, left, right, inv_d, clip, spec.a_bits, self.bias,
                 x.dtype, self.backend, None if norm is None else norm.weight,
-                None if norm is None else norm.eps)  # fmt: skip
+                None if norm is None else norm.eps, self.prefill)  # fmt: skip
 
     @property
     def folded_norm(self) -> FoldedNorm | None:
@@ -294,6 +297,18 @@ class PackedLinearGroup(nn.Module):
             f"in={s.in_features}, out={list(s.splits)}, W4A{s.a_bits}, slots(weight={s.weight_slots}, "
             f"transform={s.transform_slots}, act_clip={s.act_slots})"
         )
+
+
+def set_prefill(model: nn.Module, prefill: str | None) -> int:
+    """Every packed group of ``model`` runs calls of more than 16 tokens with the prefill GEMM ``prefill``
+    (``"int8"``, ``"values"``, or None for :func:`loopq.kernels.ops.prefill_scheme`'s choice by dtype); returns the
+    number of groups. A bad name fails here, not at the first prefill."""
+    if prefill is not None and prefill not in PREFILL_SCHEMES:
+        raise ValueError(f"prefill={prefill!r}: use one of {PREFILL_SCHEMES} (or None: values for bf16, else int8)")
+    groups = [m for m in model.modules() if isinstance(m, PackedLinearGroup)]
+    for group in groups:
+        group.prefill = prefill
+    return len(groups)
 
 
 def concat_bias(group: QuantLinearGroup) -> Tensor | None:

@@ -10,8 +10,10 @@ then **timed** with ``triton.testing.do_bench`` (median, L2 flushed before every
 as in a real forward), each as the packed model runs it (:func:`timed_calls`: at M <= 16 the decode kernel on the weight
 laid out once, as the export stores it). A quantized linear pays quantizer + GEMM per call (``x q+mm``); the goals
 (:func:`goal_for`) are on the GEMM alone (``x mm``): at M = 1 it reads 0.5625 bytes per weight (int4 + an fp16 scale per
-32) instead of BF16's 2, so up to ~3.6x from bandwidth; at large M it runs int8 ``mma``, at most 2x BF16
-(:mod:`loopq.commands.gpu_check.peaks`).
+32) instead of BF16's 2, so up to ~3.6x from bandwidth; at M > 16 a bf16 input takes the 16-bit scheme (the quantizer
+writes the quantized values, the GEMM runs bf16 MMAs on them and the dequantized weight: ``ops.prefill_scheme``), at
+most ~1x BF16, checked within :func:`~loopq.kernels.gemm_kernel.values_bound`; the integer kernel (int8 ``mma``, at
+most 2x BF16 in its MMAs, :mod:`loopq.commands.gpu_check.peaks`) is timed beside it in the JSON.
 
 The check runs wherever the kernels run (CUDA, or Triton's interpreter on CPU at a tiny shape); the timing needs CUDA.
 """
@@ -81,6 +83,8 @@ class KernelRow:
     split_ms: dict[str, float] = field(default_factory=dict)
     #: the W4A4 quantizer replayed in a CUDA graph without flushing L2 (:func:`warm_table`)
     w4a4_quant_warm_ms: float | None = None
+    #: the prefill scheme timed as ``w4a4_gemm_ms`` / ``w4a8_gemm_ms`` (M > 16: ``ops.prefill_scheme``), else None
+    prefill: str | None = None
     #: prefill (M > 16): the integer scheme's GEMM (``prefill="int8"``) beside the 16-bit one ``w4a4_gemm_ms`` times
     w4a4_int8_gemm_ms: float | None = None
 
@@ -179,7 +183,29 @@ def check_row(
         ref64, bound = gemm_fp64_chunked(unpack_int4(ref[0]) if bits == 4 else ref[0], ref[1], unpack_int4(w), sw)
         if not bool(((got.double() - ref64).abs() <= bound).all()):
             row.problems.append(f"W4A{bits} GEMM off by up to {float(err.max()):.2e}")
+        if dtype in (torch.float16, torch.bfloat16):
+            row.problems += check_values(x, left, right, ref, w, sw, bits)
     return row
+
+
+def check_values(
+    x: Tensor, left: Tensor | None, right: Tensor | None, ref: tuple[Tensor, Tensor], w: Tensor, sw: Tensor, bits: int
+) -> list[str]:
+    """The 16-bit prefill scheme on ``x``'s dtype: the exact quantizer's values are the reference codes ``ref`` times
+    their scales rounded once to it (bit for bit), and ``gemm_values`` on them is within
+    :func:`~loopq.kernels.gemm_kernel.values_bound` (its fp32 sums' rounding alone)."""
+    values, _ = quantize_kernel.quantize_activation(
+        x, left, right, CLIP, bits, GROUP_SIZE, True, None, False, None, x.dtype
+    )
+    codes = (unpack_int4(ref[0]) if bits == 4 else ref[0]).float()
+    groups = ref[1].shape[1]
+    want = (codes.reshape(codes.shape[0], groups, -1) * ref[1].float()[:, :, None]).reshape(codes.shape).to(x.dtype)
+    problems = [] if torch.equal(values, want) else [f"W4A{bits} values quantizer not bit-exact"]
+    got = gemm_kernel.gemm_values(values, w, sw.half(), torch.float32)
+    ref64, bound = gemm_kernel.values_bound(values.cpu(), unpack_int4(w).cpu(), sw.half().cpu())
+    if not bool(((got.cpu().double() - ref64).abs() <= bound).all()):
+        problems.append(f"W4A{bits} values GEMM off by up to {float((got.cpu().double() - ref64).abs().max()):.2e}")
+    return problems
 
 
 def timed_calls(
@@ -245,6 +271,7 @@ def time_row(row: KernelRow, transform: bool = True, seed: int = 0) -> None:
     w, sw = quantize_weight(weight)
     left, right = transform_factors(row.k, gen, "cuda", transform)
     row.bf16_ms = bench(lambda: torch.matmul(x, weight.T))
+    row.prefill = ops.prefill_scheme(x.dtype) if row.m > decode_kernel.MAX_M else None
     for bits, _ in GEMMS:
         quant, gemm = timed_calls(x, left, right, w, sw, bits)
         setattr(row, f"w4a{bits}_quant_ms", bench(quant))
@@ -376,6 +403,8 @@ def row_cells(row: KernelRow, peaks: DevicePeaks | None) -> list[str]:
     """The printed cells of one row (see :data:`HEADERS`): times in microseconds, throughput, fractions of the
     device's dense peaks (``n/a`` for an unknown device), speed-ups over BF16, goal, check."""
     bf16_peak, int8_peak, hbm = (peaks.bf16_tflops, peaks.int8_tops, peaks.hbm_tb_s) if peaks else (None, None, None)
+    if row.prefill == "values":  # the 16-bit scheme runs bf16 MMAs: its peak is bf16's
+        int8_peak = bf16_peak
     bf16, a4, a8 = (_tera(row, ms) for ms in (row.bf16_ms, row.w4a4_gemm_ms, row.w4a8_gemm_ms))
     a4_tb_s = None if row.w4a4_gemm_ms is None else weight_tb_s(row.n, row.k, INT4_WEIGHT_BYTES, row.w4a4_gemm_ms)
 
@@ -411,8 +440,9 @@ def _sum(a: float | None, b: float | None) -> float | None:
 
 
 def format_rows(rows: list[KernelRow], peaks: DevicePeaks | None) -> str:
-    """The benchmark table: A4 / A8 = W4A4 / W4A8; ``q`` the quantizer (with transform), ``mm`` the GEMM; ``%HBM``
-    the W4A4 GEMM's weight bytes per second against the memory bandwidth (what bounds M = 1)."""
+    """The benchmark table: A4 / A8 = W4A4 / W4A8; ``q`` the quantizer (with transform), ``mm`` the GEMM; ``%int8 pk``
+    against the int8 tensor-core peak, or bf16's for rows that ran the 16-bit prefill scheme (``KernelRow.prefill``);
+    ``%HBM`` the W4A4 GEMM's weight bytes per second against the memory bandwidth (what bounds M = 1)."""
     return grid(HEADERS, [row_cells(r, peaks) for r in rows], right=range(len(HEADERS) - 1))
 
 
@@ -426,14 +456,16 @@ def summarize(rows: list[KernelRow], peaks: DevicePeaks | None) -> tuple[str, st
     """(status, one line): FAIL on any mismatch, ``below goal`` when a timed row misses its goal, else ok."""
     bad = [r for r in rows if r.problems]
     at_1, at_256 = worst_speedup(rows, lambda m: m <= 16), worst_speedup(rows, lambda m: m >= 256)
-    best = max((t for r in rows if (t := _tera(r, r.w4a4_gemm_ms)) is not None), default=None)
+    timed = [(t, r) for r in rows if (t := _tera(r, r.w4a4_gemm_ms)) is not None]
+    best, best_row = max(timed, key=lambda pair: pair[0], default=(None, None))
     parts = [f"{len(rows) - len(bad)}/{len(rows)} shapes exact"]
     if bad:
         parts.append("MISMATCH at " + ", ".join(f"N={r.n} K={r.k} M={r.m}" for r in bad))
     parts.append(f"W4A4 GEMM vs bf16, worst shape: M<=16 {_x(at_1)} (goal 2.5x), M>=256 {_x(at_256)} (goal 1.0x)")
     if best is not None:
-        int8_peak = peaks.int8_tops if peaks else None
-        parts.append(f"best W4A4 {best:.0f} TOPS = {percent(fraction(best, int8_peak))} of int8 peak")
+        kind = "bf16" if best_row.prefill == "values" else "int8"
+        peak = (peaks.bf16_tflops if kind == "bf16" else peaks.int8_tops) if peaks else None
+        parts.append(f"best W4A4 {best:.0f} TOPS = {percent(fraction(best, peak))} of {kind} peak")
     missed = any(
         (goal := goal_for(r.m)) is not None and (s := speedup(r.bf16_ms, r.w4a4_gemm_ms)) is not None and s < goal
         for r in rows
