@@ -56,7 +56,8 @@ is three tf32 MMAs at half the bf16 rate, so each costs 6 bf16 FLOPs of tensor-c
 61 %** of the bf16 GEMM's time at peak for QKV / o_proj / gate+up / down_proj, more since ``mma.sync`` does not
 reach ``wgmma``'s peak on H100. Independently of precision, the quantizer moves 2.6 bytes per element (bf16 in,
 int4 + fp32 scale out) while the GEMM spends ``2 N`` FLOPs on it: 387 / N of the GEMM's time, **6 % / 19 % /
-3 % / 19 %** (4.1 bytes, 609 / N, with bf16 values out for the 16-bit prefill scheme: 10 % / 30 % / 5 % / 30 %). So <= 10 % of the bf16 GEMM is within reach only for the wide outputs (QKV, gate+up); at N = 2048
+3 % / 19 %** (4.1 bytes, 609 / N, with bf16 values out for the 16-bit prefill scheme: 10 % / 30 % / 5 % / 30 %).
+So <= 10 % of the bf16 GEMM is within reach only for the wide outputs (QKV, gate+up); at N = 2048
 even a copy of the activations exceeds it, and down_proj's tf32x3 transform is compute-bound at about 60 %.
 Splitting in bf16 instead (three bf16 MMAs) would halve the tensor-core time at a ~4x looser bound (2^-16
 product error); that trade, and the GPU timings, are open (``docs/benchmarks.md``).
