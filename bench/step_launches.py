@@ -12,7 +12,9 @@ sequence length, so they are small here.
     python bench/step_launches.py --layers 1
 
 Prints launches per step of the FP model and of the student, their ratio, the student's per looped layer
-application (layers x 4 loops), and the operators the student launches most.
+application (layers x 4 loops), and the operators the student launches most; then the student as a GPU runs it,
+its fake quantizations as ``loopq.kernels.fake_quant_kernel``'s one launch forward and one backward (the Triton
+kernels replaced by stubs that record their launches, as ``bench/decode_launches.py`` does: a count, not values).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_launches import TorchKernels  # the same dispatch counter as the decode-step count
 
 from loopq.commands.gpu_check.checks import STUDENT, train_step
+from loopq.kernels import fake_quant_kernel
 from loopq.models.ouro import OuroConfig, OuroLM
 from loopq.quant import prepare
 
@@ -43,6 +48,26 @@ def step_ops(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
     with TorchKernels() as counter:
         step()
     return counter.ops
+
+
+@contextmanager
+def fused_fake_quant(launches: list[str]) -> Iterator[None]:
+    """The fake quantizations on the fused kernels' path, each Triton launch recorded in ``launches`` instead of run."""
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    saved = fake_quant_kernel._forward_kernel, fake_quant_kernel._backward_kernel, fake_quant_kernel.DEVICES
+    try:
+        fake_quant_kernel._forward_kernel, fake_quant_kernel._backward_kernel = Stub("forward"), Stub("backward")
+        fake_quant_kernel.DEVICES = {"cpu", "cuda"}
+        yield
+    finally:
+        fake_quant_kernel._forward_kernel, fake_quant_kernel._backward_kernel, fake_quant_kernel.DEVICES = saved
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     print("student's most launched operators:")
     for name, n in Counter(quant).most_common(args.top):
         print(f"  {n:6d}  {name}")
+    triton: list[str] = []
+    with fused_fake_quant(triton):
+        torch_ops = step_ops(student, ids)
+    total = len(torch_ops) + len(triton) // 2  # step_ops runs the step twice: its warm-up and the counted one
+    print(f"W4A4 student, fake quantization fused (as on a GPU): {total:6d} launches ({total / len(fp):.2f}x the FP "
+          f"step; {len(torch_ops)} torch + {len(triton) // 2} Triton)")  # fmt: skip
 
 
 if __name__ == "__main__":

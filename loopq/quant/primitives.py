@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loopq.kernels import fake_quant_kernel
 from loopq.qspec import (  # the integer spec the fake-quant path builds on
     group_scales,
     qrange,
@@ -55,10 +56,13 @@ def fake_quant(x: Tensor, bits: int, group_size: int, clip: Tensor | float = 1.0
     """Dynamic symmetric fake quantization of ``x`` along its last dimension (identity for 16 bits).
 
     ``clip`` is a ratio in (0, 1]; for weights pass a ``[rows, 1, 1]`` tensor (per output row), for activations
-    a scalar tensor (per quantizer, per loop with LAS).
+    a scalar tensor (per quantizer, per loop with LAS). On a GPU, fp32 groups of 32 run as one Triton launch each way
+    (:mod:`loopq.kernels.fake_quant_kernel`: the same value bit for bit, the gradients up to their sums' order).
     """
     if bits >= 16:
         return x
+    if fake_quant_kernel.applies(x, bits, group_size, clip):  # a GPU: one launch each way (same value)
+        return fake_quant_kernel.fake_quant(x, clip, bits)  # type: ignore[arg-type]
     groups = to_groups(x, group_size)
     return fake_quant_groups(groups, group_scales(groups, bits, clip), bits).reshape(x.shape)
 
