@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from loopq.commands.gpu_check.kernel_bench import SHAPES
-from loopq.kernels import decode_kernel, gemm_kernel, quantize_kernel, rowwise_kernel
+from loopq.kernels import decode_kernel, fake_quant_kernel, gemm_kernel, quantize_kernel, rowwise_kernel
 from loopq.kernels.packing import TILE_ROWS
 
 #: (tokens, K, Kronecker factors or None, bits) of the exact quantizer: its prefill split at 5632 = 64 x 88 (through
@@ -190,6 +190,23 @@ def compile_rowwise(target: GPUTarget) -> dict[str, object]:
     return compiled
 
 
+def compile_fake_quant(target: GPUTarget) -> dict[str, object]:
+    """Calibration's fused fake quantization (:mod:`loopq.kernels.fake_quant_kernel`), forward and backward, as
+    launched for a weight of Ouro-1.4B's o_proj (2048 x 2048, a clip per row), 4 bits."""
+    x, clip, gy = torch.empty(2048, 2048), torch.empty(2048, 1, 1), torch.empty(2048, 2048)
+    launches = {
+        "_forward_kernel": lambda: fake_quant_kernel.forward(x, clip, 4),
+        "_backward_kernel": lambda: fake_quant_kernel.backward(x, clip, gy, 4),
+    }
+    compiled = {}
+    for name, launch in launches.items():
+        kernel, sig, const, options, attrs = as_launched(fake_quant_kernel, (name,), launch)
+        compiled[name] = triton.compile(
+            ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=target, options=options
+        )
+    return compiled
+
+
 #: -0, 1 and -1 in bf16 and fp16, alone and as pairs: an ``fma`` with one of them as its addend or multiplier is a
 #: plain product or sum, rounded once (sm_80 has no bf16 ``mul`` / ``add`` and writes them so)
 _EXACT = {0x8000, 0x3F80, 0xBF80, 0x3C00, 0xBC00}
@@ -292,6 +309,12 @@ def main(arch: int) -> None:
         # sm_80 has no bf16 mul / add and writes them as fma.rn.bf16x2 with -0 / 1 (exact): only others count
         fmas = ptx.count("fma.rn.f32") + contracted_16bit(ptx)
         print(f"rowwise {name} contracted-fma", fmas, "regs", regs, "spills", spills)
+    for name, compiled in compile_fake_quant(target).items():
+        ptx = compiled.asm["ptx"]
+        regs, spills = ptxas_usage(ptx, arch)
+        approx = ptx.count("div.approx") + ptx.count("div.full")
+        print(f"fakequant {name} fma", ptx.count("fma.rn.f32"), "div.rn", ptx.count("div.rn.f32"), "div.approx", approx,
+              "regs", regs, "spills", spills)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ proxies of the prefill GEMM's speed (issue 28): int8 ``wgmma`` on sm_90 (``mma.s
 ``cp.async`` loads and no register spills for every tile of its config table; and those of the decode GEMM's
 speed: 16-byte weight loads and nothing narrower than 8 bytes among them, ``dp4a`` int8 dots, no register spills
 (``ptxas -v``), and at least 132 programs (one per H100 SM) at M = 1 on every Ouro-1.4B shape (the main loop's
-instruction counts are ``test_ptx_stats.py``'s); the models' one-launch RMSNorm, CTA and RoPE: no FMA contraction
-(torch's separate roundings) and no spills.
+instruction counts are ``test_ptx_stats.py``'s); the models' one-launch RMSNorm, CTA and RoPE, and calibration's
+fused fake quantization: no FMA contraction (torch's separate roundings; IEEE divisions in the latter) and no spills.
 
 The interpreter accepts programs the GPU compiler rejects (and vice versa), so this catches GPU-only breakage.
 It runs in a subprocess because this test session has TRITON_INTERPRET=1.
@@ -59,3 +59,8 @@ def test_kernels_compile_for_nvidia(arch, tmp_path):
     assert len(programs) == 4 and min(programs) >= 132, programs
     rowwise = [s for s in lines if s.startswith("rowwise")]  # RMSNorm, CTA, RoPE: torch's roundings, no spills
     assert len(rowwise) == 3 and all(re.search(r" contracted-fma 0 regs \d+ spills 0$", s) for s in rowwise), rowwise
+    # calibration's fake quantization: torch's roundings (no contraction, IEEE divisions), no spills
+    fake = [s for s in lines if s.startswith("fakequant")]
+    assert len(fake) == 2 and all(
+        re.search(r" fma 0 div.rn [1-9]\d* div.approx 0 regs \d+ spills 0$", s) for s in fake
+    ), fake
