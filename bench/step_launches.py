@@ -14,7 +14,8 @@ sequence length, so they are small here.
 Prints launches per step of the FP model and of the student, their ratio, the student's per looped layer
 application (layers x 4 loops), and the operators the student launches most; then the student as a GPU runs it,
 its fake quantizations as ``loopq.kernels.fake_quant_kernel``'s one launch forward and one backward (the Triton
-kernels replaced by stubs that record their launches, as ``bench/decode_launches.py`` does: a count, not values).
+kernels replaced by stubs that record their launches, as ``bench/decode_launches.py`` does: a count; the values
+are uninitialised memory).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ def inputs(rows: int, k: int, device, seed: int = 0, per_row: bool = False):
     x = 2 * torch.randn(rows, k, generator=gen)
     x[0, :32] = torch.arange(-16, 16) / 2  # .5 ties at clip 1 (scale 8 / 7 is not 1: a mix of exact values)
     x[1, :32] = 0.0  # an all-zero group: the scale floor
+    x[1, 32:64] *= 1e-9  # a nonzero group below the floor: no gradient reaches its scale
     if rows > 3:
         x[2, 32:64] = x[2, 32:64].abs().max() * torch.where(torch.arange(32) % 5 == 0, 1.0, 0.3)  # equal maxima
         x[3, :32] *= -1
@@ -62,6 +63,8 @@ def test_applies_to_what_it_should(kernels_on):
     assert not fq.applies(x, 4, 32, 0.9) and not fq.applies(x, 16, 32, clip)  # a float clip; 16 bits: identity
     assert not fq.applies(x, 4, 32, torch.full((4, 2, 1), 0.9, device=device))  # not a per-row clip
     assert not fq.applies(x[:, :48].contiguous(), 4, 32, clip)  # K not whole groups
+    x3 = x.reshape(2, 2, 64)
+    assert fq.applies(x3, 4, 32, clip) and not fq.applies(x3, 4, 32, torch.full((2, 1, 1), 0.9, device=device))
 
 
 @pytest.mark.skipif(ON_CUDA, reason="the default devices, on a CPU")
@@ -91,12 +94,14 @@ def test_forward_with_nan_inf_and_a_tiny_clip(kernels_on):
         torch.testing.assert_close(fq.forward(x, c, 4), torch_fake_quant(x, 4, c), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("per_row", [False, True], ids=["activation", "weight"])
-def test_backward_is_autograds_up_to_the_group_sums(kernels_on, per_row):
+def test_backward_is_autograds_up_to_the_group_sums(kernels_on, per_row, bits):
     x, clip = inputs(37, 96, kernels_on, seed=3, per_row=per_row)
     gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(kernels_on)
+    qmax = qrange(bits)[1]
     grads = []
-    for fn in (lambda a, c: primitives.fake_quant(a, 4, 32, c), lambda a, c: torch_fake_quant(a, 4, c)):
+    for fn in (lambda a, c: primitives.fake_quant(a, bits, 32, c), lambda a, c: torch_fake_quant(a, bits, c)):
         a, c = x.clone().requires_grad_(True), clip.clone().requires_grad_(True)
         fn(a, c).backward(gy)
         grads.append((a.grad, c.grad))
@@ -106,12 +111,12 @@ def test_backward_is_autograds_up_to_the_group_sums(kernels_on, per_row):
     off_max = ~is_max.reshape(x.shape)
     assert torch.equal(gx[off_max], want_x[off_max])  # the same elementwise operations
     # the maxima: the group's two sums (gamma_32 of their magnitudes), times clip / (q_max count); bound the
-    # magnitude by the whole group's |gy| (8 + |x / s|) / q_max, a generous majorant of both sums' terms
+    # magnitude by the whole group's |gy| (q_max + 1 + |x / s|) / q_max, a generous majorant of both sums' terms
     per_group = x.shape[1] // 32
     clip_g = clip.reshape(-1).repeat_interleave(per_group) if per_row else clip.reshape(1).expand(len(groups))
     clip_g = clip_g.reshape(-1, 1)
-    s = primitives.group_scales(groups, 4, clip_g)
-    magnitude = (gy.reshape(-1, 32).abs() * (8 + (groups / s).abs())).sum(1, keepdim=True) / 7
+    s = primitives.group_scales(groups, bits, clip_g)
+    magnitude = (gy.reshape(-1, 32).abs() * (qmax + 1 + (groups / s).abs())).sum(1, keepdim=True) / qmax
     bound = 4 * gamma(32) * magnitude * clip_g
     diff = (gx - want_x).reshape(-1, 32).abs()
     assert bool((diff <= bound + 1e-30).all()), float((diff - bound).max())
@@ -120,6 +125,30 @@ def test_backward_is_autograds_up_to_the_group_sums(kernels_on, per_row):
     n = clip_mag.numel() // gc.numel()
     clip_bound = (4 * gamma(32) + gamma(n)) * clip_mag.reshape(gc.numel(), n).sum(1)
     assert bool(((gc - want_c).abs().reshape(-1) <= clip_bound).all())
+
+
+def test_a_nan_gradient_spreads_as_autograds_does(kernels_on):
+    """A NaN in ``grad_y`` reaches its group's scale, and through ``amax``'s ``(grad / count) * mask`` every value of
+    the group (torch multiplies, so NaN * 0 is NaN): the same NaN positions, the other groups' gradients equal."""
+    x, clip = inputs(4, 64, kernels_on, seed=5)
+    gy = torch.ones_like(x)
+    gy[0, 5] = float("nan")
+    grads = []
+    for fn in (lambda a: fq.fake_quant(a, clip, 4), lambda a: torch_fake_quant(a, 4, clip)):
+        a = x.clone().requires_grad_(True)
+        fn(a).backward(gy)
+        grads.append(a.grad)
+    assert torch.equal(grads[0].isnan(), grads[1].isnan()) and int(grads[0].isnan().sum()) == 32
+    off_max = (x.abs() != x.reshape(-1, 32).abs().amax(1).repeat_interleave(32).reshape(x.shape)) & ~grads[1].isnan()
+    assert torch.equal(grads[0][off_max], grads[1][off_max])
+
+
+def test_a_second_derivative_is_refused(kernels_on):
+    x, clip = inputs(4, 64, kernels_on)
+    a = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(fq.fake_quant(a, clip, 4).square().sum(), a, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
+        g.sum().backward()
 
 
 def test_equal_maxima_share_the_gradient_as_amax_does(kernels_on):
