@@ -94,12 +94,19 @@ def prefill_row(arch: int, cfg: gemm_kernel.PrefillConfig, a_bits: int) -> dict:
     start = time.perf_counter()
     code = compile_gemm(GPUTarget("cuda", arch, 32), a_bits == 4, cfg).asm["ptx"]
     seconds = time.perf_counter() - start
+    kernel = f"prefill W4A{a_bits} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{cfg.block_g}"
+    return {"kernel": kernel, **loop_facts(code, arch, seconds)}
+
+
+def loop_facts(code: str, arch: int, seconds: float) -> dict:
+    """A prefill kernel's compiled K loop: its SASS per iteration (of them ``I2F`` conversions - sm_90's ``I2FP``
+    apart -, tensor-core MMAs, ``FMUL`` + ``FFMA``), the waits inside loops, registers and spills."""
     regs, spills = ptxas_usage(code, arch)
     sass = ptx.sass_loop(sass_of(code, arch))
     return {
-        "kernel": f"prefill W4A{a_bits} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{cfg.block_g}",
         "sass_loop": sum(sass.values()),
         "sass_i2f": sass["I2F"],
+        "sass_i2fp": sass["I2FP"],
         "sass_mma": sum(v for k, v in sass.items() if "MMA" in k),
         "sass_rescale": sass["FMUL"] + sass["FFMA"],
         "arch": arch,
@@ -123,24 +130,15 @@ def values_row(arch: int, cfg: gemm_kernel.PrefillConfig) -> dict:
     start = time.perf_counter()
     code = compile_values_gemm(GPUTarget("cuda", arch, 32), cfg).asm["ptx"]
     seconds = time.perf_counter() - start
-    regs, spills = ptxas_usage(code, arch)
-    sass = ptx.sass_loop(sass_of(code, arch))
-    issue = sum(sass.values()) * cfg.num_warps / 4
+    facts = loop_facts(code, arch, seconds)
+    issue = facts["sass_loop"] * cfg.num_warps / 4
     mma_clocks = cfg.block_m * cfg.block_n * 32 * cfg.block_g / BF16_MACS_PER_CLOCK[arch]
     return {
         "kernel": f"prefill values {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{cfg.block_g}",
         "block": [cfg.block_m, cfg.block_n, cfg.block_g, cfg.num_warps],
-        "sass_loop": sum(sass.values()),
-        "sass_i2f": sass["I2F"] + sass["I2FP"],
-        "sass_mma": sum(v for k, v in sass.items() if "MMA" in k),
-        "sass_rescale": sass["FMUL"] + sass["FFMA"],
         "issue_per_mma": round(issue / mma_clocks, 3),
-        "arch": arch,
-        "compile_s": round(seconds, 1),
-        "cp_async_waits_in_loop": ptx.waits_in_loops(code),
-        "wgmma_waits_in_loop": ptx.waits_in_loops(code, "wgmma.wait_group"),
-        "registers": regs,
-        "spills": spills,
+        **facts,
+        "sass_i2f": facts["sass_i2f"] + facts["sass_i2fp"],  # every int-to-float conversion of the weight
     }
 
 

@@ -68,6 +68,16 @@ def _group_math(x, clip, QMAX: tl.constexpr, FLOOR: tl.constexpr):
 
 
 @triton.jit
+def _load_groups(x_ptr, clip_ptr, n_groups, groups_per_clip, BLOCK: tl.constexpr):
+    """Program ``program_id``'s ``BLOCK`` groups: ``(group ids, in range, offsets [BLOCK, 32], x, clip [BLOCK])``."""
+    g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = g < n_groups
+    offs = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0)
+    return g, ok, offs, x, tl.load(clip_ptr + g // groups_per_clip, mask=ok, other=1.0)
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr,
     clip_ptr,
@@ -79,11 +89,7 @@ def _forward_kernel(
     FLOOR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = g < n_groups
-    offs = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0)
-    clip = tl.load(clip_ptr + g // groups_per_clip, mask=ok, other=1.0)
+    _, ok, offs, x, clip = _load_groups(x_ptr, clip_ptr, n_groups, groups_per_clip, BLOCK)
     _, _, _, s = _group_math(x, clip, QMAX, FLOOR)
     c = _round_even(tl.math.div_rn(x, s[:, None]), QMIN, QMAX)
     tl.store(y_ptr + offs, s[:, None] * c, mask=ok[:, None])
@@ -105,12 +111,8 @@ def _backward_kernel(
 ):
     """``gx`` (per value) and ``gclip`` (per group: this group's share of the clip's gradient), recomputing the
     forward from ``x`` (module docstring)."""
-    g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = g < n_groups
-    offs = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0)
+    g, ok, offs, x, clip = _load_groups(x_ptr, clip_ptr, n_groups, groups_per_clip, BLOCK)
     gy = tl.load(gy_ptr + offs, mask=ok[:, None], other=0.0)
-    clip = tl.load(clip_ptr + g // groups_per_clip, mask=ok, other=1.0)
     absmax, _, pre, s = _group_math(x, clip, QMAX, FLOOR)
     v = tl.math.div_rn(x, s[:, None])
     # clamp's mask is on round(v); clamping to one past the bounds first keeps the rounding trick in range and
