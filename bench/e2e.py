@@ -7,7 +7,8 @@ KV cache on:
 
 * prefill: tokens/s of one ``1 x --prompt_len`` forward, the median of ``--prefill_repeats`` timings taken in rounds
   that visit every model once (a host-bound step of a few ms varies between calls; the third GPU run's quick prefill,
-  the best of two calls per model in a row, swapped W4A4 and W4A8 between runs that launch the same kernels);
+  the best of two calls per model in a row, swapped W4A4 and W4A8 between runs that launch the same kernels); the
+  exports take bf16's 16-bit prefill scheme, and a ``W4A4 int8`` row times W4A4 with the integer prefill kernel;
 * decode: ms per generated token at batch 1 and 16 (``--batches``), after a ``--prompt_len`` prefill and one
   warm-up step, over ``--steps`` steps, in each decode mode (``--modes``): ``cache`` the growing KV cache,
   ``static`` the preallocated cache with fixed-shape steps, ``graphs`` that step captured once as a CUDA graph and
@@ -47,6 +48,7 @@ from loopq.commands.gpu_check.peaks import peaks_for
 from loopq.devices import resolve_device
 from loopq.models import LoopLM, load_looplm
 from loopq.quant import QuantConfig, prepare
+from loopq.quant.packed import set_prefill
 
 #: the decode modes this benchmark times (bench/generate.py's MODES without the re-run)
 DECODE_MODES = tuple(m for m in MODES if m != "rerun")
@@ -101,15 +103,32 @@ def decode_ms(net: LoopLM, ids: torch.Tensor, mode: str, steps: int, device: tor
     return timed(lambda: run.decode(steps), str(device)) / steps * 1e3
 
 
+#: prefill rows beyond the models' own: a model with its packed groups' prefill GEMM forced (``set_prefill``); the
+#: W4A4 export's default in bf16 is the 16-bit scheme, this row times the integer kernel beside it
+PREFILL_VARIANTS: dict[str, tuple[str, str]] = {"W4A4 int8": ("W4A4", "int8")}
+
+
 def prefill_seconds(nets: dict[str, LoopLM], ids: torch.Tensor, repeats: int, device: torch.device) -> dict[str, float]:
     """Each model's median prefill time over ``repeats`` rounds, each round timing every model once (after one
-    warm-up prefill each: kernel compilation, caches), so that a slow stretch of the host falls on all of them."""
-    for net in nets.values():
-        Decoder(net, ids, "cache").prefill()
-    times: dict[str, list[float]] = {name: [] for name in nets}
+    warm-up prefill each: kernel compilation, caches), so that a slow stretch of the host falls on all of them; the
+    :data:`PREFILL_VARIANTS` too (their model's prefill scheme forced for their timing, then restored)."""
+    runs = {name: (net, None) for name, net in nets.items()}
+    runs |= {label: (nets[base], scheme) for label, (base, scheme) in PREFILL_VARIANTS.items() if base in nets}
+
+    def prefill(name: str) -> float:
+        net, scheme = runs[name]
+        set_prefill(net, scheme)
+        try:
+            return timed(Decoder(net, ids, "cache").prefill, str(device))
+        finally:
+            set_prefill(net, None)
+
+    for name in runs:
+        prefill(name)
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        for name, net in nets.items():
-            times[name].append(timed(Decoder(net, ids, "cache").prefill, str(device)))
+        for name in runs:
+            times[name].append(prefill(name))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         print("(not CUDA: the graphs mode runs the eager static step)")
     ids = torch.randint(0, 49152, (1, args.prompt_len), generator=gen).to(device)
     seconds = prefill_seconds(nets, ids, args.prefill_repeats, device)
-    prefill = {name: {"prefill tok/s": args.prompt_len / seconds[name]} for name in nets}
+    prefill = {name: {"prefill tok/s": args.prompt_len / seconds[name]} for name in seconds}
     decode: dict[str, dict[str, float]] = {}
     for name, net in nets.items():
         decode[name] = {

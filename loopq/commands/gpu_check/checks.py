@@ -445,6 +445,10 @@ def e2e_result(payload: dict[str, Any]) -> StageResult:
     pre = prefill["W4A4"]["prefill tok/s"] / prefill["BF16"]["prefill tok/s"]
     missed |= pre < E2E_GOALS["prefill"]
     parts.append(f"prefill W4A4 {pre:.2f}x")
+    if "W4A4 int8" in prefill:  # the integer prefill kernel, timed beside the default (bench/e2e.py)
+        parts.append(
+            f"(int8 prefill kernel {prefill['W4A4 int8']['prefill tok/s'] / prefill['BF16']['prefill tok/s']:.2f}x)"
+        )
     if bound:
         step = min(decode["BF16"][f"b1 {mode} ms/tok"] for mode in payload["modes"])
         missed |= step / bound > E2E_GOALS["bf16_step_over_bound"]
