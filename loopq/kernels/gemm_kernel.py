@@ -251,7 +251,7 @@ def gemm(
 # Why a second prefill scheme. The integer kernel above rescales its accumulator after every 32-deep group: with
 # scales on both operands that is 3 CUDA-core instructions per accumulator element per group (conversion, two
 # products), against which no schedule gets past ~0.67x of a bf16 GEMM on an H100 (docs/benchmarks.md, "what bounds
-# the prefill"); the third GPU run measured 0.20x at M = 4096, the kernel issue-bound at ~8x its MMA time. Folding
+# the prefill"); the third GPU run measured 0.20x at M = 4096, the kernel issue-bound at ~8x its int8 MMA time. Folding
 # the scales into the operands instead costs per *operand* element, once per tile, not per accumulator element per
 # group: ``a_k s_a`` arrives from the quantizer as a 16-bit value (``quantize_kernel`` with ``values``), and the
 # weight tile is dequantized in registers, ``bf16(code * s_w)``, before one ``tl.dot`` per K step on the 16-bit

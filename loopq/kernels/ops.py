@@ -173,7 +173,7 @@ def quantized_linear(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     left, right = _transform_factors(left, right, k, x.device)
     _check_norm(norm_weight, k, x.device)
-    prefill_scheme(x.dtype, prefill)  # a bad choice fails on every backend and size
+    scheme = prefill_scheme(x.dtype, prefill)  # a bad choice fails on every backend and size
     backend = _resolve_backend(backend, x, "group_size", GROUP_SIZE, out_dtype)
     m = x.shape[0]
     norm = None if norm_weight is None else (norm_weight, norm_eps)
@@ -193,7 +193,7 @@ def quantized_linear(
                 x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, True, norm
             )
             return decode_kernel.gemm_tiled(codes, scales, w_codes, w_scales, n, out_dtype, bias)
-        values = x.dtype if prefill_scheme(x.dtype, prefill) == "values" else None
+        values = x.dtype if scheme == "values" else None
         codes, scales = quantize_kernel.quantize_activation(
             x, left, right, clip, a_bits, GROUP_SIZE, None, inv_d, False, norm, values
         )
@@ -208,15 +208,20 @@ def quantized_linear(
 PREFILL_SCHEMES = ("int8", "values")
 
 
+def check_prefill(prefill: str | None) -> str | None:
+    """``prefill`` if it names one of :data:`PREFILL_SCHEMES` or is None (the choice by dtype), else a ValueError."""
+    if prefill is not None and prefill not in PREFILL_SCHEMES:
+        raise ValueError(f"prefill={prefill!r}: use one of {PREFILL_SCHEMES} (or None: values for bf16, else int8)")
+    return prefill
+
+
 def prefill_scheme(x_dtype: torch.dtype, prefill: str | None = None) -> str:
     """The prefill GEMM for inputs of ``x_dtype``: ``prefill`` if given (checked), else ``"values"`` for bf16 (the
     16-bit scheme: the integer one's per-group rescale bounds it below ~0.67x of a bf16 GEMM, docs/benchmarks.md)
     and ``"int8"`` otherwise (fp32 keeps exact group dots; fp16 keeps them too: a transformed activation's values
     are not bounded by fp16's range)."""
-    if prefill is None:
+    if check_prefill(prefill) is None:
         return "values" if x_dtype == torch.bfloat16 else "int8"
-    if prefill not in PREFILL_SCHEMES:
-        raise ValueError(f"prefill={prefill!r}: use one of {PREFILL_SCHEMES} (or None: values for bf16, else int8)")
     if prefill == "values" and x_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"prefill='values' computes in x's 16-bit dtype, x is {x_dtype}; use 'int8' or cast x")
     return prefill

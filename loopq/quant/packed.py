@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from loopq.errors import LoopQError
 from loopq.kernels import GROUP_SIZE, quantize_weight
 from loopq.kernels.decode_plan import DecodePlan, plan_decode
-from loopq.kernels.ops import PREFILL_SCHEMES, quantized_linear
+from loopq.kernels.ops import check_prefill, quantized_linear
 from loopq.kernels.packing import launch_device, tile_weight, tiled_shapes
 from loopq.models.base import RMSNorm
 from loopq.qspec import KERNEL_ACT_BITS, KERNEL_WEIGHT_BITS
@@ -303,8 +303,7 @@ def set_prefill(model: nn.Module, prefill: str | None) -> int:
     """Every packed group of ``model`` runs calls of more than 16 tokens with the prefill GEMM ``prefill``
     (``"int8"``, ``"values"``, or None for :func:`loopq.kernels.ops.prefill_scheme`'s choice by dtype); returns the
     number of groups. A bad name fails here, not at the first prefill."""
-    if prefill is not None and prefill not in PREFILL_SCHEMES:
-        raise ValueError(f"prefill={prefill!r}: use one of {PREFILL_SCHEMES} (or None: values for bf16, else int8)")
+    check_prefill(prefill)
     groups = [m for m in model.modules() if isinstance(m, PackedLinearGroup)]
     for group in groups:
         group.prefill = prefill

@@ -16,6 +16,7 @@ import torch
 from loopq.kernels import gemm_kernel, ops, quantize_kernel, quantize_weight, reference, unpack_int4
 from loopq.kernels.gemm_kernel import VALUES_CANDIDATES, PrefillConfig, gemm_values, values_bound, values_config
 from loopq.kernels.packing import tile_weight
+from loopq.qspec import dequantize_codes
 from tests.kernels.cases import cuda_only, random_transform
 
 CASES = {
@@ -33,8 +34,7 @@ def weight(n, k, device, seed=0):
 
 def values_of(codes, scales, dtype):
     """The oracle: ``code * scale`` in fp32 (the fake-quant student's product), rounded once to ``dtype``."""
-    m = codes.shape[0]
-    return (codes.float().reshape(m, scales.shape[1], -1) * scales.float()[:, :, None]).reshape(m, -1).to(dtype)
+    return dequantize_codes(codes, scales.float(), 32).to(dtype)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

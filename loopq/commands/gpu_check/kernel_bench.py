@@ -43,6 +43,7 @@ from loopq.kernels import (
     unpack_int4,
 )
 from loopq.kernels.packing import TILE_ROWS, cdiv, tile_weight
+from loopq.qspec import dequantize_codes
 from loopq.quant.transforms import kron_factors
 
 #: (N, K) of Ouro-1.4B's linears: fused q/k/v, o_proj, fused gate/up, down_proj
@@ -197,9 +198,7 @@ def check_values(
     values, _ = quantize_kernel.quantize_activation(
         x, left, right, CLIP, bits, GROUP_SIZE, True, None, False, None, x.dtype
     )
-    codes = (unpack_int4(ref[0]) if bits == 4 else ref[0]).float()
-    groups = ref[1].shape[1]
-    want = (codes.reshape(codes.shape[0], groups, -1) * ref[1].float()[:, :, None]).reshape(codes.shape).to(x.dtype)
+    want = dequantize_codes(unpack_int4(ref[0]) if bits == 4 else ref[0], ref[1], GROUP_SIZE).to(x.dtype)
     problems = [] if torch.equal(values, want) else [f"W4A{bits} values quantizer not bit-exact"]
     got = gemm_kernel.gemm_values(values, w, sw.half(), torch.float32)
     ref64, bound = gemm_kernel.values_bound(values.cpu(), unpack_int4(w).cpu(), sw.half().cpu())
