@@ -175,7 +175,7 @@ def test_a_student_step_takes_the_kernels_and_matches(kernels_on, monkeypatch):
     """The tiny Ouro's student, one forward + backward through the quantized groups: the kernels run (counted), the
     loss is the torch ops' loss bit for bit (the forward is), and every trained parameter's gradient is the torch
     ops' up to the group sums' order carried through the network: within 3e-5 of the largest gradient of its
-    tensor (2.7e-6 measured)."""
+    tensor (2.7e-6 measured; up to 7.9e-6 over other seeds, the same with 1 or 2 threads)."""
     from loopq.models.ouro import OuroConfig, OuroLM
     from loopq.quant import QuantConfig, prepare
 
@@ -200,5 +200,5 @@ def test_a_student_step_takes_the_kernels_and_matches(kernels_on, monkeypatch):
     want_loss, want = step()
     assert torch.equal(loss, want_loss) and grads.keys() == want.keys()
     for name, g in grads.items():
-        # measured <= 2.7e-6 of the largest gradient (the transforms' factors, the clips, CTA): 10x margin
+        # measured 2.7e-6 of the largest gradient here, up to 7.9e-6 over seeds 0-2 with 1 or 2 threads: ~4x margin
         assert float((g - want[name]).abs().max()) <= 3e-5 * float(want[name].abs().max()), name
